@@ -1,0 +1,94 @@
+"""Plain-jnp ragged paged attention: the CPU path and the reference for the kernels.
+
+KV page layout (one array for the whole model, carried through the layer scan):
+    kv_pages: [L, 2, K, P, S, D]  layer, (key|value), kv head, page, slot in page, head dim
+Keeping the KV head ahead of the page makes one page of one head a contiguous
+S*D tile (what a GPU kernel loads in one copy) and lets tensor parallelism shard
+the array along K.
+
+Queries are ragged: the T tokens of a step are the new tokens of R requests laid
+end to end (a decode row contributes 1 token, a prefill chunk many). Token t sees
+the keys of its own request at positions <= positions[t]; those keys were written
+into the pages by `write_kv` before attention runs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.kernels.metadata import AttentionMetadata
+
+_NEG = -1e30
+
+
+def write_kv(kv_pages: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
+             slot_mapping: jax.Array) -> jax.Array:
+    """Scatter new keys/values [T, K, D] into their slots of layer `layer`.
+
+    Padding tokens carry slot -1, mapped out of range and dropped, so the write
+    touches only T slots and (with the pages donated) never copies the cache.
+    """
+    _, _, _, num_pages, page_size, _ = kv_pages.shape
+    slot = jnp.where(slot_mapping < 0, num_pages * page_size, slot_mapping)
+    page, off = slot // page_size, slot % page_size
+    kv = jnp.stack([k, v]).astype(kv_pages.dtype)  # [2, T, K, D]
+    kv = jnp.swapaxes(kv, 1, 2)  # [2, K, T, D]
+    return kv_pages.at[layer, :, :, page, off].set(
+        jnp.moveaxis(kv, 2, 0), mode="drop")  # update shape [T, 2, K, D]
+
+
+def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
+                           md: AttentionMetadata, *, sm_scale: float) -> jax.Array:
+    """Attention of ragged queries q [T, H, D] over paged keys; returns [T, H, D].
+
+    One online-softmax pass over page columns j = 0..(longest context in pages):
+    each token gathers page block_tables[req, j] of its request. The loop's trip
+    count follows the step's real longest context, not max_model_len, and memory
+    stays O(T * S) per iteration.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, num_kv_heads, _, page_size, _ = kv_pages.shape
+    group = num_heads // num_kv_heads
+    layer_kv = kv_pages[layer]  # [2, K, P, S, D]
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * sm_scale
+    token_pages = md.block_tables[md.token_req]  # [T, B]
+    num_cols = (jnp.max(md.seq_lens) + page_size - 1) // page_size
+
+    def body(j, carry):
+        m, l, acc = carry
+        page = token_pages[:, j]  # [T]
+        k = layer_kv[0][:, page].astype(jnp.float32)  # [K, T, S, D]
+        v = layer_kv[1][:, page].astype(jnp.float32)
+        s = jnp.einsum("tkgd,ktsd->tkgs", qg, k)
+        key_pos = j * page_size + jnp.arange(page_size)
+        visible = key_pos[None, :] <= md.positions[:, None]  # [T, S]
+        s = jnp.where(visible[:, None, None, :], s, _NEG)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.exp(s - m_new[..., None])
+        p = jnp.where(visible[:, None, None, :], p, 0.0)
+        scale = jnp.exp(m - m_new)
+        l = l * scale + p.sum(-1)
+        acc = acc * scale[..., None] + jnp.einsum("tkgs,ktsd->tkgd", p, v)
+        return m_new, l, acc
+
+    init = (jnp.full((num_tokens, num_kv_heads, group), _NEG, jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, num_cols, body, init)
+    out = acc / jnp.where(l == 0.0, 1.0, l)[..., None]  # padding tokens -> 0
+    return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+def dense_reference(q, k_ctx, v_ctx, q_pos, sm_scale):
+    """Textbook attention for one request: q [N, H, D] at positions q_pos over k/v [C, K, D].
+
+    Used by tests to check the paged functions against the definition.
+    """
+    num_heads, num_kv_heads = q.shape[1], k_ctx.shape[1]
+    k = jnp.repeat(k_ctx, num_heads // num_kv_heads, axis=1).astype(jnp.float32)
+    v = jnp.repeat(v_ctx, num_heads // num_kv_heads, axis=1).astype(jnp.float32)
+    s = jnp.einsum("nhd,chd->nhc", q.astype(jnp.float32), k) * sm_scale
+    mask = jnp.arange(k.shape[0])[None, :] <= q_pos[:, None]
+    s = jnp.where(mask[:, None, :], s, -jnp.inf)
+    return jnp.einsum("nhc,chd->nhd", jax.nn.softmax(s, axis=-1), v)
