@@ -1,0 +1,49 @@
+"""Engine configuration: one frozen dataclass, passed explicitly everywhere.
+
+Names follow vLLM's engine arguments so flags and keyword arguments carry over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # HF folder, .gguf file, converted folder; None = embedded SmolLM2
+    dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on accelerators), "float32", "bfloat16"
+    max_model_len: int | None = None  # None: min(model's max positions, 2048)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None  # None: max(512, max_num_seqs)
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None  # explicit KV budget; wins over the fraction
+    gpu_memory_utilization: float = 0.9  # fraction of accelerator memory for weights + KV
+    num_gpu_blocks_override: int | None = None
+    enable_prefix_caching: bool = False
+    seed: int = 0
+    attention_backend: str | None = None  # None: by platform; "reference", "pallas", "mosaic"
+    token_buckets: tuple[int, ...] | None = None  # padded token counts compiled at start-up
+    seq_buckets: tuple[int, ...] | None = None  # padded request counts compiled at start-up
+    tokenizer: str | None = None
+    cache_dir: str | None = None  # converted-checkpoint cache ($JAXLLM_CACHE, ~/.cache/jaxllm)
+    skip_warmup: bool = False
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float", "half", "bf16"):
+            raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+def default_buckets(limit: int, start: int, growth: int = 4) -> tuple[int, ...]:
+    """start, start*growth, ... capped by (and always ending at) limit."""
+    out, b = [], start
+    while b < limit:
+        out.append(b)
+        b *= growth
+    out.append(limit)
+    return tuple(out)

@@ -1,0 +1,229 @@
+"""The engine core: requests in, one scheduled step at a time, outputs out.
+
+Both the offline `LLM` and the async server drive this one class: `add_request`,
+`step`, `abort_request`. A request with n > 1 fans out into n child sequences
+(ids "<i>_<parent>"); the prompt of each is the same, so with prefix caching the
+children share the prompt's KV blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from jaxllm.config import EngineConfig, default_buckets
+from jaxllm.engine.batch import build_batch
+from jaxllm.engine.outputs_builder import Sequence, make_output
+from jaxllm.engine.runner import ModelRunner
+from jaxllm.engine.sampler import SampleRow, Sampler
+from jaxllm.models.config import ModelConfig
+from jaxllm.outputs import RequestMetrics, RequestOutput
+from jaxllm.runtime.kv_cache_manager import KVCacheManager
+from jaxllm.runtime.request import Request, RequestStatus, StopRule
+from jaxllm.runtime.scheduler import Scheduler, SchedulerConfig
+from jaxllm.sampling_params import SamplingParams
+
+log = logging.getLogger("jaxllm")
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class ParentRequest:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    finished_seqs: set = field(default_factory=set)
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, *, hf_config: dict | None = None, weights=None,
+                 tokenizer=None):
+        if hf_config is None:
+            from jaxllm.models.loader import load_model_files
+            hf_config, weights, loaded_tok = load_model_files(cfg.model, cfg.cache_dir)
+            tokenizer = tokenizer or loaded_tok
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.model_cfg = ModelConfig.from_hf(hf_config)
+        self.max_model_len = cfg.max_model_len or min(self.model_cfg.max_position_embeddings, 2048)
+        max_tokens = cfg.max_num_batched_tokens or max(512, cfg.max_num_seqs)
+        self.token_buckets = cfg.token_buckets or default_buckets(max_tokens, 16)
+        self.seq_buckets = cfg.seq_buckets or default_buckets(cfg.max_num_seqs, 8)
+        max_tokens = self.token_buckets[-1]
+        if self.seq_buckets[-1] < cfg.max_num_seqs:
+            raise ValueError(f"largest seq bucket {self.seq_buckets[-1]} < max_num_seqs {cfg.max_num_seqs}")
+
+        state = None
+        if weights is not None:
+            from jaxllm.engine.runner import resolve_dtype
+            from jaxllm.models.llama import hf_to_state
+            import jax
+            dtype = resolve_dtype(cfg.dtype, jax.devices()[0].platform)
+            state = hf_to_state(self.model_cfg, weights, dtype)
+        self.runner = ModelRunner(self.model_cfg, cfg, self.max_model_len, state)
+        self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(
+            max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max_tokens,
+            max_model_len=self.max_model_len), self.kv)
+        self.sampler = Sampler(self.model_cfg.vocab_size, self.max_model_len)
+        self.parents: dict[str, ParentRequest] = {}
+        self.seqs: dict[str, Sequence] = {}
+        self._counter = itertools.count()
+        self.eos_ids = self._eos_ids()
+        self.warmup_seconds = 0.0
+        if not cfg.skip_warmup:
+            self.warmup()
+        self.traces_after_warmup = self.num_traces()
+        log.info("engine ready: %d KV blocks of %d tokens, buckets tokens=%s seqs=%s, warm-up %.1fs",
+                 self.runner.num_blocks, cfg.block_size, self.token_buckets, self.seq_buckets,
+                 self.warmup_seconds)
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_cfg.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # -- compilation --------------------------------------------------------
+    def warmup(self) -> None:
+        t0 = time.perf_counter()
+        self.runner.warmup(self.token_buckets, self.seq_buckets)
+        for r in self.seq_buckets:
+            self.sampler.warmup(r)
+        self.warmup_seconds = time.perf_counter() - t0
+
+    def num_traces(self) -> int:
+        return self.runner.num_traces + self.sampler.num_compiled_variants()
+
+    # -- requests -----------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: pass prompt token ids")
+            return prompt, self.tokenizer.encode(prompt)
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < self.model_cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} out of range for vocab size {self.model_cfg.vocab_size}")
+        return None, ids
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) > self.max_model_len:
+            raise ValueError(f"prompt length {len(prompt_ids)} is longer than max_model_len "
+                             f"{self.max_model_len}")
+        if params.logprobs is not None and params.logprobs > self.sampler.max_logprobs:
+            raise ValueError(f"logprobs {params.logprobs} > max {self.sampler.max_logprobs}")
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0,
+                    cache_salt: str | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.parents:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        text, ids = self.tokenize(prompt)
+        self.validate(ids, params)
+        arrival = arrival_time or time.time()
+        max_tokens = params.max_tokens or self.max_model_len - len(ids)
+        stop = StopRule(max_tokens=max_tokens, min_tokens=params.min_tokens,
+                        eos_token_ids=self.eos_ids, stop_token_ids=tuple(params.stop_token_ids or ()),
+                        ignore_eos=params.ignore_eos)
+        parent = ParentRequest(request_id, text, ids, params, [], RequestMetrics(arrival))
+        n = params.n
+        for i in range(n):
+            sid = request_id if n == 1 else f"{i}_{request_id}"
+            if params.seed is not None:
+                seed = params.seed + i
+            else:
+                seed = hash((self.cfg.seed, next(self._counter))) & 0x7FFFFFFFFFFFFFFF
+            req = Request(sid, ids, stop, arrival_time=arrival, priority=priority, cache_salt=cache_salt)
+            seq = Sequence(req, parent.request_id, i, seed, self.tokenizer, params)
+            parent.seqs.append(seq)
+            self.seqs[sid] = seq
+        self.parents[request_id] = parent
+        for seq in parent.seqs:
+            self.scheduler.add(seq.req)
+
+    def abort_request(self, request_ids: str | list[str]) -> None:
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            parent = self.parents.pop(rid, None)
+            if parent is None:
+                continue
+            for seq in parent.seqs:
+                self.scheduler.finish(seq.req.request_id, RequestStatus.FINISHED_ABORTED)
+                self.seqs.pop(seq.req.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.parents)
+
+    # -- the step -----------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.empty:
+            return []
+        now = time.time()
+        hb = build_batch(out, self.token_buckets, self.seq_buckets, self.cfg.block_size,
+                         self.runner.max_blocks)
+        logits = self.runner.execute(hb)
+        rows = []
+        for s in out.scheduled:
+            seq = self.seqs[s.request_id]
+            parent = self.parents[seq.parent_id]
+            if parent.metrics.first_scheduled_time is None:
+                parent.metrics.first_scheduled_time = now
+            if s.sample:
+                rows.append(SampleRow(seq.params, seq.req.prompt_token_ids, seq.req.output_token_ids,
+                                      seq.seed, self.eos_ids[0] if self.eos_ids else None))
+            else:
+                rows.append(SampleRow(_GREEDY, (), (), 0, None))
+        sout = self.sampler.sample(logits, self.sampler.prepare(rows, hb.block_tables.shape[0]))
+        sampled = {s.request_id: int(sout.token_ids[i]) for i, s in enumerate(out.scheduled) if s.sample}
+        row_of = {s.request_id: i for i, s in enumerate(out.scheduled)}
+        touched = self.scheduler.update(out, sampled)
+
+        outputs: dict[str, RequestOutput] = {}
+        for req in touched:
+            seq = self.seqs[req.request_id]
+            stop_str_hit = seq.on_token(sout, row_of[req.request_id])
+            if stop_str_hit and not req.finished:
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+            parent = self.parents[seq.parent_id]
+            parent.metrics.last_token_time = time.time()
+            if parent.metrics.first_token_time is None:
+                parent.metrics.first_token_time = parent.metrics.last_token_time
+            if req.num_preemptions == 0 or not parent.num_cached_tokens:
+                parent.num_cached_tokens = max(parent.num_cached_tokens, req.num_cached_tokens)
+            if req.finished:
+                parent.finished_seqs.add(req.request_id)
+                del self.seqs[req.request_id]
+            finished = len(parent.finished_seqs) == len(parent.seqs)
+            if finished:
+                parent.metrics.finished_time = time.time()
+                del self.parents[parent.request_id]
+            outputs[parent.request_id] = make_output(parent, finished)
+        return list(outputs.values())
+
+    def stats(self) -> dict:
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_free_blocks": self.kv.num_free_blocks,
+            "num_total_blocks": self.runner.num_blocks,
+            "kv_cache_usage": self.kv.usage,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_compiles": self.num_traces(),
+            "compiles_after_warmup": self.num_traces() - self.traces_after_warmup,
+            "warmup_seconds": self.warmup_seconds,
+            "prefix_cache_queries": self.kv.prefix_queries,
+            "prefix_cache_hits": self.kv.prefix_hits,
+        }

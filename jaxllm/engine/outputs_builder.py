@@ -1,0 +1,80 @@
+"""Per-sequence output state: incremental text, stop strings, logprobs."""
+
+from __future__ import annotations
+
+from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.runtime.request import Request
+from jaxllm.sampling_params import SamplingParams
+
+
+class Sequence:
+    """One generated sequence (a child of a request when n > 1)."""
+
+    def __init__(self, req: Request, parent_id: str, index: int, seed: int, tokenizer,
+                 params: SamplingParams):
+        self.req = req
+        self.parent_id = parent_id
+        self.index = index
+        self.seed = seed
+        self.params = params
+        self.tokenizer = tokenizer
+        self.text = ""
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.detok = None
+        if tokenizer is not None and params.detokenize:
+            from jaxllm.models.detokenizer import IncrementalDetokenizer
+            self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids,
+                                                skip_special_tokens=params.skip_special_tokens)
+
+    def _decode_one(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def on_token(self, sout, row: int) -> bool:
+        """Record the token just appended to req; True if a stop string fired."""
+        token = self.req.output_token_ids[-1]
+        if self.logprobs is not None:
+            n = self.params.logprobs
+            entry = {}
+            for rank, (tid, lp) in enumerate(zip(sout.top_ids[row][:n], sout.top_logprobs[row][:n]), 1):
+                entry[int(tid)] = Logprob(float(lp), rank, self._decode_one(int(tid)))
+            if token not in entry:
+                lp = float(sout.logprobs[row])
+                rank = int((sout.top_logprobs[row] > lp).sum()) + 1 if n else None
+                entry[token] = Logprob(lp, rank, self._decode_one(token))
+            self.logprobs.append(entry)
+            self.cumulative_logprob += float(sout.logprobs[row])
+        if self.detok is None:
+            return False
+        delta = self.detok.add([token])
+        self.text += delta
+        stops = self.params.stop
+        if stops and not self.req.finished:
+            from jaxllm.models.detokenizer import find_stop
+            cut = find_stop(self.text, len(delta), stops, self.params.include_stop_str_in_output)
+            if cut is not None:
+                for s in stops:
+                    if s in self.text[:cut + len(s)]:
+                        self.req.stop_reason = s
+                        break
+                self.text = self.text[:cut]
+                return True
+        return False
+
+    def completion(self) -> CompletionOutput:
+        status = self.req.status
+        return CompletionOutput(
+            index=self.index, text=self.text, token_ids=list(self.req.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob, logprobs=self.logprobs,
+            finish_reason=status.value if status.finished else None,
+            stop_reason=self.req.stop_reason)
+
+
+def make_output(parent, finished: bool) -> RequestOutput:
+    return RequestOutput(
+        request_id=parent.request_id, prompt=parent.prompt,
+        prompt_token_ids=parent.prompt_token_ids,
+        outputs=[s.completion() for s in parent.seqs], finished=finished,
+        metrics=parent.metrics, num_cached_tokens=parent.num_cached_tokens)

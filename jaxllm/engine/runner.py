@@ -1,0 +1,135 @@
+"""The device side: KV pages, the jitted step, and start-up compilation.
+
+`step(params, kv_pages, batch) -> (kv_pages, logits)` is a pure function jitted
+once per (token bucket, request bucket) pair with the KV pages donated, so XLA
+updates them in place. Every bucket is compiled at start-up; `stats()` exposes a
+trace counter so tests can assert that serving never compiles again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.config import EngineConfig
+from jaxllm.engine.batch import HostBatch, pick_bucket
+from jaxllm.kernels.metadata import AttentionMetadata
+from jaxllm.models.config import ModelConfig
+from jaxllm.models.llama import Llama, load_state
+
+log = logging.getLogger("jaxllm")
+
+DTYPES = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16,
+          "bf16": jnp.bfloat16, "half": jnp.bfloat16}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    tokens: jax.Array  # [T] int32
+    md: AttentionMetadata
+    logits_indices: jax.Array  # [R] int32
+
+    @classmethod
+    def from_host(cls, hb: HostBatch) -> "Batch":
+        md = AttentionMetadata(hb.positions, hb.token_req, hb.slot_mapping, hb.block_tables,
+                               hb.seq_lens, hb.query_start_loc, hb.num_seqs)
+        return jax.device_put(cls(hb.tokens, md, hb.logits_indices))
+
+
+def resolve_dtype(name: str, platform: str):
+    if name == "auto":
+        return jnp.float32 if platform == "cpu" else jnp.bfloat16
+    return DTYPES[name]
+
+
+def pick_attention(backend: str | None, platform: str):
+    if backend in (None, "reference") and platform == "cpu":
+        from jaxllm.kernels.ref import ragged_paged_attention
+        log.info("attention backend: reference (jnp) on %s", platform)
+        return ragged_paged_attention
+    from jaxllm.kernels import get_attention_fn
+    return get_attention_fn(backend, platform)
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int,
+                 state: dict | None = None, dtype=None):
+        self.model_cfg = model_cfg
+        self.cfg = cfg
+        self.platform = jax.devices()[0].platform
+        self.dtype = dtype or resolve_dtype(cfg.dtype, self.platform)
+        self.block_size = cfg.block_size
+        self.max_blocks = -(-max_model_len // cfg.block_size)
+        attn = pick_attention(cfg.attention_backend, self.platform)
+        make = lambda: Llama(model_cfg, self.dtype, rngs=nnx.Rngs(cfg.seed), attention_fn=attn)
+        if state is None:
+            model = make()  # random weights (tests, benchmarks)
+        else:
+            model = nnx.eval_shape(make)
+            load_state(model, state)
+        self.graphdef, self.params = nnx.split(model)
+        self.weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
+        self.num_blocks = self._num_blocks(max_model_len)
+        L, K, D = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
+        self.kv_pages = jnp.zeros((L, 2, K, self.num_blocks, self.block_size, D), self.dtype)
+        self.num_traces = 0
+        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+
+    def _bytes_per_block(self) -> int:
+        m = self.model_cfg
+        return m.num_layers * 2 * m.num_kv_heads * self.block_size * m.head_dim * jnp.dtype(self.dtype).itemsize
+
+    def _num_blocks(self, max_model_len: int) -> int:
+        cfg = self.cfg
+        if cfg.num_gpu_blocks_override:
+            return cfg.num_gpu_blocks_override
+        per_block = self._bytes_per_block()
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.platform == "cpu":
+            # CPU: enough for every sequence at full length, at most 1 GiB.
+            need = cfg.max_num_seqs * self.max_blocks * per_block
+            budget = min(need, 1 << 30)
+        else:
+            stats = jax.devices()[0].memory_stats() or {}
+            limit = stats.get("bytes_limit", 16 << 30)
+            budget = int(limit * cfg.gpu_memory_utilization) - stats.get("bytes_in_use", 0) - (2 << 30)
+        blocks = budget // per_block
+        if blocks < self.max_blocks:
+            raise ValueError(
+                f"KV cache budget of {budget} bytes holds {blocks} blocks of {self.block_size} tokens, "
+                f"fewer than one sequence of max_model_len={max_model_len} needs ({self.max_blocks})")
+        return int(blocks)
+
+    def _step_impl(self, params, kv_pages, batch: Batch):
+        self.num_traces += 1  # runs only while tracing: counts compilations
+        model = nnx.merge(self.graphdef, params)
+        return model(kv_pages, batch.tokens, batch.md, batch.logits_indices)
+
+    def execute(self, hb: HostBatch) -> jax.Array:
+        """Run one step; returns logits [R, V] (float32, still on device)."""
+        self.kv_pages, logits = self._step(self.params, self.kv_pages, Batch.from_host(hb))
+        return logits
+
+    def warmup(self, token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...]) -> float:
+        """Compile every (T, R) bucket pair with R <= T, writing nothing to the cache."""
+        t0 = time.perf_counter()
+        for T in token_buckets:
+            for R in seq_buckets:
+                if R > pick_bucket(seq_buckets, min(T, seq_buckets[-1])):
+                    continue
+                hb = HostBatch(
+                    tokens=np.zeros(T, np.int32), positions=np.full(T, -1, np.int32),
+                    token_req=np.zeros(T, np.int32), slot_mapping=np.full(T, -1, np.int32),
+                    block_tables=np.zeros((R, self.max_blocks), np.int32),
+                    seq_lens=np.zeros(R, np.int32), query_start_loc=np.zeros(R + 1, np.int32),
+                    num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(R, np.int32), num_rows=0)
+                self.execute(hb).block_until_ready()
+        return time.perf_counter() - t0

@@ -1,0 +1,199 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2/2.5, Qwen3, SmolLM2) as one Flax NNX module.
+
+Layer weights are stacked along a leading layer axis and the forward pass is a
+`lax.scan` over layers: XLA compiles one layer body instead of L copies, which
+keeps start-up compiles short (they dominate on CPU) and lets the KV page array
+ride through the scan carry, updated in place.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxllm.kernels.metadata import AttentionMetadata
+from jaxllm.kernels.ref import write_kv
+from jaxllm.models.config import ModelConfig
+
+AttentionFn = Callable[..., jax.Array]
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse RoPE frequencies [D/2], with Llama-3.1 or linear scaling applied."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    if cfg.rope_llama3 is not None:
+        factor, low, high, orig = cfg.rope_llama3
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = orig / low, orig / high
+        smooth = (orig / wavelen - low) / (high - low)
+        scaled = np.where(wavelen > low_wl, inv / factor, inv)
+        mid = (wavelen <= low_wl) & (wavelen >= high_wl)
+        inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    if cfg.rope_linear_factor is not None:
+        inv = inv / cfg.rope_linear_factor
+    return inv.astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate-half RoPE (the HF convention) on x [T, H, D]."""
+    ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
+    cos = jnp.concatenate([jnp.cos(ang)] * 2, -1)[:, None, :]
+    sin = jnp.concatenate([jnp.sin(ang)] * 2, -1)[:, None, :]
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
+    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm computed in float32, cast back before the weight (as HF does)."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w * xf.astype(x.dtype)
+
+
+def _param(shape: tuple[int, ...], dtype, rngs: nnx.Rngs, scale: float | None = 0.02) -> nnx.Param:
+    if scale is None:
+        return nnx.Param(jnp.ones(shape, dtype))
+    return nnx.Param((scale * jax.random.normal(rngs.params(), shape)).astype(dtype))
+
+
+class LayerStack(nnx.Module):
+    """All decoder layers' weights, each with a leading [L] axis."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        L, E, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+        H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.ln_attn = _param((L, E), dtype, rngs, None)
+        self.ln_mlp = _param((L, E), dtype, rngs, None)
+        self.wq = _param((L, E, H * D), dtype, rngs)
+        self.wk = _param((L, E, K * D), dtype, rngs)
+        self.wv = _param((L, E, K * D), dtype, rngs)
+        self.wo = _param((L, H * D, E), dtype, rngs)
+        self.w_gate = _param((L, E, F), dtype, rngs)
+        self.w_up = _param((L, E, F), dtype, rngs)
+        self.w_down = _param((L, F, E), dtype, rngs)
+        if cfg.qkv_bias:
+            self.bq = _param((L, H * D), dtype, rngs)
+            self.bk = _param((L, K * D), dtype, rngs)
+            self.bv = _param((L, K * D), dtype, rngs)
+        if cfg.o_bias:
+            self.bo = _param((L, E), dtype, rngs)
+        if cfg.qk_norm:
+            self.q_norm = _param((L, D), dtype, rngs, None)
+            self.k_norm = _param((L, D), dtype, rngs, None)
+
+    def weights(self) -> dict[str, jax.Array]:
+        return {k: v.value for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+
+
+class Llama(nnx.Module):
+    """Decoder-only transformer: tokens + paged KV cache -> logits of selected rows."""
+
+    def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs,
+                 attention_fn: AttentionFn | None = None):
+        from jaxllm.kernels.ref import ragged_paged_attention
+
+        self.cfg = cfg
+        self.attention_fn = attention_fn or ragged_paged_attention
+        self.embed = _param((cfg.vocab_size, cfg.hidden_size), dtype, rngs)
+        self.layers = LayerStack(cfg, dtype, rngs)
+        self.norm = _param((cfg.hidden_size,), dtype, rngs, None)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _param((cfg.hidden_size, cfg.vocab_size), dtype, rngs)
+
+    def _layer(self, x: jax.Array, w: dict[str, jax.Array], kv_pages: jax.Array,
+               layer: jax.Array, md: AttentionMetadata, inv_freq: np.ndarray):
+        cfg = self.cfg
+        T = x.shape[0]
+        H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h = rms_norm(x, w["ln_attn"], cfg.rms_norm_eps)
+        q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
+        if cfg.qkv_bias:
+            q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+        q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
+        if cfg.qk_norm:
+            q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+        q = apply_rope(q, md.positions, inv_freq)
+        k = apply_rope(k, md.positions, inv_freq)
+        kv_pages = write_kv(kv_pages, layer, k, v, md.slot_mapping)
+        attn = self.attention_fn(q, kv_pages, layer, md, sm_scale=cfg.sm_scale)
+        o = attn.reshape(T, H * D) @ w["wo"]
+        if cfg.o_bias:
+            o = o + w["bo"]
+        x = x + o
+        h = rms_norm(x, w["ln_mlp"], cfg.rms_norm_eps)
+        x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+        return x, kv_pages
+
+    def __call__(self, kv_pages: jax.Array, tokens: jax.Array, md: AttentionMetadata,
+                 logits_indices: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """tokens [T], logits_indices [R] -> (kv_pages, float32 logits [R, V])."""
+        cfg = self.cfg
+        inv_freq = rope_inv_freq(cfg)
+        embed = self.embed.value
+        x = embed[tokens]
+
+        def body(carry, xs):
+            x, kv = carry
+            w, layer = xs
+            x, kv = self._layer(x, w, kv, layer, md, inv_freq)
+            return (x, kv), None
+
+        xs = (self.layers.weights(), jnp.arange(cfg.num_layers, dtype=jnp.int32))
+        (x, kv_pages), _ = jax.lax.scan(body, (x, kv_pages), xs)
+        h = rms_norm(x[logits_indices], self.norm.value, cfg.rms_norm_eps)
+        head = embed.T if cfg.tie_word_embeddings else self.lm_head.value
+        logits = jnp.dot(h, head, preferred_element_type=jnp.float32)
+        return kv_pages, logits
+
+
+def hf_to_state(cfg: ModelConfig, weights: dict[str, np.ndarray], dtype) -> dict[str, np.ndarray]:
+    """Map HF-named numpy weights ([out, in] linears) to this module's stacked layout."""
+    L = cfg.num_layers
+
+    def stack(name: str, transpose: bool = True) -> np.ndarray:
+        ws = [weights[f"model.layers.{i}.{name}"] for i in range(L)]
+        return np.stack([w.T if transpose else w for w in ws]).astype(dtype)
+
+    layers = {
+        "ln_attn": stack("input_layernorm.weight", False),
+        "ln_mlp": stack("post_attention_layernorm.weight", False),
+        "wq": stack("self_attn.q_proj.weight"), "wk": stack("self_attn.k_proj.weight"),
+        "wv": stack("self_attn.v_proj.weight"), "wo": stack("self_attn.o_proj.weight"),
+        "w_gate": stack("mlp.gate_proj.weight"), "w_up": stack("mlp.up_proj.weight"),
+        "w_down": stack("mlp.down_proj.weight"),
+    }
+    if cfg.qkv_bias:
+        for n in "qkv":
+            layers[f"b{n}"] = stack(f"self_attn.{n}_proj.bias", False)
+    if cfg.o_bias:
+        layers["bo"] = stack("self_attn.o_proj.bias", False)
+    if cfg.qk_norm:
+        layers["q_norm"] = stack("self_attn.q_norm.weight", False)
+        layers["k_norm"] = stack("self_attn.k_norm.weight", False)
+    state = {"embed": weights["model.embed_tokens.weight"].astype(dtype),
+             "norm": weights["model.norm.weight"].astype(dtype), "layers": layers}
+    if not cfg.tie_word_embeddings:
+        state["lm_head"] = weights["lm_head.weight"].T.astype(dtype)
+    return state
+
+
+def load_state(model: Llama, state: dict) -> None:
+    """Copy a nested dict of arrays (from hf_to_state) into the module's params."""
+    def assign(mod: nnx.Module, tree: dict) -> None:
+        for name, val in tree.items():
+            if isinstance(val, dict):
+                assign(getattr(mod, name), val)
+            else:
+                param = getattr(mod, name)
+                if param.value.shape != val.shape:
+                    raise ValueError(f"{name}: expected {param.value.shape}, got {val.shape}")
+                param.value = jnp.asarray(val)
+    assign(model, state)

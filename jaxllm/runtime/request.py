@@ -1,0 +1,99 @@
+"""A request as the scheduler sees it: token ids and one progress counter.
+
+Following vLLM V1 there is no prefill/decode mode. `num_computed_tokens` counts
+how many of `all_token_ids` already have K/V in the cache; the scheduler simply
+feeds the rest, in chunks if the token budget is short. A request resumed after
+recompute preemption just has its counter reset to 0.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class StopRule:
+    """The token-level stop conditions the scheduler can check without a tokenizer."""
+
+    max_tokens: int
+    min_tokens: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    stop: StopRule
+    arrival_time: float = field(default_factory=time.time)
+    priority: int = 0
+    cache_salt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    data: object = None  # engine-side payload (sampling params, detokenizer, ...)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """Tokens [start, stop) of prompt + output without building the whole list."""
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        if start >= p:
+            return self.output_token_ids[start - p:stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - p]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    def check_stop(self, max_model_len: int) -> bool:
+        """After a token was appended: set a finished status if a stop rule fires."""
+        n_out = len(self.output_token_ids)
+        last = self.output_token_ids[-1]
+        if n_out >= self.stop.min_tokens:
+            if not self.stop.ignore_eos and last in self.stop.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in self.stop.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if n_out >= self.stop.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
