@@ -1,0 +1,101 @@
+"""`jaxllm` command line: generate, serve, convert."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags, named as vLLM names them."""
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention-backend", default=None, choices=["reference", "pallas", "mosaic"])
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    kw = dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+              gpu_memory_utilization=args.gpu_memory_utilization,
+              num_gpu_blocks_override=args.num_gpu_blocks_override, seed=args.seed,
+              attention_backend=args.attention_backend)
+    if args.enable_prefix_caching is not None:
+        kw["enable_prefix_caching"] = args.enable_prefix_caching
+    return kw
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from jaxllm import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.sample_seed)
+    t0 = time.perf_counter()
+    outs = llm.generate(args.prompt, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    n_tok = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    if args.json:
+        print(json.dumps([{"prompt": o.prompt, "text": o.outputs[0].text,
+                           "token_ids": o.outputs[0].token_ids,
+                           "finish_reason": o.outputs[0].finish_reason} for o in outs], indent=2))
+    else:
+        for o in outs:
+            print(f"--- {o.prompt!r}\n{o.outputs[0].text}")
+        print(f"[{n_tok} tokens in {dt:.2f}s, {n_tok / dt:.1f} tokens/s]", file=sys.stderr)
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from jaxllm.models.loader import convert
+
+    convert(args.src, args.dst)
+    print(f"converted {args.src} -> {args.dst}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxllm")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate text offline")
+    g.add_argument("prompt", nargs="+")
+    g.add_argument("--model", default=None)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--sample-seed", type=int, default=None)
+    g.add_argument("--json", action="store_true")
+    add_engine_args(g)
+    g.set_defaults(fn=_generate)
+
+    c = sub.add_parser("convert", help="convert a model to a cached jaxllm checkpoint")
+    c.add_argument("src")
+    c.add_argument("dst")
+    c.set_defaults(fn=_convert)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    try:
+        from jaxllm.server.args import add_serve_args, run_serve
+        add_serve_args(s)
+        add_engine_args(s)
+        s.set_defaults(fn=run_serve)
+    except ImportError:  # the server extra (fastapi, uvicorn) is not installed
+        s.set_defaults(fn=lambda a: sys.exit("jaxllm serve needs: pip install 'jaxllm[serve]'"))
+
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
