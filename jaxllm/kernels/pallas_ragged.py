@@ -1,0 +1,140 @@
+"""Portable Pallas ragged paged attention (Triton lowering on GPU, interpret mode on CPU).
+
+Same contract as `ref.ragged_paged_attention`: q [T, H, D] ragged over requests,
+keys/values in `kv_pages [L, 2, K, P, S, D]`, output [T, H, D], padding tokens 0.
+
+Work split. The T tokens are cut into *query blocks* of `bq` tokens that never
+straddle two requests (a request of n new tokens gets ceil(n / bq) blocks), plus
+the padding tail [query_start_loc[R], T) as one more segment whose positions are
+-1, so every token - padding too - is written by exactly one program and no
+output pre-fill is needed. The grid is (query block, kv head); its first extent
+is the static bound T // bq + R + 1 and surplus programs store nothing.
+
+Inside a program the rows are the bq tokens x G query heads of one kv head
+(GQA heads share every key load), gathered straight out of q [T, H, D] with
+integer-array indexing, so the wrapper never transposes q or the output. The
+page loop walks `ppb` pages per step (a [ppb * S, D] key tile gathered row-wise
+through the block table), with an online softmax in float32. The loop's trip
+count is the block's own last position, so decode rows read only their context.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from jaxllm.kernels.metadata import AttentionMetadata
+
+_NEG = -1e30
+
+
+def block_schedule(query_start_loc: jax.Array, num_tokens: int, bq: int) -> jax.Array:
+    """Map each query block to (request row, first token, end token): int32 [3, NB].
+
+    Segments are the R request rows plus the padding tail; segment s owns
+    ceil(len_s / bq) consecutive blocks. Blocks past the last one get an empty
+    token range [0, 0) so their program stores nothing.
+    """
+    num_reqs = query_start_loc.shape[0] - 1
+    num_blocks = num_tokens // bq + num_reqs + 1  # >= sum_s ceil(len_s / bq)
+    seg_start = query_start_loc  # [R + 1]: R requests, then the padding tail
+    seg_end = jnp.concatenate([query_start_loc[1:], jnp.array([num_tokens], jnp.int32)])
+    seg_blocks = (seg_end - seg_start + bq - 1) // bq
+    cum = jnp.cumsum(seg_blocks)
+    blk = jnp.arange(num_blocks, dtype=jnp.int32)
+    seg = jnp.searchsorted(cum, blk, side="right").astype(jnp.int32)
+    active = seg <= num_reqs
+    seg_c = jnp.minimum(seg, num_reqs)
+    t0 = seg_start[seg_c] + (blk - (cum[seg_c] - seg_blocks[seg_c])) * bq
+    t1 = jnp.minimum(t0 + bq, seg_end[seg_c])
+    req = jnp.minimum(seg_c, num_reqs - 1)  # the tail's rows are masked by position -1
+    return jnp.stack([req, jnp.where(active, t0, 0), jnp.where(active, t1, 0)]).astype(jnp.int32)
+
+
+def _kernel(sched_ref, pos_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, *,
+            sm_scale: float, group: int, bq: int, ppb: int, page_size: int):
+    """One (query block, kv head) program: rows = bq tokens x G heads."""
+    blk, kvh = pl.program_id(0), pl.program_id(1)
+    num_tokens, head_dim = q_ref.shape[0], q_ref.shape[2]
+    rows, keys = bq * group, ppb * page_size
+    req, t0, t1 = sched_ref[0, blk], sched_ref[1, blk], sched_ref[2, blk]
+    r = jnp.arange(rows, dtype=jnp.int32)
+    tok = t0 + r // group
+    valid = tok < t1
+    # Rows past the end wrap to distinct earlier tokens; they are masked, so the
+    # index only has to be in bounds and not collide with a valid row.
+    tok = jnp.where(tok < num_tokens, tok, tok - num_tokens)
+    head = kvh * group + r % group
+    q = q_ref[tok, head, :]  # [M, D]
+    pos = jnp.where(valid, pos_ref[tok], -1)  # [M]
+    num_steps = (jnp.max(pos) + keys) // keys  # keys 0..max(pos) inclusive
+    layer = layer_ref[0]
+    kk = jnp.arange(keys, dtype=jnp.int32)
+    max_col = bt_ref.shape[1] - 1
+
+    def body(j, carry):
+        m, l, acc = carry
+        col = jnp.minimum(j * ppb + kk // page_size, max_col)
+        slot = bt_ref[req, col] * page_size + kk % page_size  # [BK] rows of the flat page array
+        k = kv_ref[layer, 0, kvh, slot, :]  # [BK, D]
+        v = kv_ref[layer, 1, kvh, slot, :]
+        s = plt.dot(q, k, trans_b=True) * sm_scale  # [M, BK] float32
+        visible = (j * keys + kk)[None, :] <= pos[:, None]
+        s = jnp.where(visible, s, _NEG)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = l * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + plt.dot(p.astype(v.dtype), v)
+        return m_new, l, acc
+
+    init = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, num_steps, body, init)
+    out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]  # rows that saw no key -> 0
+    d = jnp.arange(head_dim, dtype=jnp.int32)
+    plt.store(o_ref.at[tok[:, None], head[:, None], d[None, :]], out.astype(o_ref.dtype),
+              mask=valid[:, None])
+
+
+def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
+                           md: AttentionMetadata, *, sm_scale: float,
+                           block_rows: int = 64, block_keys: int = 64,
+                           num_warps: int = 4, num_stages: int = 2,
+                           interpret: bool | None = None) -> jax.Array:
+    """Ragged paged attention as one pallas_call; see the module docstring.
+
+    block_rows: query rows (tokens x GQA heads) per program, a power of two >= 16
+    on GPU (Triton's dot minimum); block_keys: keys per page-loop step (whole pages).
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_layers, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
+    group = num_heads // num_kv_heads
+    bq = max(1, block_rows // group)
+    ppb = max(1, block_keys // page_size)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    pad = max(0, bq - num_tokens)  # the row wrap-around needs T >= bq
+    positions = md.positions
+    if pad:
+        q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
+        positions = jnp.pad(positions, (0, pad), constant_values=-1)
+    total = num_tokens + pad
+    sched = block_schedule(md.query_start_loc.astype(jnp.int32), total, bq)
+    flat_kv = kv_pages.reshape(num_layers, 2, num_kv_heads, num_pages * page_size, head_dim)
+    kernel = functools.partial(_kernel, sm_scale=float(sm_scale), group=group, bq=bq,
+                               ppb=ppb, page_size=page_size)
+    out = pl.pallas_call(
+        kernel,
+        grid=(sched.shape[1], num_kv_heads),
+        out_shape=jax.ShapeDtypeStruct((total, num_heads, head_dim), q.dtype),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="jaxllm_ragged_paged_attention",
+    )(sched, positions.astype(jnp.int32), md.block_tables.astype(jnp.int32),
+      jnp.reshape(layer, (1,)).astype(jnp.int32), q, flat_kv)
+    return out[:num_tokens] if pad else out
