@@ -154,7 +154,7 @@ def _full_sample(
     x = x / t.temperature[:, None]
     needs_sort = jnp.any((t.top_k < vocab) | (t.top_p < 1.0))
     x = jax.lax.cond(needs_sort, _top_k_top_p, lambda y, _k, _p: y, x, t.top_k, t.top_p)
-    x = _min_p(x, t.min_p)
+    x = jax.lax.cond(jnp.any(t.min_p > 0.0), _min_p, lambda y, _m: y, x, t.min_p)
     sampled = jax.vmap(_draw)(t.seed, t.step, x)
     tokens = jnp.where(t.greedy, greedy_tok, sampled).astype(jnp.int32)
 
