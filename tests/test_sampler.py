@@ -14,6 +14,7 @@ from jaxllm.sampling_params import SamplingParams
 V = 32
 MAX_LEN = 48
 EOS = 3
+BIG = 256  # the second row bucket the tests use
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def test_seeded_row_independent_of_companions_and_position(sampler: Sampler) -> 
         (4, 0, [_row(SamplingParams(temperature=0.5), 7), _row(SamplingParams(temperature=0.0))]),
         (4, 3, [_row(SamplingParams(top_p=0.5, repetition_penalty=1.3), 9), _row(SamplingParams(top_k=2, logprobs=3), 11),
                 _row(SamplingParams(min_tokens=4), 13)]),
-        (8, 5, [_row(SamplingParams(temperature=2.0), s) for s in range(7)]),
+        (BIG, 200, [_row(SamplingParams(temperature=2.0), s) for s in range(BIG - 1)]),
     ]  # fmt: skip
     sequences = []
     for num_rows, pos, companions in layouts:
@@ -104,8 +105,10 @@ def _ref_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
     return np.exp(_log_softmax(x))
 
 
-def test_empirical_distribution_matches_exact() -> None:
-    vocab, per_config, steps = 8, 256, 80  # 20480 draws per config
+def test_empirical_distribution_matches_exact(sampler: Sampler) -> None:
+    # The 8 real logits sit in a V=32 row whose other entries are -inf (as a
+    # padded vocabulary would be), so the shared sampler's compile is reused.
+    vocab, per_config, steps = 8, 64, 320  # 20480 draws per config
     base = np.array([2.0, 1.5, 1.2, 1.0, 0.1, -1.0, 0.5, -0.3], np.float32)
     configs = [
         SamplingParams(temperature=0.7, top_p=0.8, min_p=0.2, top_k=3),
@@ -113,15 +116,18 @@ def test_empirical_distribution_matches_exact() -> None:
         SamplingParams(temperature=0.9, min_p=0.3),
         SamplingParams(temperature=1.0, top_k=5),
     ]
-    num_rows = per_config * len(configs)
-    sampler = Sampler(vocab, 4)
-    logits = jax.device_put(np.tile(base, (num_rows, 1)))
-    counts = np.zeros((len(configs), vocab))
+    num_rows = BIG
+    padded = np.full((num_rows, V), -np.inf, np.float32)
+    padded[:, :vocab] = base
+    logits = jax.device_put(padded)
+    counts = np.zeros((len(configs), V))
     for step in range(steps):
         rows = [SampleRow(c, [], [0] * step, 1000 * j + i, None) for j, c in enumerate(configs) for i in range(per_config)]
         toks = sampler.sample(logits, sampler.prepare(rows, num_rows)).token_ids
         for j in range(len(configs)):
-            counts[j] += np.bincount(toks[j * per_config : (j + 1) * per_config], minlength=vocab)
+            counts[j] += np.bincount(toks[j * per_config : (j + 1) * per_config], minlength=V)
+    assert counts[:, vocab:].sum() == 0
+    counts = counts[:, :vocab]
     n = per_config * steps
     for j, c in enumerate(configs):
         expected = _ref_probs(base, c)
