@@ -52,6 +52,11 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.model_cfg = ModelConfig.from_hf(hf_config)
         self.max_model_len = cfg.max_model_len or min(self.model_cfg.max_position_embeddings, 2048)
+        window = self.model_cfg.sliding_window
+        if window and self.max_model_len > window:
+            log.warning("sliding-window attention is not implemented: capping max_model_len %d to "
+                        "the window %d, where full attention is exact", self.max_model_len, window)
+            self.max_model_len = window
         max_tokens = cfg.max_num_batched_tokens or max(512, cfg.max_num_seqs)
         self.token_buckets = cfg.token_buckets or default_buckets(max_tokens, 16)
         self.seq_buckets = cfg.seq_buckets or default_buckets(cfg.max_num_seqs, 8)

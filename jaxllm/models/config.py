@@ -32,6 +32,7 @@ class ModelConfig:
     # llama3 RoPE scaling: (factor, low_freq_factor, high_freq_factor, original_max_position)
     rope_llama3: tuple[float, float, float, int] | None = None
     rope_linear_factor: float | None = None
+    sliding_window: int | None = None  # Mistral; attention here is full, so max_model_len is capped
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -77,6 +78,8 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             rope_llama3=llama3,
             rope_linear_factor=linear,
+            sliding_window=(cfg.get("sliding_window") if model_type == "mistral"
+                            or cfg.get("use_sliding_window") else None),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

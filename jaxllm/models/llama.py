@@ -57,6 +57,11 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * xf.astype(x.dtype)
 
 
+def value(p: nnx.Variable) -> jax.Array:
+    """A variable's array (flax >= 0.12 deprecates `.value`)."""
+    return p.get_value() if hasattr(p, "get_value") else p.value
+
+
 def _param(shape: tuple[int, ...], dtype, rngs: nnx.Rngs, scale: float | None = 0.02) -> nnx.Param:
     if scale is None:
         return nnx.Param(jnp.ones(shape, dtype))
@@ -89,7 +94,7 @@ class LayerStack(nnx.Module):
             self.k_norm = _param((L, D), dtype, rngs, None)
 
     def weights(self) -> dict[str, jax.Array]:
-        return {k: v.value for k, v in vars(self).items() if isinstance(v, nnx.Param)}
+        return {k: value(v) for k, v in vars(self).items() if isinstance(v, nnx.Param)}
 
 
 class Llama(nnx.Module):
@@ -137,7 +142,7 @@ class Llama(nnx.Module):
         """tokens [T], logits_indices [R] -> (kv_pages, float32 logits [R, V])."""
         cfg = self.cfg
         inv_freq = rope_inv_freq(cfg)
-        embed = self.embed.value
+        embed = value(self.embed)
         x = embed[tokens]
 
         def body(carry, xs):
@@ -148,8 +153,8 @@ class Llama(nnx.Module):
 
         xs = (self.layers.weights(), jnp.arange(cfg.num_layers, dtype=jnp.int32))
         (x, kv_pages), _ = jax.lax.scan(body, (x, kv_pages), xs)
-        h = rms_norm(x[logits_indices], self.norm.value, cfg.rms_norm_eps)
-        head = embed.T if cfg.tie_word_embeddings else self.lm_head.value
+        h = rms_norm(x[logits_indices], value(self.norm), cfg.rms_norm_eps)
+        head = embed.T if cfg.tie_word_embeddings else value(self.lm_head)
         logits = jnp.dot(h, head, preferred_element_type=jnp.float32)
         return kv_pages, logits
 
@@ -193,7 +198,10 @@ def load_state(model: Llama, state: dict) -> None:
                 assign(getattr(mod, name), val)
             else:
                 param = getattr(mod, name)
-                if param.value.shape != val.shape:
-                    raise ValueError(f"{name}: expected {param.value.shape}, got {val.shape}")
-                param.value = jnp.asarray(val)
+                if value(param).shape != val.shape:
+                    raise ValueError(f"{name}: expected {value(param).shape}, got {val.shape}")
+                if hasattr(param, "set_value"):
+                    param.set_value(jnp.asarray(val))
+                else:
+                    param.value = jnp.asarray(val)
     assign(model, state)

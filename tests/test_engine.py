@@ -1,0 +1,133 @@
+"""End-to-end engine behaviour on a tiny model: batching, chunking, preemption, compiles, errors."""
+
+import numpy as np
+import pytest
+
+from hf_tiny import make, random_prompts
+
+from jaxllm import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    _, cfg, sd = make("llama3", seed=3)
+    return cfg, sd
+
+
+def make_llm(tiny, **kw):
+    cfg, sd = tiny
+    args = dict(hf_config=cfg, weights=sd, dtype="float32", max_model_len=384, max_num_seqs=8,
+                max_num_batched_tokens=64, token_buckets=(16, 64), seq_buckets=(8,))
+    args.update(kw)
+    return LLM(**args)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    return make_llm(tiny)
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny):
+    lens = np.linspace(1, 300, 24).astype(int)
+    rng = np.random.default_rng(7)
+    return [rng.integers(0, tiny[0]["vocab_size"], size=n).tolist() for n in lens]
+
+
+@pytest.fixture(scope="module")
+def alone(llm, prompts):
+    return [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+
+
+def test_batch_invariance_with_chunked_prefill(llm, prompts, alone):
+    together = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in together] == alone
+    assert all(len(t) == 12 for t in alone)
+    assert llm.stats()["compiles_after_warmup"] == 0
+
+
+def test_preemption_keeps_outputs_and_frees_blocks(tiny, prompts, alone):
+    # 40 blocks of 16 tokens: far fewer than 24 prompts of up to 312 tokens need together.
+    small = make_llm(tiny, num_gpu_blocks_override=40)
+    outs = small.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    st = small.stats()
+    assert st["num_preemptions"] > 0
+    assert st["num_free_blocks"] == st["num_total_blocks"] == 40
+    assert st["compiles_after_warmup"] == 0
+
+
+def test_mixed_workload_no_compiles(llm, prompts):
+    before = llm.stats()["num_compiles"]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=5 + i % 7) for i in range(6)]
+    params += [SamplingParams(temperature=0, max_tokens=9, logprobs=3, repetition_penalty=1.2),
+               SamplingParams(temperature=1.0, top_k=5, min_tokens=3, max_tokens=6, presence_penalty=0.5)]
+    outs = llm.generate(prompts[:8], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs[:6]] == [5 + i % 7 for i in range(6)]
+    assert len(outs[6].outputs[0].logprobs) == 9
+    assert llm.stats()["num_compiles"] == before
+    assert llm.stats()["compiles_after_warmup"] == 0
+
+
+def test_outputs_fields(llm, prompts):
+    out = llm.generate({"prompt_token_ids": prompts[3]}, GREEDY, use_tqdm=False)[0]
+    assert out.prompt_token_ids == prompts[3] and out.finished
+    c = out.outputs[0]
+    assert c.finish_reason == "length" and len(c.token_ids) == 12
+    m = out.metrics
+    assert m.arrival_time <= m.first_token_time <= m.finished_time
+
+
+def test_stop_token_ids_and_max_tokens(llm, prompts, alone):
+    stop_tok = alone[5][4]
+    out = llm.generate([prompts[5]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_tok]),
+                       use_tqdm=False)[0].outputs[0]
+    first = alone[5].index(stop_tok)
+    assert out.token_ids == alone[5][:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+
+
+def test_bad_input(llm, prompts, alone):
+    with pytest.raises(ValueError, match="384"):
+        llm.generate([[1] * 400], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="vocab"):
+        llm.generate([[10**6]], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=0)
+    # A bad request in the batch fails the call and leaves nothing queued behind.
+    with pytest.raises(ValueError, match="400"):
+        llm.generate([prompts[0], [1] * 400], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    # The engine API refuses the bad request alone; the good ones still run.
+    eng = llm.engine
+    eng.add_request("good", prompts[2], GREEDY)
+    with pytest.raises(ValueError):
+        eng.add_request("bad", [1] * 400, GREEDY)
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            done[o.request_id] = o
+    assert done["good"].outputs[0].token_ids == alone[2]
+
+
+def test_missing_model_path():
+    with pytest.raises((FileNotFoundError, ValueError), match="nope"):
+        LLM("/nonexistent/nope")
+
+
+def test_abort_frees_blocks(llm, prompts):
+    eng = llm.engine
+    eng.add_request("a", prompts[10], GREEDY)
+    eng.add_request("b", prompts[11], GREEDY)
+    eng.step()
+    eng.abort_request("a")
+    while eng.has_unfinished_requests():
+        eng.step()
+    st = llm.stats()
+    assert st["num_free_blocks"] == st["num_total_blocks"]
