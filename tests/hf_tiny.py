@@ -41,13 +41,18 @@ def make(arch: str, seed: int = 0):
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens with no EOS handling (HF's own cached forward, argmax each step)."""
     import torch
 
-    ids = torch.tensor([prompt])
+    out, past, ids = [], None, torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             attention_mask=torch.ones_like(ids), pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        for _ in range(n):
+            res = model(ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            nxt = int(res.logits[0, -1].argmax())
+            out.append(nxt)
+            ids = torch.tensor([[nxt]])
+    return out
 
 
 def hf_last_logits(model, prompt: list[int]) -> np.ndarray:

@@ -49,6 +49,8 @@ class Sequence:
         if self.detok is None:
             return False
         delta = self.detok.add([token])
+        if self.req.finished:  # release bytes held back for a character still being spelled
+            delta += self.detok.finish()
         self.text += delta
         stops = self.params.stop
         if stops and not self.req.finished:
