@@ -1,0 +1,120 @@
+"""Offline throughput, vLLM `benchmark_throughput`-style, with HF transformers as the peer.
+
+Random prompts of exactly --input-len tokens, --output-len tokens each (EOS
+ignored), all submitted at once. With --hf, HF transformers' batched greedy
+`generate` runs the same prompts in the same process, and the ratio is printed.
+
+    python scripts/bench_throughput.py --num-prompts 64 --input-len 128 --output-len 64 --hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def run_jaxllm(args, prompts):
+    from jaxllm import LLM, SamplingParams
+
+    kw = dict(dtype=args.dtype, max_model_len=args.input_len + args.output_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              attention_backend=args.attention_backend)
+    if args.random_shape:
+        from shapes import SHAPES
+        kw["hf_config"] = SHAPES[args.random_shape]
+    t0 = time.perf_counter()
+    llm = LLM(args.model, **kw)
+    init_s = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    st = llm.stats()
+    return {"engine": "jaxllm", "elapsed_s": dt, "init_s": init_s, "requests_per_s": len(prompts) / dt,
+            "output_tokens_per_s": n_out / dt,
+            "total_tokens_per_s": (n_out + sum(map(len, prompts))) / dt,
+            "compiles_after_warmup": st["compiles_after_warmup"], "warmup_s": st["warmup_seconds"],
+            "num_preemptions": st["num_preemptions"]}, llm
+
+
+def run_hf(args, prompts, llm):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxllm.models.loader import embedded_model_path
+
+    if args.model is None and not args.random_shape:
+        path = embedded_model_path()
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                     dtype=torch.float32 if args.dtype != "bfloat16" else torch.bfloat16)
+    else:
+        raise SystemExit("--hf compares against the embedded model only")
+    model.eval()
+    torch.set_num_threads(os.cpu_count() or 1)
+    ids = torch.tensor(prompts)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for i in range(0, len(prompts), args.hf_batch):
+            chunk = ids[i:i + args.hf_batch]
+            out = model.generate(chunk, attention_mask=torch.ones_like(chunk), do_sample=False,
+                                 max_new_tokens=args.output_len, min_new_tokens=args.output_len,
+                                 pad_token_id=0)
+    dt = time.perf_counter() - t0
+    n_out = len(prompts) * args.output_len
+    assert out.shape[1] == args.input_len + args.output_len
+    return {"engine": "hf-transformers", "elapsed_s": dt, "requests_per_s": len(prompts) / dt,
+            "output_tokens_per_s": n_out / dt,
+            "total_tokens_per_s": (n_out + sum(map(len, prompts))) / dt, "batch": args.hf_batch}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None)
+    p.add_argument("--random-shape", default=None, help="random weights of a known shape, e.g. llama3-8b")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--hf", action="store_true", help="also run HF transformers generate (peer)")
+    p.add_argument("--hf-batch", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args()
+
+    rng = np.random.default_rng(args.seed)
+    vocab = 49152 if not args.random_shape else 128256
+    prompts = rng.integers(100, vocab - 100, size=(args.num_prompts, args.input_len)).tolist()
+    jax_res, llm = run_jaxllm(args, prompts)
+    results = {"args": vars(args), "machine": f"{platform.node()} {platform.processor()} "
+               f"{os.cpu_count()} cpus", "date": time.strftime("%Y-%m-%d"), "jaxllm": jax_res}
+    if args.hf:
+        del llm
+        results["hf"] = run_hf(args, prompts, None)
+        results["ratio_output_tokens_per_s"] = (jax_res["output_tokens_per_s"]
+                                                / results["hf"]["output_tokens_per_s"])
+    print(json.dumps(results, indent=2))
+    rows = [results["jaxllm"]] + ([results["hf"]] if args.hf else [])
+    print(f"\n{'engine':<16}{'req/s':>10}{'out tok/s':>12}{'elapsed s':>12}")
+    for r in rows:
+        print(f"{r['engine']:<16}{r['requests_per_s']:>10.2f}{r['output_tokens_per_s']:>12.1f}{r['elapsed_s']:>12.2f}")
+    if args.hf:
+        print(f"jaxllm / HF output tokens/s: {results['ratio_output_tokens_per_s']:.2f}x")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
