@@ -1,0 +1,152 @@
+"""The FastAPI app: routes, API-key check, and error handlers that keep the server up.
+
+Every failure becomes an OpenAI-shaped JSON error ({"error": {message, type,
+param, code}}): validation and malformed JSON are 400 (FastAPI's default would
+be 422, which OpenAI clients do not expect), unknown routes 404, an overloaded
+engine 503, and anything unexpected a logged 500 -- never a dead process.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+import jaxllm
+from jaxllm.engine.async_engine import AsyncLLM, EngineDeadError
+from jaxllm.server.metrics import CONTENT_TYPE, ServerMetrics
+from jaxllm.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                    TokenizeRequest, error_body)
+from jaxllm.server.serving_chat import ChatServing
+from jaxllm.server.serving_completion import CompletionServing
+
+log = logging.getLogger("jaxllm")
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request"
+
+
+def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = None) -> FastAPI:
+    """An OpenAI-compatible app over a (not yet started) AsyncLLM.
+
+    `app.state.api_key` may be changed at run time; None disables the check.
+    """
+    metrics = ServerMetrics(model_names[0])
+    engine.observer = metrics
+    completions = CompletionServing(engine, model_names, metrics)
+    chat = ChatServing(engine, model_names, metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="jaxllm OpenAI-compatible server", version=jaxllm.__version__, lifespan=lifespan)
+    app.state.api_key = api_key
+    app.state.engine = engine
+    app.state.metrics = metrics
+
+    async def check_key(request: Request) -> None:
+        key = request.app.state.api_key
+        if not key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError(401, "Incorrect or missing API key.", "authentication_error", None, "invalid_api_key")
+
+    auth = [Depends(check_key)]
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status,
+                            headers={"Retry-After": "1"} if exc.status == 503 else None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(400, _validation_message(exc)), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ValidationError)
+    async def _invalid_inner(_: Request, exc: ValidationError) -> JSONResponse:
+        return JSONResponse(error_body(400, str(exc)), status_code=400)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return JSONResponse(error_body(503, str(exc)), status_code=503)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error in a request")
+        return JSONResponse(error_body(500, f"internal error: {exc!r}"), status_code=500)
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def create_completion(req: CompletionRequest, raw: Request) -> Response:
+        return await completions.create(req, raw)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
+        return await chat.create(req, raw)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def list_models() -> dict:
+        created = int(time.time())
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": created, "owned_by": "jaxllm", "root": model_names[0],
+             "parent": None, "max_model_len": engine.max_model_len} for name in model_names]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.dead is not None:
+            return JSONResponse(error_body(503, f"engine stopped: {engine.dead!r}"), status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": jaxllm.__version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(engine.stats()), media_type=CONTENT_TYPE)
+
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(req: TokenizeRequest) -> dict:
+        completions.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages")
+        if req.messages is not None:
+            ids = await chat.render(ChatCompletionRequest(messages=req.messages,
+                                                          add_generation_prompt=req.add_generation_prompt))
+        else:
+            text, special = req.prompt, req.add_special_tokens
+            ids = await engine.call(lambda e: list(e.tokenizer.encode(text, add_special_tokens=special)))
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(req: DetokenizeRequest) -> dict:
+        completions.check_model(req.model)
+        try:
+            engine.engine.tokenize(req.tokens)  # range check
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="tokens") from None
+        return {"prompt": await completions.decode(req.tokens)}
+
+    return app

@@ -1,0 +1,61 @@
+"""`jaxllm serve [MODEL]`: flags (named as vLLM's) and the uvicorn launch.
+
+Engine flags come from `jaxllm.cli.add_engine_args`; this module adds the
+server's own. The engine is built (and every bucket compiled) before the port
+opens, so the first request never pays for compilation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """Server flags; MODEL is positional (as in `vllm serve MODEL`), `--model` also works."""
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="HF folder, .gguf file or converted folder; omitted: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--model", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
+                        "(default $JAXLLM_API_KEY)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) the API accepts; the first is reported in responses")
+    p.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="sequences allowed to wait beyond --max-num-seqs; more are refused with 503 "
+                        "(-1: unbounded)")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def served_names(args: argparse.Namespace) -> list[str]:
+    model = args.model_tag or args.model
+    return args.served_model_name or [model or EMBEDDED_MODEL_NAME]
+
+
+def build_server_app(args: argparse.Namespace):
+    """Build the engine and the app from parsed `jaxllm serve` arguments."""
+    from jaxllm.cli import engine_kwargs
+    from jaxllm.engine.async_engine import AsyncLLM
+    from jaxllm.server.app import build_app
+
+    bound = None if args.max_waiting_requests < 0 else args.max_waiting_requests
+    engine = AsyncLLM.from_config(args.model_tag or args.model, max_waiting_requests=bound,
+                                  **engine_kwargs(args))
+    return build_app(engine, served_names(args), api_key=args.api_key)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = build_server_app(args)
+    logging.getLogger("jaxllm").info("serving %s on http://%s:%d", served_names(args)[0], args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                timeout_keep_alive=30)
+    return 0

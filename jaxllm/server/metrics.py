@@ -1,0 +1,81 @@
+"""Prometheus metrics for /metrics, named after vLLM's (prefix `jaxllm:` instead of `vllm:`).
+
+Latencies are observed by `AsyncLLM` as outputs reach the event loop (it calls
+the `StatObserver` methods below); gauges are read from the engine's stats at
+scrape time, so they cost nothing between scrapes. Each app has its own
+registry so several servers can live in one process (the tests do).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0, 10.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """The server's metric set; implements `jaxllm.engine.async_engine.StatObserver`."""
+
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.ttft = Histogram("jaxllm:time_to_first_token_seconds", "Time to first token (arrival to first token).",
+                              labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("jaxllm:inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             labels, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("jaxllm:e2e_request_latency_seconds", "End-to-end request latency.",
+                             labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.running = Gauge("jaxllm:num_requests_running", "Sequences running in the engine.",
+                             labels, registry=r).labels(model_name)
+        self.waiting = Gauge("jaxllm:num_requests_waiting", "Sequences waiting to be scheduled.",
+                             labels, registry=r).labels(model_name)
+        self.kv_usage = Gauge("jaxllm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
+                              labels, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("jaxllm:prompt_tokens", "Prompt tokens admitted.",
+                                     labels, registry=r).labels(model_name)
+        self.generation_tokens = Counter("jaxllm:generation_tokens", "Tokens generated.",
+                                         labels, registry=r).labels(model_name)
+        self._success = Counter("jaxllm:request_success", "Finished requests by finish reason.",
+                                labels + ["finished_reason"], registry=r)
+        self.preemptions = Gauge("jaxllm:num_preemptions", "Requests preempted so far (cumulative).",
+                                 labels, registry=r).labels(model_name)
+        self.prefix_queries = Gauge("jaxllm:prefix_cache_queries", "Prefix-cache block queries (cumulative).",
+                                    labels, registry=r).labels(model_name)
+        self.prefix_hits = Gauge("jaxllm:prefix_cache_hits", "Prefix-cache block hits (cumulative).",
+                                 labels, registry=r).labels(model_name)
+        self.rejected = Counter("jaxllm:request_rejected", "Requests refused because the server was overloaded.",
+                                labels, registry=r).labels(model_name)
+        self.model_name = model_name
+
+    # -- StatObserver ------------------------------------------------------
+    def on_request_added(self, num_prompt_tokens: int) -> None:
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def on_tokens(self, new_tokens: int, ttft: float | None, itl: float | None) -> None:
+        self.generation_tokens.inc(new_tokens)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if itl is not None:
+            self.itl.observe(itl)
+
+    def on_request_finished(self, e2e: float, finish_reason: str | None) -> None:
+        self.e2e.observe(e2e)
+        self._success.labels(self.model_name, finish_reason or "unknown").inc()
+
+    # -- scrape ------------------------------------------------------------
+    def render(self, stats: dict) -> bytes:
+        """Refresh the gauges from engine stats and return the exposition text."""
+        self.running.set(stats.get("num_running", 0))
+        self.waiting.set(stats.get("num_waiting", 0))
+        self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
+        self.preemptions.set(stats.get("num_preemptions", 0))
+        self.prefix_queries.set(stats.get("prefix_cache_queries", 0))
+        self.prefix_hits.set(stats.get("prefix_cache_hits", 0))
+        return generate_latest(self.registry)
