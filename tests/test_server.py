@@ -311,6 +311,38 @@ def test_async_engine_generate_and_abort(srv):
     srv.wait_idle()
 
 
+def test_failed_step_fails_requests_not_the_server(srv):
+    real = srv.engine.engine.step
+
+    def broken():
+        srv.engine.engine.step = real  # fail once
+        raise RuntimeError("injected step failure")
+
+    srv.engine.engine.step = broken
+    r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 4}, timeout=30)
+    assert r.status_code == 500 and "injected" in r.json()["error"]["message"]
+    srv.wait_idle()
+    assert httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 4}).status_code == 200
+
+
+def test_serve_cli_flags():
+    import argparse
+
+    from jaxllm.cli import add_engine_args, engine_kwargs
+    from jaxllm.server.args import add_serve_args, served_names
+
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    add_engine_args(p)
+    a = p.parse_args(["some/model", "--host", "127.0.0.1", "--port", "9000", "--api-key", "k", "--max-model-len",
+                      "512", "--max-num-seqs", "4", "--max-num-batched-tokens", "256", "--dtype", "float32",
+                      "--block-size", "32", "--served-model-name", "a", "b", "--max-waiting-requests", "3"])
+    assert served_names(a) == ["a", "b"] and a.model_tag == "some/model" and a.api_key == "k"
+    kw = engine_kwargs(a)
+    assert (kw["max_model_len"], kw["max_num_seqs"], kw["block_size"]) == (512, 4, 32)
+    assert served_names(p.parse_args([])) == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
+
+
 def test_schemathesis_finds_no_5xx(srv):
     import schemathesis
     from hypothesis import HealthCheck, given, settings

@@ -52,6 +52,7 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         engine.start()
+        await engine.prompt_logprobs([0, 0], 1)  # compile the scorer now, not on the first echo request
         yield
         await engine.shutdown()
 

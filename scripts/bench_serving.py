@@ -1,0 +1,206 @@
+#!/usr/bin/env python
+"""Load-test any OpenAI-compatible server (jaxllm, vLLM, ...) and report latency percentiles.
+
+Requests stream (SSE) so time-to-first-token and inter-token latency are seen
+as a client sees them. Arrivals are Poisson at --request-rate (or all at once
+with --request-rate inf, or evenly spaced with --arrival constant), capped at
+--max-concurrency requests in flight. Prompts are synthetic (seeded random
+words) so no data set is needed; token counts come from the server's own usage
+report (stream_options.include_usage), not from a local tokenizer.
+
+    python scripts/bench_serving.py --base-url http://127.0.0.1:8000 \
+        --num-prompts 64 --request-rate 4 --max-concurrency 16 --input-len 128 --output-len 64
+
+Prints a table and writes JSON (--result-json). Only talks to --base-url.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import httpx
+import numpy as np
+
+WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
+         "government company number group problem fact water room mother area money story month lot right "
+         "study book job word business issue side kind head house service friend father power hour game line "
+         "end member law car city community name president team minute idea kid body information back parent "
+         "face others level office door health art war history party result change morning reason research").split()
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0  # seconds to the first chunk with content
+    latency: float = 0.0  # seconds to [DONE]
+    itl: list[float] = field(default_factory=list)  # gaps between content chunks
+
+
+def make_prompts(n: int, input_len: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    words = max(1, int(input_len * 0.75))  # ~1.3 tokens per English word
+    return [f"{i}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for i in range(n)]
+
+
+def arrival_gaps(n: int, rate: float, kind: str, seed: int) -> list[float]:
+    if rate == float("inf") or kind == "burst":
+        return [0.0] * n
+    if kind == "constant":
+        return [1.0 / rate] * n
+    return list(np.random.default_rng(seed).exponential(1.0 / rate, n))
+
+
+async def one(client: httpx.AsyncClient, args: argparse.Namespace, prompt: str) -> Result:
+    res = Result()
+    if args.endpoint == "chat":
+        url = "/v1/chat/completions"
+        body = {"model": args.model, "messages": [{"role": "user", "content": prompt}],
+                "max_completion_tokens": args.output_len}
+    else:
+        url = "/v1/completions"
+        body = {"model": args.model, "prompt": prompt, "max_tokens": args.output_len}
+    body.update(stream=True, stream_options={"include_usage": True}, temperature=args.temperature)
+    if args.ignore_eos:
+        body["ignore_eos"] = True  # vLLM / jaxllm extension: fixed output length
+    start = last = time.perf_counter()
+    chunks = 0
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                res.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    res.error = str(data["error"])[:200]
+                    return res
+                if data.get("usage"):
+                    res.prompt_tokens = data["usage"]["prompt_tokens"]
+                    res.output_tokens = data["usage"]["completion_tokens"]
+                for ch in data.get("choices") or []:
+                    text = ch.get("text") if "text" in ch else (ch.get("delta") or {}).get("content")
+                    if text:
+                        now = time.perf_counter()
+                        if chunks == 0:
+                            res.ttft = now - start
+                        else:
+                            res.itl.append(now - last)
+                        last, chunks = now, chunks + 1
+        res.latency = time.perf_counter() - start
+        res.output_tokens = res.output_tokens or chunks
+        res.ok = chunks > 0
+        if not res.ok:
+            res.error = "no content received"
+    except Exception as exc:  # counted as a failed request; the run goes on
+        res.error = repr(exc)[:200]
+    return res
+
+
+async def run(args: argparse.Namespace) -> tuple[list[Result], float]:
+    prompts = make_prompts(args.num_prompts, args.input_len, args.seed)
+    gaps = arrival_gaps(args.num_prompts, args.request_rate, args.arrival, args.seed)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.max_concurrency + 8)
+    sem = asyncio.Semaphore(args.max_concurrency)
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, timeout=args.timeout,
+                                 limits=limits) as client:
+        if args.model is None:
+            args.model = (await client.get("/v1/models")).json()["data"][0]["id"]
+        for _ in range(args.warmup):
+            await one(client, args, prompts[0])
+
+        async def limited(p: str) -> Result:
+            async with sem:
+                return await one(client, args, p)
+
+        t0 = time.perf_counter()
+        tasks = []
+        for p, gap in zip(prompts, gaps):
+            tasks.append(asyncio.create_task(limited(p)))
+            await asyncio.sleep(gap)
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - t0
+
+
+def pct(values: list[float], scale: float = 1000.0) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    a = np.asarray(values) * scale
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99))}
+
+
+def summarize(results: list[Result], duration: float, args: argparse.Namespace) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tok = sum(r.output_tokens for r in ok)
+    in_tok = sum(r.prompt_tokens for r in ok)
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "config": {k: (str(v) if v == float("inf") else v) for k, v in vars(args).items() if k != "api_key"},
+        "machine": {"host": platform.node(), "python": platform.python_version(), "platform": platform.platform()},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration, "request_throughput": len(ok) / duration,
+        "output_token_throughput": out_tok / duration, "total_token_throughput": (in_tok + out_tok) / duration,
+        "total_input_tokens": in_tok, "total_output_tokens": out_tok,
+        "ttft_ms": pct([r.ttft for r in ok]), "tpot_ms": pct(tpot),
+        "itl_ms": pct([x for r in ok for x in r.itl]), "e2e_ms": pct([r.latency for r in ok]),
+    }
+
+
+def table(s: dict) -> str:
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"
+    lines = [f"completed {s['completed']}  failed {s['failed']}  duration {s['duration_s']:.1f}s",
+             f"requests/s {s['request_throughput']:.2f}  output tok/s {s['output_token_throughput']:.1f}  "
+             f"total tok/s {s['total_token_throughput']:.1f}  (in {s['total_input_tokens']}, "
+             f"out {s['total_output_tokens']} tokens)",
+             f"{'metric (ms)':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}"]
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        d = s[name]
+        lines.append(f"{name[:-3].upper():<12}" + "".join(f"{fmt(d[k]):>10}" for k in ("mean", "p50", "p90", "p99")))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="default: the first of /v1/models")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf = all at once")
+    p.add_argument("--arrival", choices=["poisson", "constant", "burst"], default="poisson")
+    p.add_argument("--max-concurrency", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=128, help="approximate prompt tokens")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens")
+    p.add_argument("--warmup", type=int, default=1, help="untimed requests before the run")
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-json", default=None)
+    args = p.parse_args(argv)
+    results, duration = asyncio.run(run(args))
+    summary = summarize(results, duration, args)
+    print(table(summary))
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+    return 0 if summary["completed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
