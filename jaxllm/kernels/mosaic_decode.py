@@ -1,0 +1,244 @@
+"""Hopper paged decode attention on Mosaic GPU (`plgpu.kernel`), one query token per row.
+
+Grid (token, kv head, split). Each CTA owns the G = H / K query heads of one kv
+head for one token, so every key/value page is loaded once for all of them.
+Two warpgroups:
+  * producer (wg 1): walks the split's pages through the block table and TMA-copies
+    each [S, D] K and V page (contiguous in `kv_pages [L, 2, K, P, S, D]`) into
+    an `nst`-deep ring of [BK, D] shared-memory tiles (BK = ppb pages), so up to
+    nst * BK * D * 4 bytes are in flight per CTA;
+  * consumer (wg 0): scores = q @ K^T and acc += p @ V on the tensor cores (wgmma,
+    M = 64 rows of which the first G are real: decode is bound by HBM, not FLOPs),
+    online softmax in float32 registers, then frees the slot.
+Split-K: with few (token, head) pairs the context is cut into `num_splits`
+page ranges; each CTA writes its normalized partial output and log-sum-exp and
+`combine` merges them (one small XLA fusion). With one split the CTA writes the
+final bf16 output directly.
+
+Every token is handled independently (its request from `token_req`, its key
+range from `positions`), so the kernel is correct for any batch; it is only
+*efficient* when each request has one new token (decode).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxllm.kernels.metadata import AttentionMetadata
+
+_ROWS = 64  # wgmma M: one warpgroup's accumulator rows
+_LOG2E = math.log2(math.e)
+
+
+def default_splits(num_tokens: int, num_kv_heads: int, num_sms: int = 132) -> int:
+    """Enough splits for about two CTAs per SM (a power of two, at most 16)."""
+    splits = 1
+    while splits < 16 and num_tokens * num_kv_heads * splits < 2 * num_sms:
+        splits *= 2
+    return splits
+
+
+def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, q_ref, kv_ref, *refs,
+                   sm_scale: float, num_kv_heads: int, num_pages: int, page_size: int,
+                   ppb: int, nst: int, num_splits: int, interpret: bool):
+    """Body; refs = outputs (o [, lse]) then the scoped SMEM / barriers."""
+    if num_splits > 1:
+        o_ref, lse_ref, scratch = refs[0], refs[1], refs[2:]
+    else:
+        o_ref, lse_ref, scratch = refs[0], None, refs[1:]
+    (q_smem, k_smem, v_smem, o_smem, lse_smem,
+     q_bar, k_bar, v_bar, free_bar, *a_bufs) = scratch
+    tok, kvh, split = lax.axis_index("t"), lax.axis_index("h"), lax.axis_index("s")
+    wg = lax.axis_index("wg")
+    # Layout casts only steer the GPU lowering; the CPU interpreter has no rule for them.
+    cast = (lambda x, _: x) if interpret else plgpu.layout_cast
+
+    def operand(x, i):
+        """wgmma A operand: registers on the GPU; the interpreter only takes SMEM refs."""
+        if not interpret:
+            return x
+        a_bufs[i][...] = x
+        return a_bufs[i]
+
+    def keys_t(ref):
+        """wgmma B operand K^T: a transposed view on the GPU, a staged copy in the interpreter."""
+        if not interpret:
+            return plgpu.transpose_ref(ref, (1, 0))
+        a_bufs[2][...] = ref[...].T
+        return a_bufs[2]
+    group, head_dim = q_ref.shape[2], q_ref.shape[3]
+    keys = ppb * page_size
+
+    kv_len = pos_ref[tok] + 1  # keys 0..position; padding tokens (-1) see none
+    n_pages = (kv_len + page_size - 1) // page_size
+    pps = ((n_pages + num_splits - 1) // num_splits + ppb - 1) // ppb * ppb
+    p0 = split * pps
+    p1 = jnp.minimum(p0 + pps, n_pages)
+    steps = jnp.maximum(p1 - p0 + ppb - 1, 0) // ppb
+    key_end = jnp.minimum(p1 * page_size, kv_len)
+
+    @pl.when(wg == 1)
+    def _producer():
+        req = req_ref[tok]
+        base = (layer_ref[0] * 2 * num_kv_heads + kvh) * num_pages  # K pages of this head
+        v_off = num_kv_heads * num_pages
+
+        @pl.loop(0, steps)
+        def _(step):
+            slot = lax.rem(step, jnp.int32(nst))
+
+            @pl.when(step >= nst)
+            def _():
+                plgpu.barrier_wait(free_bar.at[slot])
+
+            for j in range(ppb):
+                col = jnp.minimum(p0 + step * ppb + j, p1 - 1)  # tail pages repeat, masked
+                page = base + bt_ref[req, col]
+                dst = pl.ds(j * page_size, page_size)
+                plgpu.copy_gmem_to_smem(kv_ref.at[page], k_smem.at[slot, dst], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(kv_ref.at[page + v_off], v_smem.at[slot, dst],
+                                        v_bar.at[slot])
+
+        # Observe the last releases too: free on hardware, and it keeps every
+        # barrier phase accounted for (the CPU interpreter checks that).
+        @pl.loop(jnp.maximum(steps - nst, 0), steps)
+        def _(step):
+            plgpu.barrier_wait(free_bar.at[lax.rem(step, jnp.int32(nst))])
+
+    @pl.when(wg == 0)
+    def _consumer():
+        q_smem[...] = cast(jnp.zeros((_ROWS, head_dim), q_smem.dtype),
+                                        plgpu.Layout.WGMMA)
+        plgpu.commit_smem()
+        plgpu.copy_gmem_to_smem(q_ref.at[tok, kvh], q_smem.at[pl.ds(0, group)], q_bar.at[0])
+        plgpu.barrier_wait(q_bar.at[0])
+        # The CPU interpreter has no rule for plgpu.load; a plain read is equivalent there.
+        q = q_smem[...] if interpret else plgpu.load(q_smem, (), layout=plgpu.Layout.WGMMA,
+                                                            optimized=False)
+        row = plgpu.Layout.WGMMA.reduce(1)
+        m = cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32), row)
+        l = cast(jnp.full((_ROWS,), 0.0, jnp.float32), row)
+        acc = cast(jnp.full((_ROWS, head_dim), 0.0, jnp.float32),
+                                plgpu.Layout.WGMMA)
+        col = cast(lax.broadcasted_iota(jnp.int32, (_ROWS, keys), 1), plgpu.Layout.WGMMA)
+
+        def body(step, carry):
+            acc, m, l = carry
+            slot = lax.rem(step, jnp.int32(nst))
+            plgpu.barrier_wait(k_bar.at[slot])
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, operand(q, 0), keys_t(k_smem.at[slot]))
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((_ROWS, keys), jnp.float32))
+            s = s * (sm_scale * _LOG2E)  # log2 domain: exp2 below
+            s = jnp.where(col + ((p0 + step * ppb) * page_size) < key_end, s, -jnp.inf)
+            m_new = jnp.maximum(m, s.max(axis=1))
+            p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            alpha = jnp.exp2(m - m_new)
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            plgpu.barrier_wait(v_bar.at[slot])
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, operand(p.astype(v_smem.dtype), 1), v_smem.at[slot])
+                return acc_ref[...]
+
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((_ROWS, head_dim), jnp.float32))
+            plgpu.barrier_arrive(free_bar.at[slot])
+            return acc, m_new, l
+
+        acc, m, l = lax.fori_loop(0, steps, body, (acc, m, l))
+        l_safe = jnp.where(l == 0.0, 1.0, l)
+        out = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        o_smem[...] = out.astype(o_smem.dtype)
+        if lse_ref is not None:
+            lse_smem[...] = m + jnp.log(l) * (1.0 / math.log(2.0))  # log2; -inf if empty
+        plgpu.commit_smem()
+        if lse_ref is not None:
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[split, tok, kvh])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, tok, kvh])
+        else:
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[tok, kvh])
+        plgpu.wait_smem_to_gmem(0)
+
+
+def _interpret_params():
+    """Mosaic GPU's CPU interpreter (simulated SMEM, TMA and barriers, race detection)."""
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams(detect_races=True)
+
+
+def combine(o_part: jax.Array, lse: jax.Array, group: int, dtype) -> jax.Array:
+    """Merge split partials: o_part [N, T, K, G, D] f32, lse [N, T, K, 64] (log2) -> [T, H, D]."""
+    lse = lse[..., :group]  # [N, T, K, G]
+    top = lse.max(axis=0)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)  # all splits empty (padding) -> weights 0
+    w = jnp.exp2(lse - top)
+    num = jnp.einsum("ntkg,ntkgd->tkgd", w, o_part)
+    den = w.sum(axis=0)
+    out = num / jnp.where(den == 0.0, 1.0, den)[..., None]
+    return out.reshape(out.shape[0], -1, out.shape[-1]).astype(dtype)
+
+
+def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
+                           md: AttentionMetadata, *, sm_scale: float,
+                           num_splits: int | None = None, block_keys: int = 64,
+                           num_stages: int = 4, interpret: bool = False) -> jax.Array:
+    """Decode attention, q [T, H, D] -> [T, H, D]; same contract as ref.ragged_paged_attention."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_layers, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
+    group = num_heads // num_kv_heads
+    if group > _ROWS or page_size % 8 or head_dim % 64:
+        raise ValueError(f"unsupported shape: G={group}, S={page_size}, D={head_dim}")
+    ppb = max(1, block_keys // page_size)
+    splits = num_splits or default_splits(num_tokens, num_kv_heads)
+    flat_kv = kv_pages.reshape(-1, page_size, head_dim)  # page-major; a free reshape
+    q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    keys = ppb * page_size
+    scratch = (
+        plgpu.SMEM((_ROWS, head_dim), q.dtype),
+        plgpu.SMEM((num_stages, keys, head_dim), kv_pages.dtype, transforms=tiled),
+        plgpu.SMEM((num_stages, keys, head_dim), kv_pages.dtype, transforms=tiled),
+        plgpu.SMEM((_ROWS, head_dim), jnp.float32 if splits > 1 else q.dtype),
+        plgpu.SMEM((_ROWS,), jnp.float32),
+        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_arrivals=ppb, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=ppb, num_barriers=num_stages),
+        plgpu.Barrier(num_barriers=num_stages),
+    )
+    if interpret:  # staging for wgmma's A operand, see `operand`
+        scratch += (plgpu.SMEM((_ROWS, head_dim), q.dtype),
+                    plgpu.SMEM((_ROWS, keys), kv_pages.dtype),
+                    plgpu.SMEM((head_dim, keys), kv_pages.dtype))
+    if splits > 1:
+        out_type = (jax.ShapeDtypeStruct((splits, num_tokens, num_kv_heads, group, head_dim),
+                                         jnp.float32),
+                    jax.ShapeDtypeStruct((splits, num_tokens, num_kv_heads, _ROWS), jnp.float32))
+    else:
+        out_type = (jax.ShapeDtypeStruct((num_tokens, num_kv_heads, group, head_dim), q.dtype),)
+    body = functools.partial(
+        _decode_kernel, sm_scale=float(sm_scale), num_kv_heads=num_kv_heads,
+        num_pages=num_pages, page_size=page_size, ppb=ppb, nst=num_stages, num_splits=splits,
+        interpret=interpret)
+    outs = plgpu.kernel(
+        body, out_type=out_type, scratch_types=scratch,
+        grid=(num_tokens, num_kv_heads, splits), grid_names=("t", "h", "s"),
+        num_threads=2, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_params() if interpret else None,
+    )(md.positions.astype(jnp.int32), md.token_req.astype(jnp.int32),
+      md.block_tables.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32),
+      q4, flat_kv)
+    if splits > 1:
+        return combine(outs[0], outs[1], group, q.dtype)
+    return outs[0].reshape(num_tokens, num_heads, head_dim)
