@@ -157,6 +157,27 @@ def test_echo_prompt_logprobs_match_generation(client):
     assert only.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:n_prompt], abs=2e-3)
 
 
+def test_lm_eval_loglikelihood_request_shape(srv):
+    """The exact request lm-eval's local-completions sends (remote tokenizer, token-id batch), parsed its way."""
+    info = httpx.get(f"{srv.url}/tokenizer_info").json()
+    assert info["eos_token"] and info["chat_template"]
+    tok = lambda text: httpx.post(f"{srv.url}/tokenize", json={"prompt": text, "add_special_tokens": False}).json()
+    pairs = [("Question: 2+2? Answer:", " 4"), ("The sky is", " blue")]
+    batch, ctxlens = [], []
+    for ctx, cont in pairs:
+        c, w = tok(ctx)["tokens"], tok(ctx + cont)["tokens"]
+        batch.append(w)
+        ctxlens.append(len(c))
+    body = {"model": MODEL, "prompt": batch, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234,
+            "echo": True}
+    out = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).json()
+    for choice, ctxlen, ids in zip(sorted(out["choices"], key=lambda c: c["index"]), ctxlens, batch):
+        lps = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+        tops = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+        assert len(lps) == len(ids) - ctxlen and all(lp <= 0 for lp in lps)
+        assert all(max(top.values()) >= lp for lp, top in zip(lps, tops))
+
+
 def test_stop_string_streamed_and_not(client):
     base = client.completions.create(model=MODEL, prompt="Tell me", max_tokens=16, temperature=0).choices[0].text
     stop = base[len(base) // 2:len(base) // 2 + 3]
@@ -203,6 +224,15 @@ def test_64_concurrent_streams(srv):
     assert len(results) == 64 and all(f == "length" for _, f in results)
     st = srv.wait_idle()
     assert st["num_unfinished_requests"] == 0 and st["compiles_after_warmup"] == 0
+
+
+def test_prometheus_metrics(srv):
+    text = httpx.get(f"{srv.url}/metrics").text
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        assert srv.metric(f"jaxllm:{name}_count") > 0, name
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert f"jaxllm:{name}{{" in text, name
+    assert srv.metric("jaxllm:prompt_tokens_total") > 0 and srv.metric("jaxllm:generation_tokens_total") > 64 * 8
 
 
 def test_client_disconnect_aborts_and_frees_blocks(srv):

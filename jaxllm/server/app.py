@@ -141,6 +141,15 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
             ids = await engine.call(lambda e: list(e.tokenizer.encode(text, add_special_tokens=special)))
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
+    @app.get("/tokenizer_info", dependencies=auth)
+    async def tokenizer_info() -> dict:
+        """vLLM's endpoint: lets lm-eval's `tokenizer_backend=remote` use this server's tokenizer."""
+        tok = engine.tokenizer
+        info = {name: getattr(tok, name, None) for name in
+                ("bos_token", "eos_token", "pad_token", "unk_token", "chat_template")}
+        return dict(info, tokenizer_class="PreTrainedTokenizerFast", model_max_length=engine.max_model_len,
+                    vocab_size=getattr(tok, "vocab_size", None))
+
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(req: DetokenizeRequest) -> dict:
         completions.check_model(req.model)
