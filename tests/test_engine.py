@@ -131,3 +131,24 @@ def test_abort_frees_blocks(llm, prompts):
         eng.step()
     st = llm.stats()
     assert st["num_free_blocks"] == st["num_total_blocks"]
+
+
+def test_seeded_sampling_independent_of_companions(llm, prompts):
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=10, ignore_eos=True)
+    alone = llm.generate([prompts[4]], p, use_tqdm=False)[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_tokens=7, ignore_eos=True)] * 5
+    outs = llm.generate(prompts[:5] + [prompts[4]], others[:4] + [p, p], use_tqdm=False)
+    assert outs[4].outputs[0].token_ids == alone == outs[5].outputs[0].token_ids
+    # Unseeded requests in one call differ from each other (not a constant stream).
+    free = llm.generate([prompts[4]] * 2, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True),
+                        use_tqdm=False)
+    assert free[0].outputs[0].token_ids != free[1].outputs[0].token_ids
+
+
+def test_n_parallel_samples(llm, prompts):
+    p = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+    a = llm.generate([prompts[6]], p, use_tqdm=False)[0]
+    b = llm.generate([prompts[6]], p, use_tqdm=False)[0]
+    assert [c.index for c in a.outputs] == [0, 1, 2]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert len({tuple(c.token_ids) for c in a.outputs}) > 1

@@ -57,3 +57,36 @@ def test_text_chat_and_no_torch_in_serving_path(llm):
     text, torch_loaded = res.stdout.strip().splitlines()[-2:]
     assert "Paris" in text
     assert torch_loaded == "False"
+
+
+def test_stop_strings_logprobs_and_cli(llm):
+    tok = llm.get_tokenizer()
+    base = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=20),
+                        use_tqdm=False)[0].outputs[0]
+    word = base.text.split()[1]  # a word from the middle of the greedy continuation
+    cut = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=20, stop=[word]),
+                       use_tqdm=False)[0].outputs[0]
+    assert cut.text == base.text[:base.text.index(word)]
+    assert cut.finish_reason == "stop" and cut.stop_reason == word
+    keep = llm.generate(["The capital of France is"], SamplingParams(
+        temperature=0, max_tokens=20, stop=[word], include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert keep.text == base.text[:base.text.index(word) + len(word)]
+    # Incremental detokenization equals a one-shot decode of the ids.
+    assert base.text == tok.decode(base.token_ids)
+    lp = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=4, logprobs=5),
+                      use_tqdm=False)[0].outputs[0]
+    for tid, entry in zip(lp.token_ids, lp.logprobs):
+        assert entry[tid].rank == 1 and len(entry) == 5
+        assert max(e.logprob for e in entry.values()) == entry[tid].logprob <= 0
+
+
+def test_cli_generate_json():
+    import json
+    import subprocess
+
+    res = subprocess.run([sys.executable, "-m", "jaxllm.cli", "generate", "The capital of France is",
+                          "--max-tokens", "8", "--json", "--max-model-len", "64", "--max-num-seqs", "8"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout)
+    assert out[0]["prompt"] == "The capital of France is" and len(out[0]["token_ids"]) == 8

@@ -50,7 +50,6 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     num_tokens, num_heads, head_dim = q.shape
     _, _, num_kv_heads, _, page_size, _ = kv_pages.shape
     group = num_heads // num_kv_heads
-    layer_kv = kv_pages[layer]  # [2, K, P, S, D]
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * sm_scale
     token_pages = md.block_tables[md.token_req]  # [T, B]
     num_cols = (jnp.max(md.seq_lens) + page_size - 1) // page_size
@@ -58,9 +57,11 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     def body(j, carry):
         m, l, acc = carry
         page = token_pages[:, j]  # [T]
-        k = layer_kv[0][:, page].astype(jnp.float32)  # [K, T, S, D]
-        v = layer_kv[1][:, page].astype(jnp.float32)
-        s = jnp.einsum("tkgd,ktsd->tkgs", qg, k)
+        # One gather each, straight from the whole cache: slicing out the layer first
+        # would copy that layer's pages on every call.
+        k = kv_pages[layer, 0, :, page].astype(jnp.float32)  # [T, K, S, D]
+        v = kv_pages[layer, 1, :, page].astype(jnp.float32)
+        s = jnp.einsum("tkgd,tksd->tkgs", qg, k)
         key_pos = j * page_size + jnp.arange(page_size)
         visible = key_pos[None, :] <= md.positions[:, None]  # [T, S]
         s = jnp.where(visible[:, None, None, :], s, _NEG)
@@ -69,7 +70,7 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         p = jnp.where(visible[:, None, None, :], p, 0.0)
         scale = jnp.exp(m - m_new)
         l = l * scale + p.sum(-1)
-        acc = acc * scale[..., None] + jnp.einsum("tkgs,ktsd->tkgd", p, v)
+        acc = acc * scale[..., None] + jnp.einsum("tkgs,tksd->tkgd", p, v)
         return m_new, l, acc
 
     init = (jnp.full((num_tokens, num_kv_heads, group), _NEG, jnp.float32),
