@@ -238,6 +238,15 @@ class AsyncLLM:
 
     # -- the engine thread -----------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop_forever()
+        except BaseException as exc:  # the thread is gone: say so (/health -> 503) and fail everyone
+            log.exception("engine thread died")
+            self.dead = exc
+            for rid in list(self._streams):
+                self._loop.call_soon_threadsafe(self._finish_failed, rid, EngineDeadError(repr(exc)))
+
+    def _loop_forever(self) -> None:
         eng = self.engine
         while not self._stop:
             try:
