@@ -37,12 +37,20 @@ _ROWS = 64  # wgmma M: one warpgroup's accumulator rows
 _LOG2E = math.log2(math.e)
 
 
-def default_splits(num_tokens: int, num_kv_heads: int, num_sms: int = 132) -> int:
-    """Enough splits for about two CTAs per SM (a power of two, at most 16)."""
+def default_config(num_tokens: int, num_kv_heads: int, num_sms: int = 132) -> tuple[int, int]:
+    """(splits, stages) for a decode batch; see docs/kernels.md for the measurements.
+
+    Enough (token, head) pairs: no split, 3 stages = 112 KB of SMEM, so two CTAs share an
+    SM and one's prologue/epilogue latency hides under the other's stream. Few pairs:
+    split the context until one wave fills the SMs, with deep pipelines (one CTA per SM).
+    """
+    pairs = num_tokens * num_kv_heads
+    if pairs >= num_sms:
+        return 1, 3
     splits = 1
-    while splits < 16 and num_tokens * num_kv_heads * splits < 2 * num_sms:
+    while splits < 16 and pairs * splits * 2 <= num_sms:
         splits *= 2
-    return splits
+    return splits, 6 if splits == 1 else 5
 
 
 def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, q_ref, kv_ref, *refs,
@@ -55,6 +63,8 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, q_ref, kv_ref, *refs,
         o_ref, lse_ref, scratch = refs[0], None, refs[1:]
     (q_smem, k_smem, v_smem, o_smem, lse_smem,
      q_bar, k_bar, v_bar, free_bar, *a_bufs) = scratch
+    if o_smem is None:  # one split: stage the bf16 output in q's buffer (q is in registers)
+        o_smem = q_smem
     tok, kvh, split = lax.axis_index("t"), lax.axis_index("h"), lax.axis_index("s")
     wg = lax.axis_index("wg")
     # Layout casts only steer the GPU lowering; the CPU interpreter has no rule for them.
@@ -192,25 +202,31 @@ def combine(o_part: jax.Array, lse: jax.Array, group: int, dtype) -> jax.Array:
 def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
                            md: AttentionMetadata, *, sm_scale: float,
                            num_splits: int | None = None, block_keys: int = 64,
-                           num_stages: int = 4, interpret: bool = False) -> jax.Array:
-    """Decode attention, q [T, H, D] -> [T, H, D]; same contract as ref.ragged_paged_attention."""
+                           num_stages: int | None = None, interpret: bool = False,
+                           reduction_scratch_bytes: int | None = None,
+                           return_partials: bool = False) -> jax.Array:
+    """Decode attention, q [T, H, D] -> [T, H, D]; same contract as ref.ragged_paged_attention.
+
+    return_partials (benchmarks only): skip the split combine and return the kernel's outputs.
+    """
     num_tokens, num_heads, head_dim = q.shape
     num_layers, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
     group = num_heads // num_kv_heads
     if group > _ROWS or page_size % 8 or head_dim % 64:
         raise ValueError(f"unsupported shape: G={group}, S={page_size}, D={head_dim}")
     ppb = max(1, block_keys // page_size)
-    splits = num_splits or default_splits(num_tokens, num_kv_heads)
+    auto_splits, auto_stages = default_config(num_tokens, num_kv_heads)
+    splits, num_stages = num_splits or auto_splits, num_stages or auto_stages
     flat_kv = kv_pages.reshape(-1, page_size, head_dim)  # page-major; a free reshape
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     keys = ppb * page_size
-    scratch = (
+    scratch = (  # 16 KB + nst * BK * D * 4 bytes (+ 32 KB f32 partials when split)
         plgpu.SMEM((_ROWS, head_dim), q.dtype),
         plgpu.SMEM((num_stages, keys, head_dim), kv_pages.dtype, transforms=tiled),
         plgpu.SMEM((num_stages, keys, head_dim), kv_pages.dtype, transforms=tiled),
-        plgpu.SMEM((_ROWS, head_dim), jnp.float32 if splits > 1 else q.dtype),
-        plgpu.SMEM((_ROWS,), jnp.float32),
+        plgpu.SMEM((_ROWS, head_dim), jnp.float32) if splits > 1 else None,
+        plgpu.SMEM((_ROWS,), jnp.float32) if splits > 1 else None,
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_arrivals=ppb, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=ppb, num_barriers=num_stages),
@@ -220,6 +236,13 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         scratch += (plgpu.SMEM((_ROWS, head_dim), q.dtype),
                     plgpu.SMEM((_ROWS, keys), kv_pages.dtype),
                     plgpu.SMEM((head_dim, keys), kv_pages.dtype))
+    smem = 2 * _ROWS * head_dim + num_stages * keys * head_dim * 4 + (splits > 1) * (32 * 1024 + 256)
+    # Mosaic reserves scratch for cross-warp reductions; the softmax only reduces along
+    # rows (within a warp), so drop it when that lets two CTAs share an SM (<= 113 KB).
+    if reduction_scratch_bytes is None and smem <= 112 * 1024 + 512:
+        reduction_scratch_bytes = 0
+    rsb = {} if reduction_scratch_bytes is None else dict(
+        reduction_scratch_bytes=reduction_scratch_bytes)
     if splits > 1:
         out_type = (jax.ShapeDtypeStruct((splits, num_tokens, num_kv_heads, group, head_dim),
                                          jnp.float32),
@@ -234,11 +257,13 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         body, out_type=out_type, scratch_types=scratch,
         grid=(num_tokens, num_kv_heads, splits), grid_names=("t", "h", "s"),
         num_threads=2, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True, **rsb),
         interpret=_interpret_params() if interpret else None,
     )(md.positions.astype(jnp.int32), md.token_req.astype(jnp.int32),
       md.block_tables.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32),
       q4, flat_kv)
+    if return_partials:
+        return outs
     if splits > 1:
         return combine(outs[0], outs[1], group, q.dtype)
     return outs[0].reshape(num_tokens, num_heads, head_dim)
