@@ -111,7 +111,10 @@ class ModelRunner:
     def _step_impl(self, params, kv_pages, batch: Batch):
         self.num_traces += 1  # runs only while tracing: counts compilations
         model = nnx.merge(self.graphdef, params)
-        return model(kv_pages, batch.tokens, batch.md, batch.logits_indices)
+        # float32 means float32: without this, GPUs run f32 matmuls as TF32.
+        precision = "highest" if self.dtype == jnp.float32 else None
+        with jax.default_matmul_precision(precision):
+            return model(kv_pages, batch.tokens, batch.md, batch.logits_indices)
 
     def execute(self, hb: HostBatch) -> jax.Array:
         """Run one step; returns logits [R, V] (float32, still on device)."""
