@@ -23,7 +23,7 @@ import platform
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import httpx
 import numpy as np

@@ -17,7 +17,7 @@ import uuid
 from typing import Any, AsyncIterator, Awaitable
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from jaxllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineOverloadedError
 from jaxllm.outputs import RequestOutput
