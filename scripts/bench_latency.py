@@ -1,0 +1,173 @@
+"""Decode step latency against the memory-bandwidth floor (vLLM `benchmark_latency`-like flags).
+
+For each --batch-size B: B requests whose --input-len context is already in the
+KV cache (filled with random values; prefill is not what is timed), then
+--num-iters engine steps of one token per request, timed end to end (host
+scheduling + padded batch + jitted step + sampler). The floor is
+(weight bytes + K/V bytes read) / C, with C, the copy bandwidth, measured in
+the same process. With --hf, HF transformers with a static cache and
+torch.compile decodes the same shape as the peer.
+
+    python scripts/bench_latency.py --random-shape llama3-8b --batch-size 1 8 64 --input-len 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def copy_bandwidth(gib: float = 4.0) -> float:
+    """Bytes/s of a large float32 elementwise pass (read + write), median of 20."""
+    import jax
+    import jax.numpy as jnp
+
+    n = int(gib * (1 << 30)) // 4
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+    f = jax.jit(lambda a: a + 1.0)
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(20):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        ts.append(time.perf_counter() - t)
+    del x
+    return 2 * n * 4 / statistics.median(ts)
+
+
+def fill_random(runner) -> None:
+    import jax
+
+    @jax.jit
+    def rnd(kv):
+        return jax.random.normal(jax.random.key(1), kv.shape, kv.dtype)
+
+    runner.kv_pages = jax.jit(rnd, donate_argnums=0)(runner.kv_pages)
+    runner.kv_pages.block_until_ready()
+
+
+def decode_steps(llm, batch: int, ctx: int, iters: int, rng) -> dict:
+    """Put `batch` requests with `ctx` cached tokens in the running set; time decode steps."""
+    from jaxllm import SamplingParams
+    from jaxllm.runtime.request import RequestStatus
+
+    eng = llm.engine
+    sched = eng.scheduler
+    params = SamplingParams(temperature=0.0, max_tokens=iters + 4, ignore_eos=True)
+    ids = []
+    for i in range(batch):
+        rid = f"b{batch}-{i}"
+        eng.add_request(rid, rng.integers(0, eng.model_cfg.vocab_size, size=ctx).tolist(), params)
+        req = sched.waiting.pop()
+        assert eng.kv.allocate_slots(req, ctx) is not None, "KV pool too small"
+        req.num_computed_tokens = ctx - 1  # context cached: the next step feeds 1 token
+        req.status = RequestStatus.RUNNING
+        sched.running.append(req)
+        ids.append(rid)
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        outs = eng.step()
+        times.append(time.perf_counter() - t)
+        assert sum(1 for _ in outs) == batch
+    eng.abort_request(ids)
+    return {"median_s": statistics.median(times[2:]), "min_s": min(times[2:]), "all_s": times}
+
+
+def hf_decode(cfg: dict, batch: int, ctx: int, new_tokens: tuple[int, int] = (8, 40)) -> float:
+    """Per-token decode time of HF transformers (static cache, torch.compile) at this shape."""
+    import torch
+    import transformers as tf
+
+    config = tf.LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+    with torch.device("cuda"):
+        model = tf.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    ids = torch.randint(0, cfg["vocab_size"], (batch, ctx), device="cuda")
+    kw = dict(do_sample=False, cache_implementation="static", pad_token_id=0,
+              attention_mask=torch.ones_like(ids))
+    res = {}
+    for n in (*new_tokens, *new_tokens):  # second round is warm (compiled)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kw)
+        torch.cuda.synchronize()
+        res[n] = time.perf_counter() - t
+    del model
+    torch.cuda.empty_cache()
+    return (res[new_tokens[1]] - res[new_tokens[0]]) / (new_tokens[1] - new_tokens[0])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default=None)
+    p.add_argument("--random-shape", default="llama3-8b")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 64])
+    p.add_argument("--input-len", type=int, default=2048)
+    p.add_argument("--num-iters", type=int, default=30)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--hf", action="store_true", help="HF transformers + torch.compile peer")
+    p.add_argument("--hf-batch-size", type=int, nargs="+", default=[1])
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args()
+
+    from shapes import SHAPES
+
+    from jaxllm import LLM
+
+    C = copy_bandwidth()
+    max_b = max(args.batch_size)
+    seqs = tuple(sorted({8, 64, max_b} | ({1} if 1 in args.batch_size else set())))
+    llm = LLM(args.model, hf_config=None if args.model else SHAPES[args.random_shape], dtype=args.dtype,
+              max_model_len=args.input_len + args.num_iters + 8, max_num_seqs=max_b,
+              max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
+              token_buckets=tuple(sorted({*seqs, args.max_num_batched_tokens})), seq_buckets=seqs)
+    fill_random(llm.engine.runner)
+    m = llm.engine.model_cfg
+    weight_bytes = llm.engine.runner.weight_bytes
+    kv_per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * 2
+    rng = np.random.default_rng(0)
+    rows = []
+    for b in args.batch_size:
+        r = decode_steps(llm, b, args.input_len, args.num_iters, rng)
+        floor = (weight_bytes + b * args.input_len * kv_per_token) / C
+        rows.append({"batch": b, "ctx": args.input_len, "step_s": r["median_s"], "floor_s": floor,
+                     "x_floor": r["median_s"] / floor})
+    st = llm.stats()
+    result = {"C_bytes_per_s": C, "weight_bytes": weight_bytes, "rows": rows,
+              "compiles_after_warmup": st["compiles_after_warmup"], "warmup_s": st["warmup_seconds"],
+              "attention_backend": args.attention_backend}
+    if args.hf:
+        del llm
+        import gc
+        gc.collect()
+        cfg = SHAPES[args.random_shape]
+        result["hf"] = []
+        for b in args.hf_batch_size:
+            t = hf_decode(cfg, b, args.input_len)
+            floor = (weight_bytes + b * args.input_len * kv_per_token) / C
+            result["hf"].append({"batch": b, "step_s": t, "x_floor": t / floor})
+    print(json.dumps(result, indent=2))
+    print(f"\nC = {C / 1e12:.2f} TB/s, weights {weight_bytes / 1e9:.2f} GB, "
+          f"compiles after warm-up {result['compiles_after_warmup']}")
+    print(f"{'batch':>6}{'ctx':>6}{'step ms':>10}{'floor ms':>10}{'x floor':>9}")
+    for r in rows:
+        print(f"{r['batch']:>6}{r['ctx']:>6}{r['step_s'] * 1e3:>10.2f}{r['floor_s'] * 1e3:>10.2f}{r['x_floor']:>9.2f}")
+    for r in result.get("hf", []):
+        print(f"HF+torch.compile batch {r['batch']}: {r['step_s'] * 1e3:.2f} ms/step = {r['x_floor']:.2f}x floor")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
