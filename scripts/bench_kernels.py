@@ -87,10 +87,35 @@ def time_fn(call, inner: int = 10, groups: int = 7) -> float:
     return float(np.median(ts))
 
 
+def gpu_time(call, calls: int = 5) -> float:
+    """Seconds of GPU kernel time per call (sum of kernel durations from a jax.profiler
+    trace): the device cost without host launch/dispatch gaps."""
+    import glob
+    import tempfile
+    jax.block_until_ready(call())
+    d = tempfile.mkdtemp()
+    jax.profiler.start_trace(d)
+    jax.block_until_ready([call() for _ in range(calls)])
+    jax.profiler.stop_trace()
+    data = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    busy = 0
+    for plane in data.planes:
+        if plane.name.startswith("/device:GPU:0"):
+            for line in plane.lines:
+                if "Stream" in line.name:
+                    busy += sum(e.duration_ns for e in line.events if "emcpy" not in e.name)
+    if not busy:
+        raise RuntimeError(f"no GPU kernel events in planes {[p.name for p in data.planes]}")
+    return busy * 1e-9 / calls
+
+
+MAX_LAYERS = 16
+
+
 def decode_case(batch: int, ctx: int, page: int, seed: int = 0) -> dict:
     """Random bf16 pool with L layers, shuffled block tables, one decode token per request."""
     layer_bytes = batch * ctx * K * D * 2 * 2
-    layers = int(min(16, max(1, -(-4 * L2_BYTES // layer_bytes))))
+    layers = int(min(MAX_LAYERS, max(1, -(-4 * L2_BYTES // layer_bytes))))
     ppr = -(-ctx // page)
     num_pages = batch * ppr + 8
     rng = np.random.default_rng(seed)
@@ -192,6 +217,12 @@ def bench_case(batch, ctx, page, names, args, C) -> dict:
                 res["rel_err"] = 0.0 if unchecked else check(fn, case, want)
                 f = jax.jit(lambda qs, kv, md: [fn(qs[l], kv, jnp.int32(l), md) for l in range(L)])
                 t = time_fn(lambda: f(qs, kv, md), inner=args.inner) / L
+                if args.profile:
+                    try:
+                        g = gpu_time(lambda: f(qs, kv, md)) / L
+                        res.update(gpu_us=g * 1e6, gpu_frac_C=case["nbytes"] / g / C)
+                    except Exception as e:  # noqa: BLE001
+                        res["profile_error"] = repr(e)[-500:]
             res.update(us=t * 1e6, frac_C=case["nbytes"] / t / C, ok=res["rel_err"] < 1e-2)
         except Exception as e:  # noqa: BLE001
             res["error"] = "".join(traceback.format_exception_only(type(e), e))[-2000:]
@@ -292,12 +323,16 @@ def main() -> None:
     p.add_argument("--mosaic-block-keys", type=int, default=64)
     p.add_argument("--inner", type=int, default=10)
     p.add_argument("--copy-gib", type=float, default=4.0)
+    p.add_argument("--profile", action="store_true", help="also GPU kernel time from a trace")
+    p.add_argument("--max-layers", type=int, default=16)
     p.add_argument("--smoke", action="store_true", help="small-shape correctness first")
     p.add_argument("--mixed", action="store_true", help="also time the prefill/mixed case")
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_kernels.json"))
     args = p.parse_args()
     names = args.kernels.split(",")
+    global MAX_LAYERS
+    MAX_LAYERS = args.max_layers
     dev = jax.devices()[0]
     result = dict(device=str(dev.device_kind), jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M:%S"), argv=sys.argv[1:], rows=[])
@@ -318,7 +353,8 @@ def main() -> None:
                 result["rows"].append(bench_case(batch, ctx, page, names, args, C))
                 save()
     print(f"\nC = {C / 1e12:.2f} TB/s ({dev.device_kind}, jax {jax.__version__}); "
-          "cells: fraction of C (us); '!' = failed check, 'E' = error")
+          "cells: fraction of C (us); GPU kernel time with --profile, else wall time per call; "
+          "'!' = failed check, 'E' = error")
     print(f"{'B':>4} {'ctx':>5} {'S':>3} " + " ".join(f"{n:>17}" for n in names))
     for row in result["rows"]:
         cells = []
@@ -328,7 +364,8 @@ def main() -> None:
                 cells.append(f"{'E':>17}")
             else:
                 flag = "" if r.get("ok") else "!"
-                cells.append(f"{r['frac_C']:>6.3f} ({r['us']:>7.1f}){flag:1}")
+                frac, us = (r["gpu_frac_C"], r["gpu_us"]) if "gpu_us" in r else (r["frac_C"], r["us"])
+                cells.append(f"{frac:>6.3f} ({us:>7.1f}){flag:1}")
         print(f"{row['batch']:>4} {row['ctx']:>5} {row['page']:>3} " + " ".join(cells))
 
 

@@ -212,8 +212,10 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     num_tokens, num_heads, head_dim = q.shape
     num_layers, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
     group = num_heads // num_kv_heads
-    if group > _ROWS or page_size % 8 or head_dim % 64:
+    if group > _ROWS or page_size % 8 or head_dim % 64 or block_keys % page_size:
         raise ValueError(f"unsupported shape: G={group}, S={page_size}, D={head_dim}")
+    if block_keys != 64:  # 32: wgmma wants K % 64 == 0; 128 failed the check (docs/kernels.md)
+        raise ValueError(f"block_keys must be 64, got {block_keys}")
     ppb = max(1, block_keys // page_size)
     auto_splits, auto_stages = default_config(num_tokens, num_kv_heads)
     splits, num_stages = num_splits or auto_splits, num_stages or auto_stages
@@ -236,7 +238,8 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         scratch += (plgpu.SMEM((_ROWS, head_dim), q.dtype),
                     plgpu.SMEM((_ROWS, keys), kv_pages.dtype),
                     plgpu.SMEM((head_dim, keys), kv_pages.dtype))
-    smem = 2 * _ROWS * head_dim + num_stages * keys * head_dim * 4 + (splits > 1) * (32 * 1024 + 256)
+    smem = (2 * _ROWS * head_dim + num_stages * keys * head_dim * 4
+            + (splits > 1) * (_ROWS * head_dim * 4 + _ROWS * 4))
     # Mosaic reserves scratch for cross-warp reductions; the softmax only reduces along
     # rows (within a warp), so drop it when that lets two CTAs share an SM (<= 113 KB).
     if reduction_scratch_bytes is None and smem <= 112 * 1024 + 512:
