@@ -116,3 +116,38 @@ class BlockPool:
 
     def lookup(self, block_hash: int) -> Block | None:
         return self.cached.get(block_hash)
+
+
+class HostBlockPool:
+    """Slots in host memory for swapped-out pages (ids only; kv_ops owns the bytes).
+
+    Slots freed by a swap-in go to a *pending* list and become reusable only at
+    the next `release_pending()` (the start of the next step): the device copy
+    that reads them runs after the step is scheduled, so a swap-out scheduled
+    in the same step must not be handed the same slot.
+    """
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self._pending: list[int] = []
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def allocate(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(n)]
+
+    def release(self, ids: list[int]) -> None:
+        self._pending.extend(ids)
+
+    def release_pending(self) -> None:
+        self._free.extend(reversed(self._pending))
+        self._pending.clear()

@@ -1,4 +1,4 @@
-"""Per-request block tables over the shared block pool, with prefix caching.
+"""Per-request block tables over the shared block pool: prefix caching, forks, swap.
 
 A request's table is a plain list of blocks: slot i of the request lives in
 block table[i // block_size] at offset i % block_size. Allocation is all or
@@ -9,27 +9,62 @@ Prefix caching: a full block is named by a hash chained over its parent's hash,
 its tokens and the request's cache salt, so equal hashes mean equal prefixes.
 Cached blocks keep their K/V after their owner finishes and are reused until
 the pool evicts them (least recently freed first).
+
+Forks (parallel sampling, beam search) share every block of the parent by
+reference count. The only block a sharer ever writes is the partly filled one
+at its `num_computed_tokens`; when that block is shared, `allocate_slots` gives
+the writer a private copy (copy-on-write). Device work is not done here: the
+copies, and the page moves of swap preemption, are queued as (source,
+destination) pairs that the scheduler hands to the engine with the step.
 """
 
 from __future__ import annotations
 
-from jaxllm.runtime.block_pool import Block, BlockPool
+import hashlib
+from array import array
+
+from jaxllm.runtime.block_pool import Block, BlockPool, HostBlockPool
 from jaxllm.runtime.request import Request
 
 
 def block_hash(parent: int | None, tokens: list[int], salt: str | None) -> int:
-    return hash((parent, tuple(tokens), salt))
+    """128 bits of SHA-256 over (parent hash, salt, tokens).
+
+    Python's own hash of an int tuple can be collided on purpose, and a
+    collision here would serve one request another's K/V, across cache salts
+    too; SHA-256 (vLLM's choice as well) makes that impractical at ~1 us a block.
+    """
+    h = hashlib.sha256(b"\x01" + parent.to_bytes(16, "little") if parent is not None else b"\x00")
+    if salt is None:
+        h.update(b"\x00")
+    else:
+        s = salt.encode()
+        h.update(b"\x01" + len(s).to_bytes(4, "little") + s)
+    h.update(array("q", tokens).tobytes())
+    return int.from_bytes(h.digest()[:16], "little")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
+        self.host = HostBlockPool(num_host_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.tables: dict[str, list[Block]] = {}
+        self.swapped: dict[str, list[int]] = {}  # request id -> host slots of its pages, in order
         self._hashes: dict[str, list[int]] = {}  # hashes of each request's full blocks
-        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self._lookups: dict[str, int] = {}  # request id -> hit tokens, counted once admitted
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (first admission)
         self.prefix_hits = 0  # of which found
+        # Device work for the step being scheduled; see take_ops().
+        self._swap_out: list[tuple[int, int]] = []  # (device block, host slot)
+        self._copies: list[tuple[int, int]] = []  # (source block, destination block)
+        self._swap_in: list[tuple[int, int]] = []  # (host slot, device block)
 
     @property
     def num_free_blocks(self) -> int:
@@ -42,6 +77,10 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.tables.get(request_id, ())]
 
+    def is_swapped(self, req: Request) -> bool:
+        return req.request_id in self.swapped
+
+    # -- prefix cache ---------------------------------------------------------
     def _full_block_hashes(self, req: Request, num_blocks: int) -> list[int]:
         hashes = self._hashes.setdefault(req.request_id, [])
         S = self.block_size
@@ -55,9 +94,11 @@ class KVCacheManager:
         """Longest run of cached full blocks matching a new request's prefix.
 
         Stops one token short of the whole sequence: the last token must run
-        through the model to produce logits.
+        through the model to produce logits. Has no side effect on the pool;
+        the lookup counts towards the stats only when the request is admitted
+        (a request waiting for room is looked up again every step).
         """
-        if not self.enable_prefix_caching or req.request_id in self.tables:
+        if not self.enable_prefix_caching or req.request_id in self.tables or self.is_swapped(req):
             return []
         hits: list[Block] = []
         for h in self._full_block_hashes(req, (req.num_tokens - 1) // self.block_size):
@@ -65,29 +106,8 @@ class KVCacheManager:
             if b is None:
                 break
             hits.append(b)
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
+        self._lookups[req.request_id] = len(hits) * self.block_size
         return hits
-
-    def allocate_slots(self, req: Request, num_new_tokens: int,
-                       computed_blocks: list[Block] = ()) -> list[Block] | None:
-        """Grow req's table to hold num_new_tokens more tokens; None if the pool is short.
-
-        `computed_blocks` (prefix-cache hits from get_computed_blocks) are
-        prepended by reference rather than allocated.
-        """
-        table = self.tables.get(req.request_id, [])
-        S = self.block_size
-        total = req.num_computed_tokens + len(computed_blocks) * S + num_new_tokens
-        need = -(-total // S) - len(table) - len(computed_blocks)
-        reclaimed = sum(1 for b in computed_blocks if b.ref_cnt == 0)
-        if need > self.pool.num_free - reclaimed:
-            return None
-        for b in computed_blocks:
-            self.pool.touch(b)
-        new = self.pool.allocate(need) if need > 0 else []
-        self.tables[req.request_id] = table + list(computed_blocks) + new
-        return new
 
     def cache_full_blocks(self, req: Request) -> None:
         """Register the request's blocks that are full of computed tokens."""
@@ -98,12 +118,117 @@ class KVCacheManager:
         for b, h in zip(table[:n], self._full_block_hashes(req, n)):
             self.pool.cache(b, h)
 
-    def free(self, req: Request) -> None:
-        self.pool.release(self.tables.pop(req.request_id, []))
-        self._hashes.pop(req.request_id, None)
-
     def reset_prefix_cache(self) -> None:
         """Forget all cached hashes (e.g. after the weights change)."""
         for b in self.pool.blocks:
             b.block_hash = None
         self.pool.cached.clear()
+
+    # -- allocation -------------------------------------------------------------
+    def _needs_cow(self, table: list[Block], num_computed: int, num_new: int) -> bool:
+        """Will the next write land in a partly filled block that others share?"""
+        i = num_computed // self.block_size
+        return (num_new > 0 and num_computed % self.block_size != 0 and i < len(table)
+                and table[i].ref_cnt > 1)
+
+    def num_blocks_needed(self, req: Request, num_new_tokens: int,
+                          computed_blocks: list[Block] = ()) -> int:
+        """Free blocks `allocate_slots` would take (reclaimed cache hits and copies included)."""
+        S = self.block_size
+        if self.is_swapped(req):
+            return _cdiv(req.num_computed_tokens + num_new_tokens, S)
+        table = self.tables.get(req.request_id, [])
+        nc = req.num_computed_tokens + len(computed_blocks) * S
+        need = max(0, _cdiv(nc + num_new_tokens, S) - len(table) - len(computed_blocks))
+        need += self._needs_cow(table, nc, num_new_tokens)
+        return need + sum(1 for b in computed_blocks if b.ref_cnt == 0)
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       computed_blocks: list[Block] = ()) -> list[Block] | None:
+        """Grow req's table to hold num_new_tokens more tokens; None if the pool is short.
+
+        `computed_blocks` (prefix-cache hits from get_computed_blocks) are
+        prepended by reference rather than allocated. A swapped-out request
+        gets fresh blocks for its pages plus the new tokens, and its swap-in
+        is queued. Returns the blocks allocated for new tokens.
+        """
+        if self.num_blocks_needed(req, num_new_tokens, computed_blocks) > self.pool.num_free:
+            return None
+        if self.is_swapped(req):
+            return self._swap_in(req, num_new_tokens)
+        S = self.block_size
+        table = list(self.tables.get(req.request_id, [])) + list(computed_blocks)
+        nc = req.num_computed_tokens + len(computed_blocks) * S
+        cow = self._needs_cow(table, nc, num_new_tokens)
+        for b in computed_blocks:
+            self.pool.touch(b)
+        need = max(0, _cdiv(nc + num_new_tokens, S) - len(table))
+        new = self.pool.allocate(need + cow) if need + cow else []
+        if cow:
+            dst, src = new.pop(), table[nc // S]
+            table[nc // S] = dst
+            self.pool.release([src])  # still held by the other sharers
+            self._copies.append((src.block_id, dst.block_id))
+        self.tables[req.request_id] = table + new
+        hit = self._lookups.pop(req.request_id, None)
+        if hit is not None and req.num_preemptions == 0:
+            self.prefix_queries += req.num_tokens
+            self.prefix_hits += hit
+        return new
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give child a table sharing parent's blocks up to parent's computed tokens."""
+        nc = parent.num_computed_tokens
+        shared = self.tables[parent.request_id][:_cdiv(nc, self.block_size)]
+        for b in shared:
+            self.pool.touch(b)
+        self.tables[child.request_id] = list(shared)
+        self._hashes[child.request_id] = self._hashes.get(parent.request_id, [])[:nc // self.block_size]
+
+    def free(self, req: Request) -> None:
+        """Drop the request's blocks (device and host); cached ones stay reusable."""
+        self.pool.release(self.tables.pop(req.request_id, []))
+        self._hashes.pop(req.request_id, None)
+        self._lookups.pop(req.request_id, None)
+        slots = self.swapped.pop(req.request_id, None)
+        if slots:
+            self.host.release(slots)
+
+    # -- swap preemption ----------------------------------------------------------
+    def swap_out(self, req: Request) -> bool:
+        """Queue the pages holding req's computed tokens for host memory and free
+        its device blocks; False (nothing done) if the host pool is short."""
+        table = self.tables.get(req.request_id, [])
+        keep = table[:_cdiv(req.num_computed_tokens, self.block_size)]
+        slots = self.host.allocate(len(keep))
+        if slots is None:
+            return False
+        self._swap_out.extend(zip((b.block_id for b in keep), slots))
+        self.swapped[req.request_id] = slots
+        self.pool.release(self.tables.pop(req.request_id))
+        self._lookups.pop(req.request_id, None)
+        return True
+
+    def _swap_in(self, req: Request, num_new_tokens: int) -> list[Block]:
+        slots = self.swapped.pop(req.request_id)
+        blocks = self.pool.allocate(_cdiv(req.num_computed_tokens + num_new_tokens, self.block_size))
+        self._swap_in.extend(zip(slots, (b.block_id for b in blocks)))
+        self.host.release(slots)  # reusable from the next step on, once the copy has read them
+        self.tables[req.request_id] = blocks
+        return blocks[len(slots):]
+
+    # -- per-step device work -------------------------------------------------------
+    def begin_step(self) -> None:
+        self.host.release_pending()
+
+    def take_ops(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[tuple[int, int]]]:
+        """(swap_out, copies, swap_in) queued since the last call.
+
+        The engine must run them before the step's forward pass, in this order:
+        swap-outs and copies read pages as they were before the step (a block
+        freed by a preemption this step may already be someone's destination),
+        and swap-ins write blocks that nothing else reads this step.
+        """
+        ops = (self._swap_out, self._copies, self._swap_in)
+        self._swap_out, self._copies, self._swap_in = [], [], []
+        return ops

@@ -3,7 +3,12 @@
 Following vLLM V1 there is no prefill/decode mode. `num_computed_tokens` counts
 how many of `all_token_ids` already have K/V in the cache; the scheduler simply
 feeds the rest, in chunks if the token budget is short. A request resumed after
-recompute preemption just has its counter reset to 0.
+recompute preemption just has its counter reset to 0; one resumed after swap
+preemption keeps it (its pages come back from host memory).
+
+Parallel sampling (n > 1) uses one *leader* request for the prompt; the other
+n - 1 sequences wait as `pending_forks` and are forked off the leader, sharing
+its blocks, the moment its prompt is computed and n first tokens are sampled.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    PARKED = "parked"  # all tokens computed, waiting for its owner to fork or finish it
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -55,6 +61,18 @@ class Request:
     first_token_time: float | None = None
     finished_time: float | None = None
     data: object = None  # engine-side payload (sampling params, detokenizer, ...)
+    pending_forks: list["Request"] = field(default_factory=list)  # n > 1: siblings to fork
+    seq_no: int = 0  # admission tie-breaker, set by the scheduler
+
+    @property
+    def seats(self) -> int:
+        """Running slots this request needs: itself plus the forks it will spawn."""
+        return 1 + len(self.pending_forks)
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Priority order: lower priority value first, then arrival (FCFS)."""
+        return (self.priority, self.arrival_time, self.seq_no)
 
     @property
     def num_prompt_tokens(self) -> int:

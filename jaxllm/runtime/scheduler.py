@@ -2,23 +2,37 @@
 
 Each step has a token budget. Running requests go first (a generating request
 needs one token, a request mid-prompt its next chunk), then waiting ones are
-admitted while budget, `max_num_seqs` and free blocks last. When the pool runs
-dry for a running request, the most recently admitted running request is
-preempted by recompute: its blocks are freed and it returns to the head of the
-waiting queue with its counter at zero.
+admitted while budget, `max_num_seqs` seats and free blocks last. When the
+pool runs dry for a running request, the last running request is preempted:
+the most recently admitted one (FCFS), or the lowest-priority one (policy
+"priority": `running` is then kept sorted by `Request.sort_key`). Preemption
+either frees the victim's blocks and resets its counter (recompute) or queues
+its pages for host memory and keeps the counter (swap; recompute when the host
+pool is full). Under "priority" a waiting request that does not fit also
+preempts running requests of strictly lower priority.
+
+Forks: an n > 1 leader reserves n seats; when its prompt's last chunk samples,
+its pending siblings are forked off it, sharing its blocks. `fork()` does the
+same for an arbitrary running or parked request (beam search). A request that
+samples but is handed no token is *parked*: out of the running set, blocks
+kept, until its owner forks or finishes it; parked blocks are the first to go
+when the pool runs dry.
 
 The output is plain data (`SchedulerOutput`): which tokens of which request to
-run, where their K/V go, and which rows produce a sampled token.
+run, where their K/V go, which rows produce sampled tokens, and the page copies
+and swaps the engine must run before the step.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from jaxllm.runtime.kv_cache_manager import KVCacheManager
 from jaxllm.runtime.request import Request, RequestStatus
+from jaxllm.runtime.request_queue import make_queue
 
 
 @dataclass(frozen=True)
@@ -27,6 +41,14 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     long_prefill_token_threshold: int = 0  # 0: a prompt chunk may take the whole budget
+    policy: str = "fcfs"  # "fcfs" | "priority"
+    preemption_mode: str = "recompute"  # "recompute" | "swap"
+
+    def __post_init__(self):
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"unknown scheduling policy {self.policy!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"unknown preemption mode {self.preemption_mode!r}")
 
 
 @dataclass
@@ -36,6 +58,7 @@ class ScheduledRequest:
     start_pos: int  # position of token_ids[0] (= num_computed_tokens before the step)
     block_ids: list[int]  # the request's whole block table
     sample: bool  # this chunk reaches the end of the known tokens: sample one
+    fork_ids: list[str] = field(default_factory=list)  # siblings sampling from this row too
 
 
 @dataclass
@@ -43,42 +66,97 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
     num_batched_tokens: int = 0
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
 
     @property
     def empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def has_kv_ops(self) -> bool:
+        return bool(self.swap_out or self.copies or self.swap_in)
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order: last = first to preempt
+        self.waiting = make_queue(config.policy)
+        self.running: list[Request] = []  # the last one is the next to preempt
+        self.parked: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
+        self._leader_of: dict[str, Request] = {}  # pending fork id -> its leader
+        self._seq = itertools.count()
         self.num_preemptions = 0
+        self.num_swapped_out = 0
 
     # -- queue management --------------------------------------------------
-    def add(self, req: Request) -> None:
-        if req.request_id in self.requests:
-            raise ValueError(f"duplicate request id {req.request_id!r}")
-        self.requests[req.request_id] = req
-        self.waiting.append(req)
+    def add(self, req: Request, forks: list[Request] = ()) -> None:
+        """Queue req; `forks` are its n > 1 siblings, forked once its prompt is done."""
+        ids = [req.request_id] + [f.request_id for f in forks]
+        if len(set(ids)) != len(ids) or any(i in self.requests for i in ids):
+            raise ValueError(f"duplicate request id among {ids!r}")
+        for r in [req, *forks]:
+            r.seq_no = next(self._seq)
+            self.requests[r.request_id] = r
+        for f in forks:
+            self._leader_of[f.request_id] = req
+        req.pending_forks = list(forks)
+        self.waiting.add(req)
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish (or abort) a request wherever it is and free its blocks."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+        leader = self._leader_of.pop(request_id, None)
+        if leader is not None:
+            leader.pending_forks.remove(req)
+        elif self.parked.pop(request_id, None) is None:
+            if req in self.running:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+        if req.pending_forks:  # the first sibling takes over the prompt
+            heir, *rest = req.pending_forks
+            req.pending_forks, heir.pending_forks = [], rest
+            del self._leader_of[heir.request_id]
+            for f in rest:
+                self._leader_of[f.request_id] = heir
+            self.waiting.add_preempted(heir)
         if not req.finished:
             req.status = status
         req.finished_time = time.time()
         self.kv.free(req)
         return req
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Start `child`, whose tokens extend parent's computed ones, from parent's blocks.
+
+        With parent's blocks resident (running, or parked and not evicted) the
+        child shares them and computes only what follows; otherwise it queues
+        as a new request (the prefix cache may still cover its full blocks).
+        """
+        if child.request_id in self.requests:
+            raise ValueError(f"duplicate request id {child.request_id!r}")
+        nc = parent.num_computed_tokens
+        if parent.request_id not in self.kv.tables or nc == 0:
+            self.add(child)
+            return
+        if child.num_tokens <= nc or child.token_slice(0, nc) != parent.token_slice(0, nc):
+            raise ValueError("a fork must extend its parent's computed tokens")
+        child.seq_no = next(self._seq)
+        self.requests[child.request_id] = child
+        self._share(parent, child)
+
+    def _share(self, parent: Request, child: Request) -> None:
+        self.kv.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.status = RequestStatus.RUNNING
+        self._insert_running(child)
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -91,35 +169,82 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
-    # -- the step -----------------------------------------------------------
-    def _chunk(self, req: Request, budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+    # -- helpers -------------------------------------------------------------
+    def _insert_running(self, req: Request) -> None:
+        if self.config.policy == "priority":
+            bisect.insort(self.running, req, key=lambda r: r.sort_key)
+        else:
+            self.running.append(req)
+
+    def _chunk(self, num_tokens: int, budget: int) -> int:
+        n = min(num_tokens, budget)
         if self.config.long_prefill_token_threshold > 0:
             n = min(n, self.config.long_prefill_token_threshold)
         return n
 
-    def _preempt(self) -> Request:
-        victim = self.running.pop()
-        self.kv.free(victim)
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        if self.config.preemption_mode == "swap" and self.kv.swap_out(victim):
+            self.num_swapped_out += 1
+        else:
+            self.kv.free(victim)
+            victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(victim)
-        return victim
+        self.waiting.add_preempted(victim)
+        out.preempted.append(victim.request_id)
 
+    def _evict_parked(self) -> bool:
+        """Free the blocks of the oldest parked request that still has some."""
+        for req in self.parked.values():
+            if req.request_id in self.kv.tables:
+                self.kv.free(req)
+                return True
+        return False
+
+    def _admission(self, req: Request, budget: int) -> tuple[list, int]:
+        """(prefix-cache hits, tokens to schedule) if req were admitted now."""
+        hits = self.kv.get_computed_blocks(req)
+        left = req.num_tokens - req.num_computed_tokens - len(hits) * self.kv.block_size
+        return hits, self._chunk(left, budget)
+
+    def _preempt_for_priority(self, out: SchedulerOutput, budget: int) -> None:
+        """Make room for a waiting request that outranks the lowest running one."""
+        while len(self.waiting) and self.running:
+            head, victim = self.waiting.peek(), self.running[-1]
+            if head.priority >= victim.priority:
+                return
+            hits, n = self._admission(head, budget)
+            seats = sum(r.seats for r in self.running) + head.seats
+            if (seats <= self.config.max_num_seqs
+                    and self.kv.num_blocks_needed(head, n, hits) <= self.kv.num_free_blocks):
+                return
+            if seats <= self.config.max_num_seqs and self._evict_parked():
+                continue
+            self._preempt(victim, out)
+
+    # -- the step -----------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        cfg = self.config
+        self.kv.begin_step()
+        budget = cfg.max_num_batched_tokens
+        if cfg.policy == "priority":
+            self._preempt_for_priority(out, budget)
         picked: list[tuple[Request, int]] = []
+        preempted_for_room = False
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(picked) < cfg.max_num_seqs:
             req = self.running[i]
-            n = self._chunk(req, budget)
+            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
             while self.kv.allocate_slots(req, n) is None:
-                victim = self._preempt()
-                out.preempted.append(victim.request_id)
+                if self._evict_parked():
+                    continue
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                preempted_for_room = True
                 if victim is req:
                     break
             else:
@@ -129,57 +254,77 @@ class Scheduler:
                 continue
             break  # req itself was preempted: nothing after it is left in running
 
-        if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                req = self.waiting[0]
-                hits = self.kv.get_computed_blocks(req)
-                num_hit = len(hits) * self.kv.block_size
-                n = min(req.num_tokens - req.num_computed_tokens - num_hit, budget)
-                if self.config.long_prefill_token_threshold > 0:
-                    n = min(n, self.config.long_prefill_token_threshold)
-                if self.kv.allocate_slots(req, n, hits) is None:
+        if not preempted_for_room:  # no thrashing: a victim must not be readmitted at once
+            seats = sum(r.seats for r in self.running)
+            while len(self.waiting) and budget > 0:
+                req = self.waiting.peek()
+                if seats + req.seats > cfg.max_num_seqs:
                     break
-                self.waiting.popleft()
+                hits, n = self._admission(req, budget)
+                if self.kv.allocate_slots(req, n, hits) is None:
+                    if self._evict_parked():
+                        continue
+                    break
+                self.waiting.pop()
+                num_hit = len(hits) * self.kv.block_size
                 req.num_computed_tokens += num_hit
                 if req.num_preemptions == 0:
                     req.num_cached_tokens = num_hit
                 req.status = RequestStatus.RUNNING
-                self.running.append(req)
+                self._insert_running(req)
+                seats += req.seats
                 picked.append((req, n))
                 budget -= n
 
         for req, n in picked:
             start = req.num_computed_tokens
+            sample = start + n == req.num_tokens
             out.scheduled.append(ScheduledRequest(
                 request_id=req.request_id,
                 token_ids=req.token_slice(start, start + n),
                 start_pos=start,
                 block_ids=self.kv.block_ids(req.request_id),
-                sample=start + n == req.num_tokens,
+                sample=sample,
+                fork_ids=[f.request_id for f in req.pending_forks] if sample else [],
             ))
             out.num_batched_tokens += n
+        out.swap_out, out.copies, out.swap_in = self.kv.take_ops()
         return out
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance counters after the step ran; append sampled tokens.
+        """Advance counters after the step ran; fork pending siblings; append sampled tokens.
 
+        A sampling request (or sibling) missing from `sampled` is parked.
         Returns the requests that received a token (finished ones included:
         their blocks are already freed and they are no longer tracked).
         """
         now = time.time()
-        touched = []
+        touched: list[Request] = []
         for s in out.scheduled:
             req = self.requests.get(s.request_id)
-            if req is None:  # aborted while the step ran
+            if req is None or req.status is not RequestStatus.RUNNING:  # aborted meanwhile
                 continue
             req.num_computed_tokens = s.start_pos + len(s.token_ids)
             self.kv.cache_full_blocks(req)
             if not s.sample:
                 continue
-            req.output_token_ids.append(int(sampled[s.request_id]))
-            if req.first_token_time is None:
-                req.first_token_time = now
-            touched.append(req)
-            if req.check_stop(self.config.max_model_len):
-                self.finish(req.request_id, req.status)
+            forks, req.pending_forks = req.pending_forks, []
+            for child in forks:  # before req's own stop check can free the shared blocks
+                del self._leader_of[child.request_id]
+                self._share(req, child)
+                self._append(child, sampled.get(child.request_id), now, touched)
+            self._append(req, sampled.get(req.request_id), now, touched)
         return touched
+
+    def _append(self, req: Request, token: int | None, now: float, touched: list[Request]) -> None:
+        if token is None:
+            self.running.remove(req)
+            req.status = RequestStatus.PARKED
+            self.parked[req.request_id] = req
+            return
+        req.output_token_ids.append(int(token))
+        if req.first_token_time is None:
+            req.first_token_time = now
+        touched.append(req)
+        if req.check_stop(self.config.max_model_len):
+            self.finish(req.request_id, req.status)
