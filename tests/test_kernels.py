@@ -172,3 +172,34 @@ def test_write_kv_writes_exactly_the_new_slots():
         touched[2, :, :, page, off] = True
     np.testing.assert_array_equal(new[~touched], old[~touched])
     assert touched.sum() == 2 * 2 * 16 * 8  # 8 real tokens, padding dropped
+
+
+def test_backend_selection_on_cpu():
+    from jaxllm.kernels import get_attention_fn
+    assert get_attention_fn(None, "cpu") is ref.ragged_paged_attention
+    assert get_attention_fn("reference", "cpu") is ref.ragged_paged_attention
+    assert get_attention_fn("pallas", "cpu").keywords["interpret"] is True
+    with pytest.raises(ValueError):
+        get_attention_fn("mosaic", "cpu")
+    with pytest.raises(ValueError):
+        get_attention_fn("flash", "gpu")
+
+
+@pytest.mark.skipif(not __import__("os").environ.get("JAXLLM_MOSAIC_INTERPRET"),
+                    reason="Mosaic GPU CPU interpreter is slow (~40 s); set JAXLLM_MOSAIC_INTERPRET=1")
+@pytest.mark.parametrize("splits", [1, 2])
+def test_mosaic_decode_in_cpu_interpreter(splits):
+    """The Hopper kernel's logic (TMA ring, barriers, split-K, combine) in the GPU interpreter,
+    with its race detector; only wgmma's A/B operand staging differs from the GPU path."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+    from jaxllm.kernels import mosaic_decode
+    rng = np.random.default_rng(11)
+    reqs = [(27, 1)]
+    q, kv, md = make_batch(rng, reqs, page_size=8, num_kv_heads=1, group=4, head_dim=64,
+                           pad_reqs=0, pad_tokens=1, dtype=jnp.bfloat16)
+    got = mosaic_decode.paged_decode_attention(q, kv, jnp.int32(1), md, sm_scale=0.3,
+                                               num_splits=splits, num_stages=2, interpret=True)
+    dense = dense_outputs(q, kv, 1, md, reqs, 8, 0.3)
+    assert rel_err(np.asarray(got, np.float32), dense) < 1e-2
+    assert not np.asarray(got[1:], np.float32).any()
+    assert not ipc.get_races().races_found
