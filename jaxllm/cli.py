@@ -21,6 +21,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention-backend", default=None, choices=["reference", "pallas", "mosaic"])
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many devices (all processes' devices together)")
+    g = p.add_argument_group("multi-host", "run one model over several processes (jax.distributed); "
+                             "start every process with the same flags but its own --process-id")
+    g.add_argument("--distributed-coordinator", default=None, metavar="HOST:PORT",
+                   help="address of process 0's coordinator service, e.g. 127.0.0.1:1234")
+    g.add_argument("--num-processes", type=int, default=1)
+    g.add_argument("--process-id", type=int, default=0,
+                   help="0 schedules and serves; the others only run the model's steps")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -29,7 +38,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               gpu_memory_utilization=args.gpu_memory_utilization,
               num_gpu_blocks_override=args.num_gpu_blocks_override, seed=args.seed,
-              attention_backend=args.attention_backend)
+              attention_backend=args.attention_backend,
+              tensor_parallel_size=args.tensor_parallel_size,
+              distributed_coordinator=args.distributed_coordinator,
+              num_processes=args.num_processes, process_id=args.process_id)
     if args.enable_prefix_caching is not None:
         kw["enable_prefix_caching"] = args.enable_prefix_caching
     return kw
@@ -94,6 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         s.set_defaults(fn=lambda a: sys.exit("jaxllm serve needs: pip install 'jaxllm[serve]'"))
 
     args = parser.parse_args(argv)
+    if getattr(args, "num_processes", 1) > 1 and args.process_id != 0:
+        # A follower: same engine, no scheduler/server; runs process 0's steps until it stops.
+        from jaxllm.parallel import run_follower
+        run_follower(getattr(args, "model_tag", None) or args.model, **engine_kwargs(args))
+        return 0
     return args.fn(args)
 
 

@@ -27,6 +27,11 @@ class EngineConfig:
     tokenizer: str | None = None
     cache_dir: str | None = None  # converted-checkpoint cache ($JAXLLM_CACHE, ~/.cache/jaxllm)
     skip_warmup: bool = False
+    tensor_parallel_size: int = 1  # devices (over all processes) one model is split across
+    # Multi-host (jax.distributed): process 0 schedules and serves, the others follow its steps.
+    distributed_coordinator: str | None = None  # "host:port" of process 0's coordinator service
+    num_processes: int = 1
+    process_id: int = 0
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -35,6 +40,12 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float", "half", "bf16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if not 0 <= self.process_id < max(self.num_processes, 1):
+            raise ValueError(f"process_id {self.process_id} is not in [0, num_processes={self.num_processes})")
+        if self.num_processes > 1 and not self.distributed_coordinator:
+            raise ValueError("num_processes > 1 needs distributed_coordinator (host:port of process 0)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -44,6 +44,8 @@ class ParentRequest:
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, *, hf_config: dict | None = None, weights=None,
                  tokenizer=None):
+        from jaxllm.parallel.multihost import init_distributed  # before anything touches jax
+        init_distributed(cfg.distributed_coordinator, cfg.num_processes, cfg.process_id)
         if hf_config is None:
             from jaxllm.models.loader import load_model_files
             hf_config, weights, loaded_tok = load_model_files(cfg.model, cfg.cache_dir)
@@ -100,7 +102,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.runner.warmup(self.token_buckets, self.seq_buckets)
         for r in self.seq_buckets:
-            self.sampler.warmup(r)
+            self.runner.warmup_sampler(self.sampler, r)  # as the runner's logits are placed
         self.warmup_seconds = time.perf_counter() - t0
 
     def num_traces(self) -> int:

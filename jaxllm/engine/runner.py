@@ -4,6 +4,10 @@
 once per (token bucket, request bucket) pair with the KV pages donated, so XLA
 updates them in place. Every bucket is compiled at start-up; `stats()` exposes a
 trace counter so tests can assert that serving never compiles again.
+
+With tensor_parallel_size > 1 (or several processes) the same step runs over a
+`jaxllm.parallel.TensorParallel` mesh: parameters and pages are placed shard by
+shard, attention runs per shard, and KV blocks are sized from per-device memory.
 """
 
 from __future__ import annotations
@@ -37,10 +41,10 @@ class Batch:
     logits_indices: jax.Array  # [R] int32
 
     @classmethod
-    def from_host(cls, hb: HostBatch) -> "Batch":
+    def from_host(cls, hb: HostBatch, sharding=None) -> "Batch":
         md = AttentionMetadata(hb.positions, hb.token_req, hb.slot_mapping, hb.block_tables,
                                hb.seq_lens, hb.query_start_loc, hb.num_seqs)
-        return jax.device_put(cls(hb.tokens, md, hb.logits_indices))
+        return jax.device_put(cls(hb.tokens, md, hb.logits_indices), sharding)
 
 
 def resolve_dtype(name: str, platform: str):
@@ -61,30 +65,49 @@ def pick_attention(backend: str | None, platform: str):
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int,
                  state: dict | None = None, dtype=None):
-        self.model_cfg = model_cfg
         self.cfg = cfg
         self.platform = jax.devices()[0].platform
         self.dtype = dtype or resolve_dtype(cfg.dtype, self.platform)
         self.block_size = cfg.block_size
         self.max_blocks = -(-max_model_len // cfg.block_size)
         attn = pick_attention(cfg.attention_backend, self.platform)
-        make = lambda: Llama(model_cfg, self.dtype, rngs=nnx.Rngs(cfg.seed), attention_fn=attn)
-        if state is None:
-            model = make()  # random weights (tests, benchmarks)
+        self.tp = self.channel = None
+        if cfg.tensor_parallel_size > 1 or jax.process_count() > 1:
+            from jaxllm.parallel import TensorParallel, leader_channel
+            self.tp = TensorParallel(model_cfg, cfg.tensor_parallel_size)
+            attn = self.tp.attention(attn)
+            if self.tp.multi_process:
+                self.channel = leader_channel(self.max_blocks)
+        ckpt_cfg, model_cfg = model_cfg, (self.tp.model_cfg if self.tp else model_cfg)
+        self.model_cfg = model_cfg  # with tp > K: the stored (repeated) KV head count
+        make = lambda c=model_cfg: Llama(c, self.dtype, rngs=nnx.Rngs(cfg.seed), attention_fn=attn)
+        if self.tp is not None:
+            self.graphdef, self.params = self.tp.build_params(make, lambda: make(ckpt_cfg), state)
+        elif state is None:
+            self.graphdef, self.params = nnx.split(make())  # random weights (tests, benchmarks)
         else:
             model = nnx.eval_shape(make)
             load_state(model, state)
-        self.graphdef, self.params = nnx.split(model)
+            self.graphdef, self.params = nnx.split(model)
         self.weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
         self.num_blocks = self._num_blocks(max_model_len)
         L, K, D = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
-        self.kv_pages = jnp.zeros((L, 2, K, self.num_blocks, self.block_size, D), self.dtype)
+        shape = (L, 2, K, self.num_blocks, self.block_size, D)
         self.num_traces = 0
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+        if self.tp is None:
+            self.kv_pages = jnp.zeros(shape, self.dtype)
+            self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+            self.device_bytes = {"weight_bytes": self.weight_bytes, "kv_bytes": self.kv_pages.nbytes}
+        else:
+            self.kv_pages = self.tp.zeros(shape, self.dtype)
+            self._step = self.tp.jit_step(self._step_impl, self.params)
+            self.device_bytes = self.tp.report(self.params, self.kv_pages, self.num_blocks)
 
     def _bytes_per_block(self) -> int:
+        """Bytes one block takes on each device (its share of the KV heads)."""
         m = self.model_cfg
-        return m.num_layers * 2 * m.num_kv_heads * self.block_size * m.head_dim * jnp.dtype(self.dtype).itemsize
+        heads = self.tp.layout.kv_heads_per_device if self.tp else m.num_kv_heads
+        return m.num_layers * 2 * heads * self.block_size * m.head_dim * jnp.dtype(self.dtype).itemsize
 
     def _num_blocks(self, max_model_len: int) -> int:
         cfg = self.cfg
@@ -92,16 +115,20 @@ class ModelRunner:
             return cfg.num_gpu_blocks_override
         per_block = self._bytes_per_block()
         if cfg.kv_cache_memory_bytes is not None:
-            budget = cfg.kv_cache_memory_bytes
+            budget = cfg.kv_cache_memory_bytes  # per device, as vLLM counts it
         elif self.platform == "cpu":
             # CPU: enough for every sequence at full length, at most 1 GiB.
             need = cfg.max_num_seqs * self.max_blocks * per_block
             budget = min(need, 1 << 30)
+        elif self.tp is not None:
+            budget = self.tp.kv_budget(cfg.gpu_memory_utilization)
         else:
             stats = jax.devices()[0].memory_stats() or {}
             limit = stats.get("bytes_limit", 16 << 30)
             budget = int(limit * cfg.gpu_memory_utilization) - stats.get("bytes_in_use", 0) - (2 << 30)
         blocks = budget // per_block
+        if self.tp is not None:
+            blocks = self.tp.agree(blocks)
         if blocks < self.max_blocks:
             raise ValueError(
                 f"KV cache budget of {budget} bytes holds {blocks} blocks of {self.block_size} tokens, "
@@ -117,13 +144,51 @@ class ModelRunner:
             return model(kv_pages, batch.tokens, batch.md, batch.logits_indices)
 
     def execute(self, hb: HostBatch) -> jax.Array:
-        """Run one step; returns logits [R, V] (float32, still on device)."""
-        self.kv_pages, logits = self._step(self.params, self.kv_pages, Batch.from_host(hb))
-        return logits
+        """Run one step; returns logits [R, V] (float32, still on device).
+
+        With several processes this is the leader's call: the batch is broadcast
+        first, so the followers run the same step (`jaxllm.parallel.follow`).
+        """
+        if self.channel is not None:
+            self.channel.send(hb)
+        return self.run_step(hb)
+
+    def run_step(self, hb: HostBatch) -> jax.Array:
+        """The jitted step alone (followers call this for each broadcast batch)."""
+        if self.tp is None:
+            self.kv_pages, logits = self._step(self.params, self.kv_pages, Batch.from_host(hb))
+            return logits
+        batch = Batch.from_host(hb, self.tp.replicated)
+        self.kv_pages, logits = self._step(self.params, self.kv_pages, batch)
+        return self.tp.local_logits(logits)
+
+    def warmup_sampler(self, sampler, num_rows: int) -> None:
+        """Compile the sampler for logits as `execute` returns them.
+
+        On one device those are uncommitted arrays, like the sampler's own warm-up
+        zeros. Over a mesh they are committed to a mesh device, and jit keys its
+        cache on that, so the warm-up's zeros are moved there first. Followers
+        never sample.
+        """
+        if self.tp is None:
+            return sampler.warmup(num_rows)
+        if self.channel is not None and not self.channel.is_leader:
+            return None
+        device, sample = self.tp.local_devices[0], sampler.sample
+        sampler.sample = lambda logits, batch: sample(jax.device_put(logits, device), batch)
+        try:
+            sampler.warmup(num_rows)
+        finally:
+            del sampler.sample  # back to the class's method
 
     def warmup(self, token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...]) -> float:
-        """Compile every (T, R) bucket pair with R <= T, writing nothing to the cache."""
+        """Compile every (T, R) bucket pair with R <= T, writing nothing to the cache.
+
+        Followers skip this: they compile as the leader's warm-up batches reach them.
+        """
         t0 = time.perf_counter()
+        if self.channel is not None and not self.channel.is_leader:
+            return 0.0
         for T in token_buckets:
             for R in seq_buckets:
                 if R > pick_bucket(seq_buckets, min(T, seq_buckets[-1])):

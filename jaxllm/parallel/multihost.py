@@ -1,0 +1,132 @@
+"""Several processes, one model: process 0 schedules, every process runs the step.
+
+JAX is multi-controller: a jitted computation over a mesh that spans processes
+runs only when every process calls it, with the same shapes, in the same order.
+So process 0 (the leader) keeps the whole host side (scheduler, block manager,
+sampler, server) and, before each step, broadcasts the step's padded batch; the
+other processes (followers) sit in `follow`, receiving batches and running the
+same jitted step on their devices. Their copy of the logits is dropped; the
+leader samples from its local replica.
+
+Wire format, per step, two `broadcast_one_to_all` calls: a fixed [4] int32
+header (command, T, R, real rows), then the batch's int32 fields concatenated
+(their shapes follow from T, R and the block-table width B, which every process
+derives from the same config). Each (T, R) bucket compiles its broadcast once,
+during warm-up, as the step does.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from jaxllm.engine.batch import HostBatch
+
+log = logging.getLogger("jaxllm")
+
+_STOP, _STEP = 0, 1
+
+
+def init_distributed(coordinator: str | None, num_processes: int, process_id: int) -> bool:
+    """`jax.distributed.initialize` when more than one process is asked for; True if multi-process.
+
+    Must run before anything touches a JAX backend. CPU collectives use gloo, so
+    local processes on 127.0.0.1 work without accelerators.
+    """
+    if num_processes <= 1:
+        return False
+    if not jax.distributed.is_initialized():
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                   process_id=process_id)
+        log.info("jax.distributed: process %d of %d, coordinator %s, %d local / %d global devices",
+                 jax.process_index(), jax.process_count(), coordinator, jax.local_device_count(),
+                 jax.device_count())
+    return True
+
+
+def _field_shapes(T: int, R: int, B: int) -> dict[str, tuple[int, ...]]:
+    return dict(tokens=(T,), positions=(T,), token_req=(T,), slot_mapping=(T,),
+                block_tables=(R, B), seq_lens=(R,), query_start_loc=(R + 1,), num_seqs=(1,),
+                logits_indices=(R,))
+
+
+class StepChannel:
+    """Leader -> followers broadcast of each step's `HostBatch` (or a stop command)."""
+
+    def __init__(self, max_blocks: int):
+        self.max_blocks = max_blocks
+        self.is_leader = jax.process_index() == 0
+        self.closed = False
+
+    def _header(self, values: tuple[int, int, int, int] = (0, 0, 0, 0)) -> np.ndarray:
+        return multihost_utils.broadcast_one_to_all(np.asarray(values, np.int32))
+
+    def send(self, hb: HostBatch) -> None:
+        T, R = hb.tokens.shape[0], hb.block_tables.shape[0]
+        self._header((_STEP, T, R, hb.num_rows))
+        names = _field_shapes(T, R, self.max_blocks)
+        payload = np.concatenate([np.asarray(getattr(hb, n), np.int32).ravel() for n in names])
+        multihost_utils.broadcast_one_to_all(payload)
+
+    def receive(self) -> HostBatch | None:
+        """Block until the leader's next batch; None once it sends stop."""
+        cmd, T, R, rows = (int(v) for v in self._header())
+        if cmd == _STOP:
+            self.closed = True
+            return None
+        shapes = _field_shapes(T, R, self.max_blocks)
+        size = sum(int(np.prod(s)) for s in shapes.values())
+        flat = multihost_utils.broadcast_one_to_all(np.zeros(size, np.int32))
+        fields, at = {}, 0
+        for name, shape in shapes.items():
+            n = int(np.prod(shape))
+            fields[name] = np.asarray(flat[at:at + n]).reshape(shape)
+            at += n
+        return HostBatch(**fields, num_rows=rows)
+
+    def close(self) -> None:
+        """Leader: release the followers (idempotent; also registered with atexit)."""
+        if self.is_leader and not self.closed:
+            self.closed = True
+            self._header((_STOP, 0, 0, 0))
+            log.info("multi-host: sent stop to %d follower process(es)", jax.process_count() - 1)
+
+
+def leader_channel(max_blocks: int) -> StepChannel:
+    ch = StepChannel(max_blocks)
+    if ch.is_leader:
+        atexit.register(ch.close)  # runs before jax.distributed's own atexit shutdown
+    return ch
+
+
+def follow(runner) -> int:
+    """Follower loop: run the leader's steps until it stops; returns the step count."""
+    if runner.channel is None or runner.channel.is_leader:
+        raise RuntimeError("follow() runs on processes other than 0 of a multi-process engine")
+    steps = 0
+    while (hb := runner.channel.receive()) is not None:
+        runner.run_step(hb)
+        steps += 1
+    log.info("multi-host follower %d: leader stopped after %d steps", jax.process_index(), steps)
+    return steps
+
+
+def run_follower(model: str | None = None, **engine_kwargs) -> int:
+    """Build the engine exactly as the leader does (same arguments), then follow its steps."""
+    from jaxllm.config import EngineConfig
+    from jaxllm.engine.llm_engine import LLMEngine
+
+    extra = {k: engine_kwargs.pop(k) for k in ("hf_config", "weights") if k in engine_kwargs}
+    cfg = EngineConfig(model=model, **engine_kwargs)
+    if cfg.num_processes <= 1 or cfg.process_id == 0:
+        raise ValueError("run_follower is for process ids 1..num_processes-1")
+    engine = LLMEngine(cfg, **extra)
+    return follow(engine.runner)
+
+
+__all__ = ["StepChannel", "follow", "init_distributed", "leader_channel", "run_follower"]

@@ -1,0 +1,123 @@
+"""`TensorParallel`: everything the model runner needs to run one model over a mesh.
+
+The runner stays a single-device program in shape: it asks this object for the
+model config to build (K' stored KV heads), the attention function (wrapped in
+shard_map), the placed parameters, the KV page array, and the jit shardings.
+Everything else (scheduler, block manager, sampler) is host-side and unchanged:
+the block manager's page ids index the page axis, which is not split, so one
+block table serves every device.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxllm.models.config import ModelConfig
+from jaxllm.parallel.attention import shard_attention
+from jaxllm.parallel.mesh import HeadLayout, head_layout, make_mesh, sharded_model_config
+from jaxllm.parallel.sharding import (KV_PAGES_SPEC, bytes_on_device, init_random_state,
+                                      place_state)
+
+log = logging.getLogger("jaxllm")
+_MiB = float(1 << 20)
+
+
+class TensorParallel:
+    """One model's mesh, head layout and shardings (tp >= 1, one or several processes)."""
+
+    def __init__(self, model_cfg: ModelConfig, tp: int, devices: list | None = None):
+        self.layout: HeadLayout = head_layout(model_cfg, tp)
+        self.mesh = make_mesh(tp, devices)
+        self.tp = tp
+        self.checkpoint_cfg = model_cfg
+        self.model_cfg = sharded_model_config(model_cfg, self.layout)
+        self.replicated = NamedSharding(self.mesh, P())
+        self.kv_sharding = NamedSharding(self.mesh, KV_PAGES_SPEC)
+        me = jax.process_index()
+        self.local_devices = [d for d in self.mesh.devices.flat if d.process_index == me]
+        if self.layout.kv_repeat > 1:
+            log.info("tensor parallel %d > %d KV heads: each KV head is stored %d times (%d heads, "
+                     "%d per device)", tp, model_cfg.num_kv_heads, self.layout.kv_repeat,
+                     self.layout.stored_kv_heads, self.layout.kv_heads_per_device)
+
+    @property
+    def multi_process(self) -> bool:
+        return jax.process_count() > 1
+
+    def attention(self, fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+        return shard_attention(fn, self.mesh)
+
+    def build_params(self, make_sharded: Callable[[], nnx.Module],
+                     make_unsharded: Callable[[], nnx.Module], state: dict | None
+                     ) -> tuple[nnx.GraphDef, nnx.State]:
+        """(graphdef, params) with every parameter already split across the mesh.
+
+        `make_sharded` builds the model with K' KV heads (its shapes only are used);
+        `make_unsharded` the checkpoint-shaped one, for random init.
+        """
+        graphdef, abstract = nnx.split(nnx.eval_shape(make_sharded))
+        D = self.model_cfg.head_dim
+        if state is None:
+            params = init_random_state(make_unsharded, abstract, self.mesh, self.layout, D)
+        else:
+            params = place_state(abstract, state, self.mesh, self.layout, D)
+        return graphdef, params
+
+    def zeros(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+        """The KV page array, allocated shard by shard (never whole on one device)."""
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.kv_sharding)()
+
+    def jit_step(self, fn: Callable, params: nnx.State) -> Callable:
+        """jit `fn(params, kv_pages, batch) -> (kv_pages, logits)` with fixed shardings.
+
+        Fixed in/out shardings keep the donated pages in place and make a
+        mis-placed input an error instead of a silent recompile.
+        """
+        param_shardings = jax.tree.map(lambda x: x.sharding, params)
+        return jax.jit(fn, donate_argnums=(1,),
+                       in_shardings=(param_shardings, self.kv_sharding, self.replicated),
+                       out_shardings=(self.kv_sharding, self.replicated))
+
+    def put_batch(self, batch: Any) -> Any:
+        """Host batch -> replicated on every mesh device (each process fills its own)."""
+        return jax.device_put(batch, self.replicated)
+
+    @staticmethod
+    def local_logits(logits: jax.Array) -> jax.Array:
+        """The replicated logits' copy on this process's first mesh device (no transfer)."""
+        return logits.addressable_data(0)
+
+    def kv_budget(self, utilization: float, headroom: int = 2 << 30) -> int:
+        """Free KV bytes on the tightest local mesh device (the same count goes on every one)."""
+        budgets = []
+        for d in self.local_devices:
+            stats = d.memory_stats() or {}
+            limit = stats.get("bytes_limit", 16 << 30)
+            budgets.append(int(limit * utilization) - stats.get("bytes_in_use", 0) - headroom)
+        return min(budgets)
+
+    def agree(self, value: int) -> int:
+        """The minimum of `value` over processes: every process must size the same KV array."""
+        if not self.multi_process:
+            return value
+        from jax.experimental import multihost_utils
+        return int(np.min(multihost_utils.process_allgather(np.asarray(value, np.int64))))
+
+    def report(self, params: nnx.State, kv_pages: jax.Array, num_blocks: int) -> dict:
+        """Per-device bytes of weights and KV pages, logged once at start-up."""
+        dev = self.local_devices[0]
+        w = bytes_on_device(params, dev)
+        kv = bytes_on_device(kv_pages, dev)
+        log.info("tensor parallel %d over %s devices: per device %.1f MiB weights + %.1f MiB KV "
+                 "(%d blocks, %d of %d KV heads), total weights %.1f MiB",
+                 self.tp, dev.platform, w / _MiB, kv / _MiB, num_blocks,
+                 self.layout.kv_heads_per_device, self.layout.stored_kv_heads,
+                 sum(x.nbytes for x in jax.tree.leaves(params)) / _MiB)
+        return {"weight_bytes": w, "kv_bytes": kv}
