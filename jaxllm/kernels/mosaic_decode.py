@@ -124,19 +124,17 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, q_ref, kv_ref, *refs,
 
     @pl.when(wg == 0)
     def _consumer():
-        q_smem[...] = cast(jnp.zeros((_ROWS, head_dim), q_smem.dtype),
-                                        plgpu.Layout.WGMMA)
+        q_smem[...] = cast(jnp.zeros((_ROWS, head_dim), q_smem.dtype), plgpu.Layout.WGMMA)
         plgpu.commit_smem()
         plgpu.copy_gmem_to_smem(q_ref.at[tok, kvh], q_smem.at[pl.ds(0, group)], q_bar.at[0])
         plgpu.barrier_wait(q_bar.at[0])
         # The CPU interpreter has no rule for plgpu.load; a plain read is equivalent there.
-        q = q_smem[...] if interpret else plgpu.load(q_smem, (), layout=plgpu.Layout.WGMMA,
-                                                            optimized=False)
+        q = q_smem[...] if interpret else plgpu.load(
+            q_smem, (), layout=plgpu.Layout.WGMMA, optimized=False)
         row = plgpu.Layout.WGMMA.reduce(1)
         m = cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32), row)
         l = cast(jnp.full((_ROWS,), 0.0, jnp.float32), row)
-        acc = cast(jnp.full((_ROWS, head_dim), 0.0, jnp.float32),
-                                plgpu.Layout.WGMMA)
+        acc = cast(jnp.full((_ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
         col = cast(lax.broadcasted_iota(jnp.int32, (_ROWS, keys), 1), plgpu.Layout.WGMMA)
 
         def body(step, carry):
