@@ -127,8 +127,10 @@ def main() -> None:
     C = copy_bandwidth()
     max_b = max(args.batch_size)
     seqs = tuple(sorted({8, 64, max_b} | ({1} if 1 in args.batch_size else set())))
+    max_len = args.input_len + args.num_iters + 8
     llm = LLM(args.model, hf_config=None if args.model else SHAPES[args.random_shape], dtype=args.dtype,
-              max_model_len=args.input_len + args.num_iters + 8, max_num_seqs=max_b,
+              max_model_len=max_len, max_num_seqs=max_b,
+              num_gpu_blocks_override=max_b * -(-max_len // 16) + 16,
               max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
               token_buckets=tuple(sorted({*seqs, args.max_num_batched_tokens})), seq_buckets=seqs)
     fill_random(llm.engine.runner)

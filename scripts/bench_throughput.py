@@ -26,7 +26,9 @@ def run_jaxllm(args, prompts):
 
     kw = dict(dtype=args.dtype, max_model_len=args.input_len + args.output_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              attention_backend=args.attention_backend)
+              attention_backend=args.attention_backend,
+              token_buckets=tuple(args.token_buckets) if args.token_buckets else None,
+              seq_buckets=tuple(args.seq_buckets) if args.seq_buckets else None)
     if args.random_shape:
         from shapes import SHAPES
         kw["hf_config"] = SHAPES[args.random_shape]
@@ -87,6 +89,8 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--attention-backend", default=None)
+    p.add_argument("--token-buckets", type=int, nargs="*", default=None)
+    p.add_argument("--seq-buckets", type=int, nargs="*", default=None)
     p.add_argument("--hf", action="store_true", help="also run HF transformers generate (peer)")
     p.add_argument("--hf-batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
