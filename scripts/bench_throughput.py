@@ -98,8 +98,9 @@ def main() -> None:
     args = p.parse_args()
 
     rng = np.random.default_rng(args.seed)
-    vocab = 49152 if not args.random_shape else 128256
-    prompts = rng.integers(100, vocab - 100, size=(args.num_prompts, args.input_len)).tolist()
+    from shapes import SHAPES
+    vocab = SHAPES[args.random_shape]["vocab_size"] if args.random_shape else 49152
+    prompts = rng.integers(min(100, vocab // 4), vocab - min(100, vocab // 4), size=(args.num_prompts, args.input_len)).tolist()
     jax_res, llm = run_jaxllm(args, prompts)
     results = {"args": vars(args), "machine": f"{platform.node()} {platform.processor()} "
                f"{os.cpu_count()} cpus", "date": time.strftime("%Y-%m-%d"), "jaxllm": jax_res}
