@@ -25,7 +25,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.engine.batch import HostBatch, pick_bucket
 from jaxllm.kernels.metadata import AttentionMetadata
 from jaxllm.models.config import ModelConfig
-from jaxllm.models.llama import Llama, load_state
+from jaxllm.models.llama import Llama, load_state, split_layers
 
 log = logging.getLogger("jaxllm")
 
@@ -64,7 +64,7 @@ def pick_attention(backend: str | None, platform: str):
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int,
-                 state: dict | None = None, dtype=None):
+                 state: dict | None = None, dtype=None, unroll_layers: bool | None = None):
         self.cfg = cfg
         self.platform = jax.devices()[0].platform
         self.dtype = dtype or resolve_dtype(cfg.dtype, self.platform)
@@ -94,6 +94,11 @@ class ModelRunner:
         L, K, D = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
         shape = (L, 2, K, self.num_blocks, self.block_size, D)
         self.num_traces = 0
+        # Accelerators: one array per layer, unrolled (see Llama.__call__); CPU: a scan over
+        # stacked weights, which compiles far faster.
+        if unroll_layers is None:
+            unroll_layers = self.platform != "cpu" and self.tp is None
+        self.layer_params = split_layers(self.params, L) if unroll_layers else None
         if self.tp is None:
             self.kv_pages = jnp.zeros(shape, self.dtype)
             self._step = jax.jit(self._step_impl, donate_argnums=(1,))
@@ -132,16 +137,24 @@ class ModelRunner:
         if blocks < self.max_blocks:
             raise ValueError(
                 f"KV cache budget of {budget} bytes holds {blocks} blocks of {self.block_size} tokens, "
-                f"fewer than one sequence of max_model_len={max_model_len} needs ({self.max_blocks})")
+                f"fewer than one sequence of max_model_len={max_model_len} needs ({self.max_blocks}); "
+                f"device memory stats: {jax.devices()[0].memory_stats()} (another engine in this process "
+                f"still holding its KV pages? set kv_cache_memory_bytes)")
         return int(blocks)
 
     def _step_impl(self, params, kv_pages, batch: Batch):
         self.num_traces += 1  # runs only while tracing: counts compilations
+        params, layers = params if isinstance(params, tuple) else (params, None)
         model = nnx.merge(self.graphdef, params)
         # float32 means float32: without this, GPUs run f32 matmuls as TF32.
         precision = "highest" if self.dtype == jnp.float32 else None
         with jax.default_matmul_precision(precision):
-            return model(kv_pages, batch.tokens, batch.md, batch.logits_indices)
+            return model(kv_pages, batch.tokens, batch.md, batch.logits_indices, layers)
+
+    @property
+    def step_params(self):
+        """What the jitted step takes as its weights."""
+        return self.params if self.layer_params is None else (self.params, self.layer_params)
 
     def execute(self, hb: HostBatch) -> jax.Array:
         """Run one step; returns logits [R, V] (float32, still on device).
@@ -156,7 +169,7 @@ class ModelRunner:
     def run_step(self, hb: HostBatch) -> jax.Array:
         """The jitted step alone (followers call this for each broadcast batch)."""
         if self.tp is None:
-            self.kv_pages, logits = self._step(self.params, self.kv_pages, Batch.from_host(hb))
+            self.kv_pages, logits = self._step(self.step_params, self.kv_pages, Batch.from_host(hb))
             return logits
         batch = Batch.from_host(hb, self.tp.replicated)
         self.kv_pages, logits = self._step(self.params, self.kv_pages, batch)

@@ -138,8 +138,15 @@ class Llama(nnx.Module):
         return x, kv_pages
 
     def __call__(self, kv_pages: jax.Array, tokens: jax.Array, md: AttentionMetadata,
-                 logits_indices: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """tokens [T], logits_indices [R] -> (kv_pages, float32 logits [R, V])."""
+                 logits_indices: jax.Array,
+                 layer_weights: list[dict[str, jax.Array]] | None = None) -> tuple[jax.Array, jax.Array]:
+        """tokens [T], logits_indices [R] -> (kv_pages, float32 logits [R, V]).
+
+        `layer_weights`, one dict of separate arrays per layer, unrolls the layers
+        instead of scanning the stacked weights: on GPUs, slicing a layer out of a
+        stacked array inside the scan copies it, doubling the weight bytes a decode
+        step moves (measured: batch-1 Llama-3-8B step at 3.2x its bandwidth floor).
+        """
         cfg = self.cfg
         inv_freq = rope_inv_freq(cfg)
         embed = value(self.embed)
@@ -151,12 +158,38 @@ class Llama(nnx.Module):
             x, kv = self._layer(x, w, kv, layer, md, inv_freq)
             return (x, kv), None
 
-        xs = (self.layers.weights(), jnp.arange(cfg.num_layers, dtype=jnp.int32))
-        (x, kv_pages), _ = jax.lax.scan(body, (x, kv_pages), xs)
+        if layer_weights is not None:
+            for i, w in enumerate(layer_weights):
+                x, kv_pages = self._layer(x, w, kv_pages, jnp.int32(i), md, inv_freq)
+        else:
+            xs = (self.layers.weights(), jnp.arange(cfg.num_layers, dtype=jnp.int32))
+            (x, kv_pages), _ = jax.lax.scan(body, (x, kv_pages), xs)
         h = rms_norm(x[logits_indices], value(self.norm), cfg.rms_norm_eps)
         head = embed.T if cfg.tie_word_embeddings else value(self.lm_head)
         logits = jnp.dot(h, head, preferred_element_type=jnp.float32)
         return kv_pages, logits
+
+
+def split_layers(params, num_layers: int) -> list[dict[str, jax.Array]]:
+    """Move the stacked layer weights of an nnx state into one dict of arrays per layer.
+
+    The stacked arrays in `params` are replaced by empty placeholders, so the
+    weights are held once.
+    """
+    stacked = params["layers"]
+    names = list(stacked.keys())
+    out = [{} for _ in range(num_layers)]
+    for name in names:
+        var = stacked[name]
+        arr = value(var)
+        for i in range(num_layers):
+            out[i][name] = arr[i]
+        empty = jnp.zeros((0,), arr.dtype)
+        if hasattr(var, "set_value"):
+            var.set_value(empty)
+        else:
+            var.value = empty
+    return out
 
 
 def hf_to_state(cfg: ModelConfig, weights: dict[str, np.ndarray], dtype) -> dict[str, np.ndarray]:

@@ -52,8 +52,9 @@ class PromptScorer:
 
     def _impl(self, params, kv, tokens, md: AttentionMetadata, targets):
         self.num_compiles += 1  # runs while tracing only
+        params, layers = params if isinstance(params, tuple) else (params, None)
         model = nnx.merge(self.graphdef, params)
-        kv, logits = model(kv, tokens, md, jnp.arange(tokens.shape[0], dtype=jnp.int32))
+        kv, logits = model(kv, tokens, md, jnp.arange(tokens.shape[0], dtype=jnp.int32), layers)
         lp = jax.nn.log_softmax(logits, axis=-1)
         tgt = jnp.take_along_axis(lp, targets[:, None], axis=1)[:, 0]
         rank = (lp > tgt[:, None]).sum(-1) + 1
@@ -89,7 +90,7 @@ class PromptScorer:
             targets = np.zeros(C, np.int32)
             targets[:m] = ids[start + 1:start + 1 + m]
             md = jax.device_put(self._metadata(start, m))
-            kv, a, b, c, d = self._fn(self.engine.runner.params, kv, jnp.asarray(tokens), md,
+            kv, a, b, c, d = self._fn(self.engine.runner.step_params, kv, jnp.asarray(tokens), md,
                                       jnp.asarray(targets))
             a, b, c, d = jax.device_get((a, b, c, d))
             tgt.append(a[:m]), rank.append(b[:m]), top_lp.append(c[:m, :k]), top_ids.append(d[:m, :k])
