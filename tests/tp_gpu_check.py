@@ -109,6 +109,8 @@ def multi() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "child":
+        import faulthandler
+        faulthandler.dump_traceback_later(int(os.environ.get("TP_CHILD_TIMEOUT", "500")) - 20)
         multi_child(int(sys.argv[2]), int(sys.argv[3]))
     else:
         {"single": single, "multi": multi}[sys.argv[1]]()

@@ -75,7 +75,8 @@ def shard_report(runner) -> dict:
                          "shards": [list(s.data.shape) for s in arr.addressable_shards],
                          "devices": sorted(s.device.id for s in arr.addressable_shards)}
     kv = runner.kv_pages
-    out["kv_pages"] = {"global": list(kv.shape), "shards": [list(s.data.shape) for s in kv.addressable_shards],
+    out["kv_pages"] = {"global": list(kv.shape),
+                       "shards": [list(s.data.shape) for s in kv.addressable_shards],
                        "devices": sorted(s.device.id for s in kv.addressable_shards)}
     return out
 

@@ -67,6 +67,9 @@ class StepChannel:
         return multihost_utils.broadcast_one_to_all(np.asarray(values, np.int32))
 
     def send(self, hb: HostBatch) -> None:
+        if not self.is_leader:
+            raise RuntimeError(f"process {jax.process_index()} is a follower: only process 0 "
+                               "schedules; run jaxllm.parallel.follow / run_follower here")
         T, R = hb.tokens.shape[0], hb.block_tables.shape[0]
         self._header((_STEP, T, R, hb.num_rows))
         names = _field_shapes(T, R, self.max_blocks)
