@@ -52,6 +52,12 @@ def mosaic_attention(q, kv_pages, layer, md, *, sm_scale: float,
                      prefill_fn: AttentionFn = ref.ragged_paged_attention) -> jax.Array:
     """Decode kernel when T <= R (shapes are static under jit), else `prefill_fn`."""
     from jaxllm.kernels import mosaic_decode
+    group = q.shape[1] // kv_pages.shape[2]
+    if group & (group - 1) or q.shape[2] & (q.shape[2] - 1):
+        # Triton lowering needs power-of-two blocks and the decode kernel was only
+        # validated on such shapes (an H200 run with SmolLM2's 9 q / 3 kv heads failed
+        # to lower): use the reference for these models.
+        return ref.ragged_paged_attention(q, kv_pages, layer, md, sm_scale=sm_scale)
     num_tokens, num_reqs = q.shape[0], md.block_tables.shape[0]
     if num_tokens <= num_reqs:
         return mosaic_decode.paged_decode_attention(q, kv_pages, layer, md, sm_scale=sm_scale)
