@@ -185,8 +185,6 @@ def test_backend_selection_on_cpu():
         get_attention_fn("flash", "gpu")
 
 
-@pytest.mark.skipif(not __import__("os").environ.get("JAXLLM_MOSAIC_INTERPRET"),
-                    reason="Mosaic GPU CPU interpreter is slow (~40 s); set JAXLLM_MOSAIC_INTERPRET=1")
 @pytest.mark.parametrize("splits", [1, 2])
 def test_mosaic_decode_in_cpu_interpreter(splits):
     """The Hopper kernel's logic (TMA ring, barriers, split-K, combine) in the GPU interpreter,
