@@ -141,6 +141,17 @@ def test_each_device_holds_one_nth(tiny, model):
         assert four["weight_bytes"] < one["weight_bytes"] / 3.5
 
 
+def test_unrolled_layers_tp2(tiny):
+    """The accelerator layout (per-layer arrays) keeps each weight's split, minus the layer axis."""
+    run, scan = tiny["qwen2_8q2kv_tp2_unrolled"], tiny["qwen2_8q2kv_tp2"]
+    assert run["tokens"] == tiny["qwen2_8q2kv_tp1"]["tokens"]
+    assert run["device_bytes"] == scan["device_bytes"]
+    specs = run["layer_specs"]
+    assert specs["wq"] == specs["wk"] == specs["w_up"] == "P(None, 'tp')"
+    assert specs["wo"] == specs["w_down"] == "P('tp', None)"
+    assert specs["bk"] == "P('tp',)" and specs["ln_attn"] == "P()"
+
+
 def test_no_compiles_after_warmup_tp4(tiny):
     st = tiny["qwen2_8q2kv_tp4"]["stats"]
     assert st["compiles_after_warmup"] == 0, st

@@ -134,6 +134,22 @@ def run_tiny() -> dict:
                 run["stats"] = llm.stats()
                 run["collectives"] = collectives(llm.engine.runner, 32, 4)
             result[f"{key}_tp{tp}"] = run
+    # The accelerator layout (one array per layer, unrolled), forced on CPU at tp=2.
+    from jaxllm.engine.runner import ModelRunner
+
+    init = ModelRunner.__init__
+    ModelRunner.__init__ = lambda self, *a, **k: init(self, *a, **{**k, "unroll_layers": True})
+    try:
+        llm = LLM(hf_config=cfg, weights=weights, dtype="float32", max_model_len=128,
+                  max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(32,),
+                  seq_buckets=(4,), tensor_parallel_size=2, skip_warmup=True)
+    finally:
+        ModelRunner.__init__ = init
+    runner = llm.engine.runner
+    result[f"{key}_tp2_unrolled"] = {
+        "tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)],
+        "device_bytes": runner.device_bytes,
+        "layer_specs": {k: str(v.sharding.spec) for k, v in runner.layer_params[0].items()}}
     return result
 
 

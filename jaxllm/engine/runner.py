@@ -97,16 +97,18 @@ class ModelRunner:
         # Accelerators: one array per layer, unrolled (see Llama.__call__); CPU: a scan over
         # stacked weights, which compiles far faster.
         if unroll_layers is None:
-            unroll_layers = self.platform != "cpu" and self.tp is None
+            unroll_layers = self.platform != "cpu"
         self.layer_params = split_layers(self.params, L) if unroll_layers else None
         if self.tp is None:
             self.kv_pages = jnp.zeros(shape, self.dtype)
             self._step = jax.jit(self._step_impl, donate_argnums=(1,))
             self.device_bytes = {"weight_bytes": self.weight_bytes, "kv_bytes": self.kv_pages.nbytes}
         else:
+            if self.layer_params is not None:
+                self.layer_params = self.tp.place_layers(self.params, self.layer_params)
             self.kv_pages = self.tp.zeros(shape, self.dtype)
-            self._step = self.tp.jit_step(self._step_impl, self.params)
-            self.device_bytes = self.tp.report(self.params, self.kv_pages, self.num_blocks)
+            self._step = self.tp.jit_step(self._step_impl, self.step_params)
+            self.device_bytes = self.tp.report(self.step_params, self.kv_pages, self.num_blocks)
 
     def _bytes_per_block(self) -> int:
         """Bytes one block takes on each device (its share of the KV heads)."""
@@ -172,7 +174,7 @@ class ModelRunner:
             self.kv_pages, logits = self._step(self.step_params, self.kv_pages, Batch.from_host(hb))
             return logits
         batch = Batch.from_host(hb, self.tp.replicated)
-        self.kv_pages, logits = self._step(self.params, self.kv_pages, batch)
+        self.kv_pages, logits = self._step(self.step_params, self.kv_pages, batch)
         return self.tp.local_logits(logits)
 
     def warmup_sampler(self, sampler, num_rows: int) -> None:

@@ -20,10 +20,11 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxllm.models.config import ModelConfig
+from jaxllm.models.llama import value
 from jaxllm.parallel.attention import shard_attention
 from jaxllm.parallel.mesh import HeadLayout, head_layout, make_mesh, sharded_model_config
 from jaxllm.parallel.sharding import (KV_PAGES_SPEC, bytes_on_device, init_random_state,
-                                      place_state)
+                                      param_spec, place_state)
 
 log = logging.getLogger("jaxllm")
 _MiB = float(1 << 20)
@@ -70,11 +71,28 @@ class TensorParallel:
             params = place_state(abstract, state, self.mesh, self.layout, D)
         return graphdef, params
 
+    def place_layers(self, params: nnx.State, layers: list[dict[str, jax.Array]]
+                     ) -> list[dict[str, jax.Array]]:
+        """After `llama.split_layers` (the unrolled accelerator layout): pin every per-layer
+        array to its weight's split without the layer axis, and put the emptied stacked
+        placeholders on the mesh, so that all the step's inputs share one mesh.
+        """
+        for var in params["layers"].values():
+            empty = jax.device_put(np.zeros((0,), value(var).dtype), self.replicated)
+            if hasattr(var, "set_value"):
+                var.set_value(empty)
+            else:  # flax < 0.12
+                var.value = empty
+        num_layers = len(layers)
+        return [{name: jax.device_put(a, NamedSharding(self.mesh, P(*param_spec(
+                    name, (num_layers, *a.shape), self.tp)[1:]))) for name, a in w.items()}
+                for w in layers]
+
     def zeros(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:
         """The KV page array, allocated shard by shard (never whole on one device)."""
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.kv_sharding)()
 
-    def jit_step(self, fn: Callable, params: nnx.State) -> Callable:
+    def jit_step(self, fn: Callable, params: Any) -> Callable:
         """jit `fn(params, kv_pages, batch) -> (kv_pages, logits)` with fixed shardings.
 
         Fixed in/out shardings keep the donated pages in place and make a
