@@ -19,7 +19,10 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None  # explicit KV budget; wins over the fraction
     gpu_memory_utilization: float = 0.9  # fraction of accelerator memory for weights + KV
     num_gpu_blocks_override: int | None = None
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True  # reuse the K/V of full blocks of earlier prompts
+    preemption_mode: str = "recompute"  # or "swap": preempted pages wait in host memory
+    swap_space: float = 4.0  # GiB of host memory for swapped pages (preemption_mode="swap")
+    scheduling_policy: str = "fcfs"  # or "priority": lower `priority` value runs first
     seed: int = 0
     attention_backend: str | None = None  # None: by platform; "reference", "pallas", "mosaic"
     token_buckets: tuple[int, ...] | None = None  # padded token counts compiled at start-up
@@ -46,6 +49,12 @@ class EngineConfig:
             raise ValueError(f"process_id {self.process_id} is not in [0, num_processes={self.num_processes})")
         if self.num_processes > 1 and not self.distributed_coordinator:
             raise ValueError("num_processes > 1 needs distributed_coordinator (host:port of process 0)")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxllm.beam_search import BeamSearchOutput, BeamSearchParams
 
 PromptType = str | list[int] | dict
 
@@ -62,6 +65,8 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
         priority = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priority) != len(prompts):
+            raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
         # Validate everything before queueing anything: a bad prompt fails the call cleanly.
         for p, sp in zip(prompts, params):
             self.engine.validate(self.engine.tokenize(p)[1], sp)
@@ -72,6 +77,25 @@ class LLM:
             self.engine.add_request(rid, p, sp, priority=pr)
             ids.append(rid)
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType],
+                    params: "BeamSearchParams", use_tqdm: bool = False) -> list["BeamSearchOutput"]:
+        """Beam search as `vllm.LLM.beam_search`: one `BeamSearchOutput` per prompt.
+
+        Beams share KV blocks by reference count (see `jaxllm.beam_search`).
+        """
+        from jaxllm.beam_search import BeamSearch
+
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self.engine.tokenize(_as_prompt(p))[1] for p in prompts]
+        for p in ids:
+            self.engine.validate(p, SamplingParams(max_tokens=1))
+            if len(p) >= self.engine.max_model_len:
+                raise ValueError(f"prompt length {len(p)} leaves no room to generate within "
+                                 f"max_model_len {self.engine.max_model_len}")
+        return BeamSearch(self.engine, params).run(ids)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

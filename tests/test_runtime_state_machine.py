@@ -1,25 +1,30 @@
 """Stateful property test of the host runtime: scheduler + KV cache manager + block pool.
 
 Each machine draws a configuration (block size, a pool small enough to force
-recompute preemption, token budget, max_num_seqs, prefix caching on or off) and
-then interleaves adding requests, running steps and aborting requests. After
-every rule the block accounting and scheduling invariants are checked.
+preemption, token budget, max_num_seqs, prefix caching on or off, FCFS or
+priority, recompute or swap preemption with a host pool from none to roomy)
+and then interleaves arrivals (some with n > 1 siblings forked off the prompt),
+steps, aborts, and the beam-search pattern: a request that samples but gets no
+token is parked, then forked into children or finished; running requests are
+forked mid-generation too. After every rule the block accounting and the
+scheduling invariants are checked (`runtime_shadow`).
 
-On top of the accounting, the test keeps a shadow of the KV cache: every slot
-written by a step records the token prefix whose K/V it would hold (and the
-request's cache salt). Before each step, every scheduled request's table must
-already hold exactly its own tokens for positions [0, start_pos): this checks
-prefix-cache hits, preemption/recompute and block-table bookkeeping end to end.
+A shadow of the KV cache (device and host slots) replays every step's writes,
+swaps and copy-on-write copies; before each step every scheduled request's
+table must hold exactly its own tokens for positions [0, start_pos). This
+checks prefix hits, forks, copy-on-write, swap round trips and recompute end
+to end. At teardown everything drains and all ref counts are back to zero.
 """
 
 from __future__ import annotations
 
 import random
-from collections import Counter
 
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from runtime_shadow import ShadowKV, ceil_div, check_block_accounting, check_request_state
 
 from jaxllm.runtime.kv_cache_manager import KVCacheManager
 from jaxllm.runtime.request import Request, RequestStatus, StopRule
@@ -30,11 +35,6 @@ ALPHABET = (1, 2, 3)  # small, so equal blocks (prefix hits) happen
 MAX_PROMPT = 200
 MAX_TOKENS = 32
 
-
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 ADD_ARGS = dict(
     length=st.integers(1, MAX_PROMPT),
     max_tokens=st.integers(1, MAX_TOKENS),
@@ -44,6 +44,8 @@ ADD_ARGS = dict(
     align=st.booleans(),
     salt=st.sampled_from([None, None, None, "x"]),
     seed=st.integers(0, 2**32 - 1),
+    n=st.sampled_from([1, 1, 1, 2, 3]),
+    priority=st.integers(0, 2),
 )
 
 
@@ -55,9 +57,11 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.all_reqs: list[Request] = []
         self.aborted: set[str] = set()
         self.last_out = None
-        self.slots: dict[tuple[int, int], tuple] = {}  # (block id, offset) -> (salt, prefix key)
-        self.keys: dict[str, list[int]] = {}  # request id -> chained key of each token prefix
+        self.shadow: ShadowKV | None = None
         self.n = 0
+        self.forks = 0
+        self.groups = 0  # arrivals with n > 1
+        self.resolved: set[str] = set()  # parked requests finished by their "owner"
 
     # -- configuration ---------------------------------------------------------
     @initialize(
@@ -67,36 +71,42 @@ class RuntimeMachine(RuleBasedStateMachine):
         max_num_seqs=st.integers(1, 8),
         prefix=st.sampled_from([True, True, False]),
         threshold=st.sampled_from([0, 0, 0, 5]),
+        policy=st.sampled_from(["fcfs", "priority"]),
+        mode=st.sampled_from(["recompute", "swap", "swap"]),
+        host_blocks=st.sampled_from([0, 8, 40, 400]),
+        park_rate=st.sampled_from([0.0, 0.05, 0.2]),
         initial=st.lists(st.fixed_dictionaries(ADD_ARGS), max_size=3),
     )
     def configure(self, block_size, extra_blocks, budget, max_num_seqs, prefix, threshold,
-                  initial):
+                  policy, mode, host_blocks, park_rate, initial):
         # The pool always fits one maximal request alone (so every request can
         # finish) but only a few together, which forces preemption.
         need_one = ceil_div(MAX_PROMPT + MAX_TOKENS, block_size)
-        kv = KVCacheManager(need_one + extra_blocks, block_size, enable_prefix_caching=prefix)
+        kv = KVCacheManager(need_one + extra_blocks, block_size, enable_prefix_caching=prefix,
+                            num_host_blocks=host_blocks if mode == "swap" else 0)
         cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                              max_model_len=10_000, long_prefill_token_threshold=threshold)
+                              max_model_len=10_000, long_prefill_token_threshold=threshold,
+                              policy=policy, preemption_mode=mode)
         self.sched = Scheduler(cfg, kv)
+        self.shadow = ShadowKV(block_size)
+        self.park_rate = park_rate
         for args in initial:  # start most runs with a few requests in flight
             self.add(**args)
-
-    def prefix_keys(self, req: Request, n: int) -> list[int]:
-        """keys[p] names the token prefix [0, p]; equal keys mean equal prefixes."""
-        keys = self.keys.setdefault(req.request_id, [])
-        while len(keys) < n:
-            keys.append(hash((keys[-1] if keys else None, req.all_token_ids[len(keys)])))
-        return keys
 
     @property
     def kv(self) -> KVCacheManager:
         return self.sched.kv
 
+    def _new_id(self) -> str:
+        self.n += 1
+        return f"r{self.n}"
+
     # -- rules -------------------------------------------------------------------
     @rule(**ADD_ARGS)
-    def add(self, length, max_tokens, share, pick, share_frac, align, salt, seed):
+    def add(self, length, max_tokens, share, pick, share_frac, align, salt, seed, n, priority):
         """A new prompt: fresh, or an earlier prompt's prefix plus fresh tokens, or an
-        exact duplicate of an earlier prompt; optionally cut to whole blocks."""
+        exact duplicate of an earlier prompt; optionally cut to whole blocks; with n > 1
+        its siblings wait to be forked off it."""
         rnd = random.Random(seed)
         S = self.kv.block_size
         base = self.prompts[pick % len(self.prompts)] if self.prompts else []
@@ -108,12 +118,13 @@ class RuntimeMachine(RuleBasedStateMachine):
             if align and len(prompt) >= S:
                 prompt = prompt[: len(prompt) // S * S]
         self.prompts.append(prompt)
-        req = Request(f"r{self.n}", prompt,
-                      StopRule(max_tokens=max_tokens, eos_token_ids=(EOS,)), cache_salt=salt)
-        self.n += 1
-        self.all_reqs.append(req)
-        self.sched.add(req)
-        assert req.status is RequestStatus.WAITING
+        n = min(n, self.sched.config.max_num_seqs)
+        reqs = [Request(self._new_id(), prompt, StopRule(max_tokens=max_tokens, eos_token_ids=(EOS,)),
+                        cache_salt=salt, priority=priority) for _ in range(n)]
+        self.all_reqs += reqs
+        self.groups += n > 1
+        self.sched.add(reqs[0], reqs[1:])
+        assert reqs[0].status is RequestStatus.WAITING and reqs[0].seats == n
 
     @rule(seed=st.integers(0, 2**32 - 1), n_steps=st.integers(1, 6),
           abort_inflight=st.integers(0, 9))
@@ -133,27 +144,77 @@ class RuntimeMachine(RuleBasedStateMachine):
         req = self.sched.finish(rid, RequestStatus.FINISHED_ABORTED)
         assert req.status is RequestStatus.FINISHED_ABORTED
         assert rid not in self.kv.tables and rid not in self.sched.requests
+        assert rid not in self.kv.swapped
         self.aborted.add(rid)
 
+    @rule(pick=st.integers(0, 10**6), tok=st.sampled_from(ALPHABET), kids=st.integers(0, 3),
+          extra=st.integers(1, 8))
+    def fork_parked(self, pick, tok, kids, extra):
+        """Beam-search pattern: fork a parked request into children (its tokens plus one),
+        then finish it; with kids == 0 just finish it."""
+        if not self.sched.parked:
+            return
+        parked = list(self.sched.parked.values())
+        parent = parked[pick % len(parked)]
+        room = self.sched.config.max_num_seqs - sum(r.seats for r in self.sched.running)
+        for k in range(min(kids, room)):
+            self._fork(parent, parent.output_token_ids + [(tok + k) % 3 + 1], extra)
+        self.sched.finish(parent.request_id, RequestStatus.FINISHED_STOPPED)
+        self.resolved.add(parent.request_id)
+
+    @rule(pick=st.integers(0, 10**6), tok=st.sampled_from(ALPHABET), extra=st.integers(1, 8))
+    def fork_running(self, pick, tok, extra):
+        """Fork a generating request into a child that replaces its uncomputed last token."""
+        cands = [r for r in self.sched.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        room = self.sched.config.max_num_seqs - sum(r.seats for r in self.sched.running)
+        if not cands or room < 1:
+            return
+        parent = cands[pick % len(cands)]
+        out = parent.output_token_ids[:parent.num_computed_tokens - parent.num_prompt_tokens] + [tok]
+        self._fork(parent, out, extra)
+
+    def _fork(self, parent: Request, output: list[int], extra: int) -> None:
+        # Capped so that every request still fits the pool alone.
+        max_tokens = min(len(output) + extra, MAX_PROMPT + MAX_TOKENS - parent.num_prompt_tokens)
+        if len(output) >= max_tokens:
+            return
+        child = Request(self._new_id(), parent.prompt_token_ids,
+                        StopRule(max_tokens=max_tokens, eos_token_ids=(EOS,)),
+                        cache_salt=parent.cache_salt, priority=parent.priority)
+        child.output_token_ids = list(output)
+        shared = parent.request_id in self.kv.tables
+        self.sched.fork(parent, child)
+        self.all_reqs.append(child)
+        self.forks += 1
+        if shared:
+            assert child.status is RequestStatus.RUNNING
+            assert self.kv.block_ids(child.request_id) == self.kv.block_ids(parent.request_id)[
+                :ceil_div(parent.num_computed_tokens, self.kv.block_size)]
+        else:
+            assert child.status is RequestStatus.WAITING and child.num_computed_tokens == 0
+
     # -- one step: schedule, check, "run", update ---------------------------------------
-    def _step(self, rnd: random.Random, abort_inflight: bool = False):
+    def _step(self, rnd: random.Random, abort_inflight: bool = False, park: bool = True):
         sched, kv, S = self.sched, self.kv, self.kv.block_size
         before = {rid: r.num_computed_tokens for rid, r in sched.requests.items()}
         out = sched.schedule()
         self.last_out = out
         cfg = sched.config
         assert out.num_batched_tokens <= cfg.max_num_batched_tokens
-        assert len(out.scheduled) <= cfg.max_num_seqs
+        rows = len(out.scheduled) + sum(len(s.fork_ids) for s in out.scheduled)
+        assert rows <= cfg.max_num_seqs
         assert out.num_batched_tokens == sum(len(s.token_ids) for s in out.scheduled)
         ids = [s.request_id for s in out.scheduled]
         assert len(set(ids)) == len(ids)
         assert not set(ids) & set(out.preempted)
-        if sched.requests:
+        if sched.running or len(sched.waiting):
             assert out.scheduled, "live requests but nothing scheduled: the scheduler stalled"
         for rid in out.preempted:
             r = sched.requests[rid]
-            assert r.status is RequestStatus.PREEMPTED and r.num_computed_tokens == 0
-            assert rid not in kv.tables and r in sched.waiting
+            assert r.status is RequestStatus.PREEMPTED and rid not in kv.tables and r in sched.waiting
+            assert r.num_computed_tokens == 0 or rid in kv.swapped
+        assert len(out.copies) <= len(out.scheduled)
+        self.shadow.apply_ops(out)  # the engine runs the page moves before the forward pass
         for s in out.scheduled:
             req = sched.requests[s.request_id]
             assert req.status is RequestStatus.RUNNING
@@ -167,20 +228,10 @@ class RuntimeMachine(RuleBasedStateMachine):
                 assert s.start_pos % S == 0 and s.start_pos == req.num_computed_tokens
             assert s.token_ids == req.all_token_ids[s.start_pos:s.start_pos + n]
             assert s.sample == (s.start_pos + n == req.num_tokens)
+            assert s.fork_ids == ([f.request_id for f in req.pending_forks] if s.sample else [])
             assert s.block_ids == kv.block_ids(s.request_id)
             assert len(s.block_ids) == ceil_div(s.start_pos + n, S)
-            # the K/V the step attends to is this request's own (prefix-cache hits included)
-            keys = self.prefix_keys(req, s.start_pos + n)
-            for p in range(s.start_pos):
-                got = self.slots.get((s.block_ids[p // S], p % S))
-                assert got == (req.cache_salt, keys[p]), (
-                    f"{s.request_id}: wrong K/V at position {p}")
-            # write this step's K/V; written blocks must be private and not cached
-            for p in range(s.start_pos, s.start_pos + n):
-                blk = kv.pool.blocks[s.block_ids[p // S]]
-                assert blk.ref_cnt == 1, "writing into a shared block"
-                assert blk.block_hash is None, "writing into a cached block"
-                self.slots[(blk.block_id, p % S)] = (req.cache_salt, keys[p])
+            self.shadow.check_and_write(kv, req, s.block_ids, s.start_pos, n)
         if abort_inflight and out.scheduled:
             rid = rnd.choice(ids)
             sched.finish(rid, RequestStatus.FINISHED_ABORTED)
@@ -188,7 +239,9 @@ class RuntimeMachine(RuleBasedStateMachine):
         sampled = {}
         for s in out.scheduled:
             if s.sample:
-                sampled[s.request_id] = EOS if rnd.random() < 0.05 else rnd.choice(ALPHABET)
+                for rid in [s.request_id, *s.fork_ids]:
+                    if not park or rnd.random() >= self.park_rate:
+                        sampled[rid] = EOS if rnd.random() < 0.05 else rnd.choice(ALPHABET)
         touched = sched.update(out, sampled)
         for req in touched:
             assert req.output_token_ids[-1] == sampled[req.request_id]
@@ -200,74 +253,28 @@ class RuntimeMachine(RuleBasedStateMachine):
     # -- invariants --------------------------------------------------------------------
     @invariant()
     def block_accounting(self):
-        if self.sched is None:
-            return
-        kv, pool = self.kv, self.kv.pool
-        holders = Counter()
-        for rid, table in kv.tables.items():
-            ids = [b.block_id for b in table]
-            assert len(set(ids)) == len(ids), f"{rid} holds a block twice"
-            holders.update(ids)
-        for b in pool.blocks:
-            assert b.ref_cnt == holders[b.block_id], (
-                f"block {b.block_id}: ref_cnt {b.ref_cnt}, held by {holders[b.block_id]} tables")
-        # the free queue, walked both ways
-        fwd = list(pool.free)
-        back, node = [], pool.free.tail.prev
-        while node is not pool.free.head:
-            back.append(node)
-            node = node.prev
-        assert back[::-1] == fwd and len(fwd) == len(pool.free) == pool.num_free
-        free_set = {b.block_id for b in fwd}
-        assert len(free_set) == len(fwd)
-        assert all(b.ref_cnt == 0 for b in fwd)
-        assert free_set == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
-        used = sum(1 for b in pool.blocks if b.ref_cnt > 0)
-        assert pool.num_free + used == pool.num_blocks
-        # the prefix cache maps each hash to the one block carrying it
-        for h, b in pool.cached.items():
-            assert b.block_hash == h
-        assert sum(1 for b in pool.blocks if b.block_hash is not None) == len(pool.cached)
-        if not kv.enable_prefix_caching:
-            assert not pool.cached
+        if self.sched is not None:
+            check_block_accounting(self.kv)
 
     @invariant()
     def request_state(self):
         if self.sched is None:
             return
-        sched, kv, S = self.sched, self.kv, self.kv.block_size
-        running_ids = {r.request_id for r in sched.running}
-        waiting_ids = {r.request_id for r in sched.waiting}
-        assert len(running_ids) == len(sched.running) and len(waiting_ids) == len(sched.waiting)
-        assert not running_ids & waiting_ids
-        assert running_ids | waiting_ids == set(sched.requests)
-        assert set(kv.tables) == running_ids
-        assert len(sched.running) <= sched.config.max_num_seqs
-        for r in sched.running:
-            assert r.status is RequestStatus.RUNNING
-            table = kv.tables[r.request_id]
-            assert len(table) * S >= r.num_computed_tokens
-            assert len(table) == ceil_div(r.num_computed_tokens, S)  # nothing over-allocated
-            assert 0 < r.num_computed_tokens < r.num_tokens
-            # every full cached block of the table matches this request's tokens
-            keys = self.prefix_keys(r, r.num_computed_tokens)
-            for i, b in enumerate(table):
+        check_request_state(self.sched)
+        S = self.kv.block_size
+        for r in self.sched.running:  # every full cached block matches this request's tokens
+            keys = self.shadow.prefix_keys(r, r.num_computed_tokens)
+            for i, b in enumerate(self.kv.tables[r.request_id]):
                 if b.block_hash is not None:
                     assert (i + 1) * S <= r.num_computed_tokens
-                    assert self.slots[(b.block_id, S - 1)] == (r.cache_salt, keys[(i + 1) * S - 1])
-        for r in sched.waiting:
-            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            assert r.num_computed_tokens == 0
-        for r in sched.requests.values():
-            assert not r.finished and len(r.output_token_ids) < r.stop.max_tokens
+                    assert self.shadow.slots[(b.block_id, S - 1)] == (r.cache_salt, keys[(i + 1) * S - 1])
 
     @invariant()
     def last_step_within_limits(self):
         out = self.last_out
-        if out is None:
-            return
-        assert out.num_batched_tokens <= self.sched.config.max_num_batched_tokens
-        assert len(out.scheduled) <= self.sched.config.max_num_seqs
+        if out is not None:
+            assert out.num_batched_tokens <= self.sched.config.max_num_batched_tokens
+            assert len(out.scheduled) <= self.sched.config.max_num_seqs
 
     # -- teardown: drain -------------------------------------------------------------------
     def teardown(self):
@@ -275,35 +282,45 @@ class RuntimeMachine(RuleBasedStateMachine):
             return
         rnd = random.Random(0)
         # Generous bound: every request fits the pool alone, so each step makes progress.
-        limit = 50 + sum(r.num_prompt_tokens + r.stop.max_tokens for r in self.all_reqs) * 4
+        limit = 50 + sum(r.num_tokens + r.stop.max_tokens for r in self.all_reqs) * 4
         steps = 0
         while self.sched.has_unfinished():
-            self._step(rnd)
+            for rid in list(self.sched.parked):
+                self.sched.finish(rid, RequestStatus.FINISHED_STOPPED)
+                self.resolved.add(rid)
+            if not self.sched.has_unfinished():
+                break
+            self._step(rnd, park=False)
             self.block_accounting()
             self.request_state()
             steps += 1
             assert steps <= limit, f"did not drain in {limit} steps: {self.sched.requests.keys()}"
-        assert not self.sched.running and not self.sched.waiting
-        assert self.kv.tables == {}
-        event(f"prefix caching {'on' if self.kv.enable_prefix_caching else 'off'}")
+        assert not self.sched.running and not self.sched.waiting and not self.sched.parked
+        assert self.kv.tables == {} and self.kv.swapped == {}
+        cfg = self.sched.config
+        event(f"{cfg.policy}, {cfg.preemption_mode}, prefix caching {self.kv.enable_prefix_caching}")
         event(f"preemptions: {'none' if not self.sched.num_preemptions else 'some'}")
+        event(f"swaps: {'none' if not self.sched.num_swapped_out else 'some'}")
         event(f"prefix hits: {'none' if not self.kv.prefix_hits else 'some'}")
-        event(f"requests: {min(len(self.all_reqs), 10)}{'+' if len(self.all_reqs) >= 10 else ''}")
-        event(f"stopped by EOS: {any(r.status is RequestStatus.FINISHED_STOPPED for r in self.all_reqs)}")
+        event(f"public forks: {'none' if not self.forks else 'some'}")
+        event(f"n>1 arrivals: {'none' if not self.groups else 'some'}")
         pool = self.kv.pool
         assert pool.num_free == pool.num_blocks
         assert all(b.ref_cnt == 0 for b in pool.blocks)
+        self.kv.begin_step()
+        assert self.kv.host.num_free == self.kv.host.num_blocks
         for r in self.all_reqs:
             assert r.finished
             if r.request_id in self.aborted:
                 assert r.status is RequestStatus.FINISHED_ABORTED
+            elif r.request_id in self.resolved:
+                assert r.status is RequestStatus.FINISHED_STOPPED
             elif r.status is RequestStatus.FINISHED_STOPPED:
                 assert r.output_token_ids[-1] == EOS
                 assert len(r.output_token_ids) <= r.stop.max_tokens
             else:
                 assert r.status is RequestStatus.FINISHED_LENGTH
                 assert len(r.output_token_ids) == r.stop.max_tokens
-                assert EOS not in r.output_token_ids
 
 
 RuntimeMachine.TestCase.settings = settings(

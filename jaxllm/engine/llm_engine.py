@@ -1,9 +1,12 @@
 """The engine core: requests in, one scheduled step at a time, outputs out.
 
 Both the offline `LLM` and the async server drive this one class: `add_request`,
-`step`, `abort_request`. A request with n > 1 fans out into n child sequences
-(ids "<i>_<parent>"); the prompt of each is the same, so with prefix caching the
-children share the prompt's KV blocks.
+`step`, `abort_request`. A request with n > 1 becomes n sequences (ids
+"<i>_<parent>"): sequence 0 computes the prompt, and when it samples, the other
+n - 1 sample from the same logits row (each with its own seed, seed + i) and
+are forked off it, sharing its KV blocks by reference count (the scheduler
+copies the shared partial block on write). Before each forward pass the step
+runs the page copies and swaps the scheduler asked for (`kv_ops`).
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from jaxllm.config import EngineConfig, default_buckets
-from jaxllm.engine.batch import build_batch
+from jaxllm.engine.batch import HostBatch, build_batch, pick_bucket
+from jaxllm.engine.kv_ops import KVOps
 from jaxllm.engine.outputs_builder import Sequence, make_output
 from jaxllm.engine.runner import ModelRunner
 from jaxllm.engine.sampler import SampleRow, Sampler
@@ -22,11 +28,41 @@ from jaxllm.models.config import ModelConfig
 from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.runtime.kv_cache_manager import KVCacheManager
 from jaxllm.runtime.request import Request, RequestStatus, StopRule
-from jaxllm.runtime.scheduler import Scheduler, SchedulerConfig
+from jaxllm.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxllm.sampling_params import SamplingParams
 
 log = logging.getLogger("jaxllm")
 _GREEDY = SamplingParams(temperature=0.0)
+_PAD_ROW = SampleRow(_GREEDY, (), (), 0, None)
+
+
+def with_fork_rows(hb: HostBatch, src_rows: list[int], token_buckets: tuple[int, ...],
+                   seq_buckets: tuple[int, ...]) -> HostBatch:
+    """Append logits rows repeating the last token of `src_rows` (n > 1 siblings).
+
+    The new rows carry no tokens (attention treats them as padding), so only
+    `logits_indices` changes; the batch is re-padded when the rows outgrow its
+    request bucket, to a (tokens, rows) pair the runner compiled at start-up.
+    """
+    n = hb.num_rows + len(src_rows)
+    R0, T0 = hb.block_tables.shape[0], len(hb.tokens)
+    R, T = max(R0, pick_bucket(seq_buckets, n)), T0
+    while R > pick_bucket(seq_buckets, min(T, seq_buckets[-1])):
+        T = token_buckets[token_buckets.index(T) + 1]
+
+    def grow(a: np.ndarray, size: int, fill) -> np.ndarray:
+        out = np.full((size, *a.shape[1:]), fill, a.dtype)
+        out[:len(a)] = a
+        return out
+
+    li = grow(hb.logits_indices, R, 0)
+    li[hb.num_rows:n] = hb.logits_indices[src_rows]
+    return HostBatch(
+        tokens=grow(hb.tokens, T, 0), positions=grow(hb.positions, T, -1),
+        token_req=grow(hb.token_req, T, 0), slot_mapping=grow(hb.slot_mapping, T, -1),
+        block_tables=grow(hb.block_tables, R, 0), seq_lens=grow(hb.seq_lens, R, 0),
+        query_start_loc=grow(hb.query_start_loc, R + 1, hb.query_start_loc[-1]),
+        num_seqs=hb.num_seqs, logits_indices=li, num_rows=hb.num_rows)
 
 
 @dataclass
@@ -74,10 +110,18 @@ class LLMEngine:
             dtype = resolve_dtype(cfg.dtype, jax.devices()[0].platform)
             state = hf_to_state(self.model_cfg, weights, dtype)
         self.runner = ModelRunner(self.model_cfg, cfg, self.max_model_len, state)
-        self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        pages = self.runner.kv_pages
+        host_blocks = 0
+        if cfg.preemption_mode == "swap":
+            host_blocks = int(cfg.swap_space * (1 << 30)) // (pages.nbytes // self.runner.num_blocks)
+        self.kv_ops = KVOps(self.runner.num_blocks, cfg.max_num_seqs, host_blocks, pages)
+        self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
+                                 num_host_blocks=host_blocks)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max_tokens,
-            max_model_len=self.max_model_len), self.kv)
+            max_model_len=self.max_model_len, policy=cfg.scheduling_policy,
+            preemption_mode=cfg.preemption_mode), self.kv)
+        self.beam = None  # the running jaxllm.beam_search.BeamSearch, if any
         self.sampler = Sampler(self.model_cfg.vocab_size, self.max_model_len)
         self.parents: dict[str, ParentRequest] = {}
         self.seqs: dict[str, Sequence] = {}
@@ -103,10 +147,11 @@ class LLMEngine:
         self.runner.warmup(self.token_buckets, self.seq_buckets)
         for r in self.seq_buckets:
             self.runner.warmup_sampler(self.sampler, r)  # as the runner's logits are placed
+        self.runner.kv_pages = self.kv_ops.warmup(self.runner.kv_pages)
         self.warmup_seconds = time.perf_counter() - t0
 
     def num_traces(self) -> int:
-        return self.runner.num_traces + self.sampler.num_compiled_variants()
+        return self.runner.num_traces + self.sampler.num_compiled_variants() + self.kv_ops.num_compiled()
 
     # -- requests -----------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -128,6 +173,12 @@ class LLMEngine:
                              f"{self.max_model_len}")
         if params.logprobs is not None and params.logprobs > self.sampler.max_logprobs:
             raise ValueError(f"logprobs {params.logprobs} > max {self.sampler.max_logprobs}")
+        if params.n > self.cfg.max_num_seqs:  # the n sequences run side by side after the fork
+            raise ValueError(f"n={params.n} is larger than max_num_seqs={self.cfg.max_num_seqs}")
+
+    def next_seed(self, temperature: float = 1.0) -> int:
+        """A fresh per-sequence seed for a request that did not set one."""
+        return hash((self.cfg.seed, next(self._counter))) & 0x7FFFFFFFFFFFFFFF
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0,
@@ -135,6 +186,9 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.parents:
             raise ValueError(f"duplicate request id {request_id!r}")
+        if priority != 0 and self.cfg.scheduling_policy != "priority":
+            raise ValueError(f"got priority {priority} but priority scheduling is not enabled "
+                             "(scheduling_policy='priority')")
         text, ids = self.tokenize(prompt)
         self.validate(ids, params)
         arrival = arrival_time or time.time()
@@ -146,24 +200,20 @@ class LLMEngine:
         n = params.n
         for i in range(n):
             sid = request_id if n == 1 else f"{i}_{request_id}"
-            if params.seed is not None:
-                seed = params.seed + i
-            else:
-                seed = hash((self.cfg.seed, next(self._counter))) & 0x7FFFFFFFFFFFFFFF
+            seed = params.seed + i if params.seed is not None else self.next_seed()
             req = Request(sid, ids, stop, arrival_time=arrival, priority=priority, cache_salt=cache_salt)
             seq = Sequence(req, parent.request_id, i, seed, self.tokenizer, params)
             parent.seqs.append(seq)
             self.seqs[sid] = seq
         self.parents[request_id] = parent
-        for seq in parent.seqs:
-            self.scheduler.add(seq.req)
+        self.scheduler.add(parent.seqs[0].req, [seq.req for seq in parent.seqs[1:]])
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             parent = self.parents.pop(rid, None)
             if parent is None:
                 continue
-            for seq in parent.seqs:
+            for seq in reversed(parent.seqs):  # siblings first: no heir takes over the prompt
                 self.scheduler.finish(seq.req.request_id, RequestStatus.FINISHED_ABORTED)
                 self.seqs.pop(seq.req.request_id, None)
 
@@ -174,29 +224,51 @@ class LLMEngine:
         return len(self.parents)
 
     # -- the step -----------------------------------------------------------
+    def _run_kv_ops(self, out: SchedulerOutput) -> None:
+        """Swap-outs, copy-on-write copies, swap-ins: before the forward, in this order."""
+        if not out.has_kv_ops:
+            return
+        pages = self.runner.kv_pages
+        self.kv_ops.swap_out(pages, out.swap_out)
+        pages = self.kv_ops.copy(pages, out.copies)
+        self.runner.kv_pages = self.kv_ops.swap_in(pages, out.swap_in)
+
+    def _sample_row(self, request_id: str) -> SampleRow:
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return self.beam.sample_row(request_id)
+        return SampleRow(seq.params, seq.req.prompt_token_ids, seq.req.output_token_ids, seq.seed,
+                         self.eos_ids[0] if self.eos_ids else None)
+
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        self._run_kv_ops(out)
         if out.empty:
             return []
         now = time.time()
         hb = build_batch(out, self.token_buckets, self.seq_buckets, self.cfg.block_size,
                          self.runner.max_blocks)
-        logits = self.runner.execute(hb)
-        rows = []
-        for s in out.scheduled:
-            seq = self.seqs[s.request_id]
-            parent = self.parents[seq.parent_id]
-            if parent.metrics.first_scheduled_time is None:
-                parent.metrics.first_scheduled_time = now
-            if s.sample:
-                rows.append(SampleRow(seq.params, seq.req.prompt_token_ids, seq.req.output_token_ids,
-                                      seq.seed, self.eos_ids[0] if self.eos_ids else None))
-            else:
-                rows.append(SampleRow(_GREEDY, (), (), 0, None))
-        sout = self.sampler.sample(logits, self.sampler.prepare(rows, hb.block_tables.shape[0]))
-        sampled = {s.request_id: int(sout.token_ids[i]) for i, s in enumerate(out.scheduled) if s.sample}
+        rows = [self._sample_row(s.request_id) if s.sample else _PAD_ROW for s in out.scheduled]
         row_of = {s.request_id: i for i, s in enumerate(out.scheduled)}
+        fork_src = []
+        for i, s in enumerate(out.scheduled):
+            for f in s.fork_ids:  # n > 1 siblings sample from their leader's row
+                row_of[f] = len(rows)
+                rows.append(self._sample_row(f))
+                fork_src.append(i)
+            seq = self.seqs.get(s.request_id)
+            if seq is not None and self.parents[seq.parent_id].metrics.first_scheduled_time is None:
+                self.parents[seq.parent_id].metrics.first_scheduled_time = now
+        if fork_src:
+            hb = with_fork_rows(hb, fork_src, self.token_buckets, self.seq_buckets)
+        logits = self.runner.execute(hb)
+        sout = self.sampler.sample(logits, self.sampler.prepare(rows, hb.block_tables.shape[0]))
+        # Beam-search rows get no token: the scheduler parks them for the beam search to fork.
+        sampled = {rid: int(sout.token_ids[i]) for rid, i in row_of.items()
+                   if rid in self.seqs and rows[i] is not _PAD_ROW}
         touched = self.scheduler.update(out, sampled)
+        if self.beam is not None:
+            self.beam.on_step(out, sout, row_of)
 
         outputs: dict[str, RequestOutput] = {}
         for req in touched:
@@ -233,4 +305,8 @@ class LLMEngine:
             "warmup_seconds": self.warmup_seconds,
             "prefix_cache_queries": self.kv.prefix_queries,
             "prefix_cache_hits": self.kv.prefix_hits,
+            "num_swapped_out": self.scheduler.num_swapped_out,
+            "num_cow_copies": self.kv.num_cow_copies,
+            "num_host_blocks": self.kv.host.num_blocks,
+            "num_free_host_blocks": self.kv.host.num_free + self.kv.host.num_pending,
         }

@@ -61,10 +61,11 @@ class KVCacheManager:
         self._lookups: dict[str, int] = {}  # request id -> hit tokens, counted once admitted
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (first admission)
         self.prefix_hits = 0  # of which found
+        self.num_cow_copies = 0  # blocks copied on write since start-up
         # Device work for the step being scheduled; see take_ops().
-        self._swap_out: list[tuple[int, int]] = []  # (device block, host slot)
-        self._copies: list[tuple[int, int]] = []  # (source block, destination block)
-        self._swap_in: list[tuple[int, int]] = []  # (host slot, device block)
+        self._out_ops: list[tuple[int, int]] = []  # (device block, host slot)
+        self._copy_ops: list[tuple[int, int]] = []  # (source block, destination block)
+        self._in_ops: list[tuple[int, int]] = []  # (host slot, device block)
 
     @property
     def num_free_blocks(self) -> int:
@@ -168,7 +169,8 @@ class KVCacheManager:
             dst, src = new.pop(), table[nc // S]
             table[nc // S] = dst
             self.pool.release([src])  # still held by the other sharers
-            self._copies.append((src.block_id, dst.block_id))
+            self._copy_ops.append((src.block_id, dst.block_id))
+            self.num_cow_copies += 1
         self.tables[req.request_id] = table + new
         hit = self._lookups.pop(req.request_id, None)
         if hit is not None and req.num_preemptions == 0:
@@ -203,7 +205,7 @@ class KVCacheManager:
         slots = self.host.allocate(len(keep))
         if slots is None:
             return False
-        self._swap_out.extend(zip((b.block_id for b in keep), slots))
+        self._out_ops.extend(zip((b.block_id for b in keep), slots))
         self.swapped[req.request_id] = slots
         self.pool.release(self.tables.pop(req.request_id))
         self._lookups.pop(req.request_id, None)
@@ -212,7 +214,7 @@ class KVCacheManager:
     def _swap_in(self, req: Request, num_new_tokens: int) -> list[Block]:
         slots = self.swapped.pop(req.request_id)
         blocks = self.pool.allocate(_cdiv(req.num_computed_tokens + num_new_tokens, self.block_size))
-        self._swap_in.extend(zip(slots, (b.block_id for b in blocks)))
+        self._in_ops.extend(zip(slots, (b.block_id for b in blocks)))
         self.host.release(slots)  # reusable from the next step on, once the copy has read them
         self.tables[req.request_id] = blocks
         return blocks[len(slots):]
@@ -229,6 +231,6 @@ class KVCacheManager:
         freed by a preemption this step may already be someone's destination),
         and swap-ins write blocks that nothing else reads this step.
         """
-        ops = (self._swap_out, self._copies, self._swap_in)
-        self._swap_out, self._copies, self._swap_in = [], [], []
+        ops = (self._out_ops, self._copy_ops, self._in_ops)
+        self._out_ops, self._copy_ops, self._in_ops = [], [], []
         return ops

@@ -258,8 +258,8 @@ class Scheduler:
             seats = sum(r.seats for r in self.running)
             while len(self.waiting) and budget > 0:
                 req = self.waiting.peek()
-                if seats + req.seats > cfg.max_num_seqs:
-                    break
+                if seats + req.seats > cfg.max_num_seqs or req.request_id in out.preempted:
+                    break  # (a request preempted for priority this step waits at least one)
                 hits, n = self._admission(req, budget)
                 if self.kv.allocate_slots(req, n, hits) is None:
                     if self._evict_parked():

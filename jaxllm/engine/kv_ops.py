@@ -1,0 +1,104 @@
+"""Device-side page moves the scheduler asks for: copy-on-write and swap.
+
+The scheduler (host, jax-free) only decides *which* pages move; this module
+moves them in `kv_pages [L, 2, K, P, S, D]`:
+
+* `copy`: block-to-block copies for copy-on-write when forked sequences
+  diverge inside a shared, partly filled block. One gather-then-scatter per
+  step, so every copy reads the pages as they were before the step even when
+  a block freed this step is another copy's destination.
+* `swap_out` / `swap_in`: pages of a preempted request to and from a bounded
+  host pool `[H, L, 2, K, S, D]` (numpy; H from `swap_space`).
+
+Every function has fixed shapes (copies padded to `max_copies`, swaps moved in
+chunks of `SWAP_CHUNK` blocks; padding writes go to block index P and are
+dropped), and `warmup` compiles them all at start-up, so serving never
+compiles. Results keep the pages' sharding (tensor parallelism shards K).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SWAP_CHUNK = 16  # blocks per swap transfer
+
+
+def _copy(pages: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    return pages.at[:, :, :, dst].set(jnp.take(pages, src, axis=3), mode="drop")
+
+
+def _gather(pages: jax.Array, src: jax.Array) -> jax.Array:
+    return jnp.moveaxis(jnp.take(pages, src, axis=3), 3, 0)  # [C, L, 2, K, S, D]
+
+
+def _scatter(pages: jax.Array, blocks: jax.Array, dst: jax.Array) -> jax.Array:
+    return pages.at[:, :, :, dst].set(jnp.moveaxis(blocks, 0, 3), mode="drop")
+
+
+class KVOps:
+    def __init__(self, num_blocks: int, max_copies: int, num_host_blocks: int,
+                 pages: jax.Array) -> None:
+        self.num_blocks = num_blocks
+        self.max_copies = max_copies
+        self.num_host_blocks = num_host_blocks
+        L, two, K, _, S, D = pages.shape
+        self.block_shape = (L, two, K, S, D)
+        # np.empty is lazy: the host pool costs memory only as swaps touch it.
+        self.host = np.empty((num_host_blocks, *self.block_shape), pages.dtype)
+        # Over a mesh, results keep the pages' sharding; on one device no sharding is
+        # pinned, so the pages stay uncommitted like the runner's (jit caches key on that).
+        keep = dict(donate_argnums=0)
+        if len(pages.sharding.device_set) > 1:
+            keep["out_shardings"] = pages.sharding
+        # partial(): a cache of our own, so num_compiled() counts this engine's variants only.
+        self._copy = jax.jit(functools.partial(_copy), **keep)
+        self._gather = jax.jit(functools.partial(_gather))
+        self._scatter = jax.jit(functools.partial(_scatter), **keep)
+
+    def num_compiled(self) -> int:
+        return sum(f._cache_size() for f in (self._copy, self._gather, self._scatter))
+
+    def _pad(self, ids: list[int], n: int, fill: int) -> np.ndarray:
+        out = np.full(n, fill, np.int32)
+        out[:len(ids)] = ids
+        return out
+
+    def copy(self, pages: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:
+        """Copy block src -> dst for each pair, all reads before all writes."""
+        if not pairs:
+            return pages
+        if len(pairs) > self.max_copies:
+            raise RuntimeError(f"{len(pairs)} block copies in one step, more than {self.max_copies}")
+        src, dst = zip(*pairs)
+        return self._copy(pages, self._pad(src, self.max_copies, 0),
+                          self._pad(dst, self.max_copies, self.num_blocks))
+
+    def swap_out(self, pages: jax.Array, pairs: list[tuple[int, int]]) -> None:
+        """Device block -> host slot for each pair."""
+        for i in range(0, len(pairs), SWAP_CHUNK):
+            dev, host = zip(*pairs[i:i + SWAP_CHUNK])
+            blocks = np.asarray(self._gather(pages, self._pad(dev, SWAP_CHUNK, 0)))
+            self.host[list(host)] = blocks[:len(host)]
+
+    def swap_in(self, pages: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:
+        """Host slot -> device block for each pair."""
+        for i in range(0, len(pairs), SWAP_CHUNK):
+            host, dev = zip(*pairs[i:i + SWAP_CHUNK])
+            blocks = np.zeros((SWAP_CHUNK, *self.block_shape), self.host.dtype)
+            blocks[:len(host)] = self.host[list(host)]
+            pages = self._scatter(pages, blocks, self._pad(dev, SWAP_CHUNK, self.num_blocks))
+        return pages
+
+    def warmup(self, pages: jax.Array) -> jax.Array:
+        """Compile every variant; the padded calls write nothing."""
+        pages = self._copy(pages, self._pad([], self.max_copies, 0),
+                           self._pad([], self.max_copies, self.num_blocks))
+        if self.num_host_blocks:
+            idx = self._pad([], SWAP_CHUNK, 0)
+            blocks = np.asarray(self._gather(pages, idx))
+            pages = self._scatter(pages, blocks, self._pad([], SWAP_CHUNK, self.num_blocks))
+        return pages
