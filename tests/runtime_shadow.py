@@ -60,9 +60,13 @@ class ShadowKV:
             got = self.slots.get((block_ids[p // S], p % S))
             assert got == (req.cache_salt, keys[p]), f"{req.request_id}: wrong K/V at position {p}"
         for p in range(start, start + n):
-            blk = kv.pool.blocks[block_ids[p // S]]
-            assert blk.ref_cnt == 1, "writing into a shared block"
-            assert blk.block_hash is None, "writing into a cached block"
+            i = p // S
+            blk = kv.pool.blocks[block_ids[i]]
+            if blk.ref_cnt > 1 or blk.block_hash is not None:
+                # Only a block this very chunk fills may be cached (and then shared
+                # by requests admitted after it in the same step): under its own hash.
+                assert (i + 1) * S <= start + n, "writing into a shared or cached block"
+                assert blk.block_hash == kv._hashes[req.request_id][i], "writing into a foreign block"
             self.slots[(blk.block_id, p % S)] = (req.cache_salt, keys[p])
 
 

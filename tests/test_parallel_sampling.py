@@ -36,14 +36,21 @@ def rand(n: int, seed: int, vocab: int = 384) -> list[int]:
 
 
 def drain(eng) -> dict:
-    """Step to completion; returns finished outputs and the peak number of blocks in use."""
+    """Step to completion: finished outputs, peak blocks in use, tokens computed."""
     done, peak, computed = {}, 0, 0
+    schedule = eng.scheduler.schedule
     while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                done[o.request_id] = o
+        out = schedule()
+        computed += out.num_batched_tokens
+        eng.scheduler.schedule = lambda: out  # the step below runs exactly this output
+        try:
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+        finally:
+            del eng.scheduler.schedule
         peak = max(peak, eng.kv.pool.num_blocks - eng.kv.num_free_blocks)
-    return {"outs": done, "peak": peak}
+    return {"outs": done, "peak": peak, "computed": computed}
 
 
 def test_seeded_n4_reproducible_and_equal_to_single_seeds(llm):
@@ -66,17 +73,30 @@ def test_seeded_n4_reproducible_and_equal_to_single_seeds(llm):
 
 def test_n4_uses_fewer_blocks_than_4_requests(llm):
     eng = llm.engine
-    p = rand(150, 2)  # 10 blocks when computed
-    forked = SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=3, ignore_eos=True)
-    eng.add_request("forked", p, forked)
-    a = drain(eng)
-    q = rand(150, 3)  # the same work from a cold cache, as 4 requests arriving together
-    for i in range(4):
-        eng.add_request(f"alone{i}", q, SamplingParams(temperature=1.0, seed=3 + i, max_tokens=3,
-                                                                  ignore_eos=True))
-    b = drain(eng)
-    assert a["peak"] <= 10 + 3  # the prompt's blocks once, plus 3 copies of the shared partial block
-    assert a["peak"] < b["peak"]
+
+    def four_alone(prompt, tag):
+        for i in range(4):
+            eng.add_request(f"{tag}{i}", prompt, SamplingParams(temperature=1.0, seed=3 + i, max_tokens=3,
+                                                                ignore_eos=True))
+        return drain(eng)
+
+    p = rand(150, 2)  # 9 full blocks + 6 tokens
+    eng.add_request("forked", p, SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=3, ignore_eos=True))
+    forked = drain(eng)
+    assert forked["peak"] == 10 + 3  # the prompt's blocks once, plus 3 copies of the shared partial one
+    assert forked["computed"] == 150 + 4 * 2  # the prompt once, then one token per sequence per step
+    # 4 independent requests, caching off: each computes and holds its own copy (they
+    # overlap only partly: the 64-token budget staggers their prompts).
+    eng.kv.enable_prefix_caching = False
+    try:
+        apart = four_alone(rand(150, 3), "nocache")
+    finally:
+        eng.kv.enable_prefix_caching = True
+    assert apart["peak"] > forked["peak"] and apart["computed"] == 4 * 150 + 4 * 2
+    # With prefix caching they share the full blocks (admitted in the same step or not),
+    # but each still computes the tail of the prompt.
+    cached = four_alone(rand(150, 4), "cache")
+    assert forked["peak"] <= cached["peak"] and forked["computed"] < cached["computed"]
     assert eng.kv.num_free_blocks == eng.kv.pool.num_blocks
     assert all(b.ref_cnt == 0 for b in eng.kv.pool.blocks)
 

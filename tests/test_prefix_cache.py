@@ -136,3 +136,22 @@ def test_cache_salt_isolates(cached):
     hit = one("salt-a2", "alice")
     assert hit.num_cached_tokens == 64
     assert hit.outputs[0].token_ids == a.outputs[0].token_ids
+
+
+def test_same_step_admissions_share_blocks_being_written():
+    """Blocks are registered when scheduled: a request admitted later in the same step
+    hits them (each layer writes the step's K/V before any row attends)."""
+    from jaxllm.runtime.kv_cache_manager import KVCacheManager
+    from jaxllm.runtime.request import Request, StopRule
+    from jaxllm.runtime.scheduler import Scheduler, SchedulerConfig
+
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64), KVCacheManager(16, 4))
+    prompt = list(range(1, 12))
+    for rid in ("a", "b"):
+        sched.add(Request(rid, prompt, StopRule(max_tokens=2)))
+    out = sched.schedule()
+    a, b = out.scheduled
+    assert (a.start_pos, len(a.token_ids)) == (0, 11)
+    assert (b.start_pos, b.token_ids) == (8, prompt[8:]) and b.block_ids[:2] == a.block_ids[:2]
+    assert sched.requests["b"].num_cached_tokens == 8
+    assert sched.kv.num_free_blocks == 16 - 3 - 1

@@ -583,7 +583,7 @@ def test_preempted_request_reuses_its_cached_prefix() -> None:
 def test_finish_on_eos_and_abort_free_blocks() -> None:
     sched = make_sched(num_blocks=16, block_size=4)
     a = make_req("a", range(1, 10), max_tokens=10)
-    b = make_req("b", range(1, 6), max_tokens=10)
+    b = make_req("b", range(11, 16), max_tokens=10)  # no prefix shared with a
     c = make_req("c", range(1, 4), max_tokens=10)
     for r in (a, b):
         sched.add(r)

@@ -110,12 +110,21 @@ class KVCacheManager:
         self._lookups[req.request_id] = len(hits) * self.block_size
         return hits
 
-    def cache_full_blocks(self, req: Request) -> None:
-        """Register the request's blocks that are full of computed tokens."""
+    def cache_full_blocks(self, req: Request, num_tokens: int | None = None) -> None:
+        """Register the request's blocks that are full within its first `num_tokens`
+        tokens (default: the computed ones).
+
+        The scheduler calls this as it schedules a chunk, with the tokens the
+        chunk will have computed: a request admitted later in the same step can
+        then share blocks still being written, which is sound because every
+        layer writes the step's K/V to the pages before any row attends (vLLM V1
+        registers at scheduling time too).
+        """
         if not self.enable_prefix_caching:
             return
         table = self.tables.get(req.request_id, [])
-        n = min(req.num_computed_tokens // self.block_size, len(table))
+        upto = req.num_computed_tokens if num_tokens is None else num_tokens
+        n = min(upto // self.block_size, len(table))
         for b, h in zip(table[:n], self._full_block_hashes(req, n)):
             self.pool.cache(b, h)
 

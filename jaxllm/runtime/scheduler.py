@@ -248,6 +248,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
+                self.kv.cache_full_blocks(req, req.num_computed_tokens + n)
                 picked.append((req, n))
                 budget -= n
                 i += 1
@@ -273,6 +274,7 @@ class Scheduler:
                 req.status = RequestStatus.RUNNING
                 self._insert_running(req)
                 seats += req.seats
+                self.kv.cache_full_blocks(req, req.num_computed_tokens + n)
                 picked.append((req, n))
                 budget -= n
 
