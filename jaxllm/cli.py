@@ -20,6 +20,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    p.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped pages")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--attention-backend", default=None, choices=["reference", "pallas", "mosaic"])
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many devices (all processes' devices together)")
@@ -41,7 +44,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               attention_backend=args.attention_backend,
               tensor_parallel_size=args.tensor_parallel_size,
               distributed_coordinator=args.distributed_coordinator,
-              num_processes=args.num_processes, process_id=args.process_id)
+              num_processes=args.num_processes, process_id=args.process_id,
+              preemption_mode=args.preemption_mode, swap_space=args.swap_space,
+              scheduling_policy=args.scheduling_policy)
     if args.enable_prefix_caching is not None:
         kw["enable_prefix_caching"] = args.enable_prefix_caching
     return kw

@@ -179,6 +179,10 @@ class AsyncLLM:
             raise ValueError(f"duplicate request id {request_id!r}")
         ids = self.engine.tokenize(list(prompt_token_ids))[1]
         self.engine.validate(ids, params)
+        if priority != 0 and getattr(self.engine.cfg, "scheduling_policy", "fcfs") != "priority":
+            # Checked here, on the event loop, so the client gets a 400 rather than a failed stream.
+            raise ValueError(f"got priority {priority} but priority scheduling is not enabled "
+                             "(start the server with --scheduling-policy priority)")
         if check_capacity:
             self.check_capacity(params.n)
         stream = RequestStream(request_id, prompt, ids, params, self._abort)
