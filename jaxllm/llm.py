@@ -68,8 +68,8 @@ class LLM:
         if len(priority) != len(prompts):
             raise ValueError(f"{len(priority)} priorities for {len(prompts)} prompts")
         # Validate everything before queueing anything: a bad prompt fails the call cleanly.
-        for p, sp in zip(prompts, params):
-            self.engine.validate(self.engine.tokenize(p)[1], sp)
+        for p, sp, pr in zip(prompts, params, priority):
+            self.engine.validate(self.engine.tokenize(p)[1], sp, pr)
         ids = []
         for p, sp, pr in zip(prompts, params, priority):
             rid = str(self._next_id)

@@ -199,3 +199,24 @@ def test_beam_search_exhaustive(beam_model):
     np.testing.assert_allclose([s.cum_logprob for s in out.sequences], [scored[k] for k in best],
                                rtol=1e-4, atol=1e-4)
     assert llm.stats()["num_cow_copies"] > cow0
+
+
+def test_fork_rows_repad_to_a_compiled_bucket_pair():
+    """Sibling rows repeat their leader's last token; the batch grows to a compiled (T, R)."""
+    from jaxllm.engine.batch import build_batch
+    from jaxllm.engine.llm_engine import with_fork_rows
+    from jaxllm.runtime.scheduler import ScheduledRequest, SchedulerOutput
+
+    out = SchedulerOutput([ScheduledRequest("a", [5] * 10, 0, [3], True),
+                           ScheduledRequest("b", [6], 20, [1, 2], True)], num_batched_tokens=11)
+    tb, sb = (16, 64, 256), (8, 32, 64)
+    hb = build_batch(out, tb, sb, 16, 4)
+    assert (len(hb.tokens), hb.block_tables.shape[0]) == (16, 8)
+    big = with_fork_rows(hb, [0] * 39, tb, sb)  # 2 + 39 rows: R 64, which T=16 was not compiled with
+    assert (len(big.tokens), big.block_tables.shape[0]) == (64, 64)
+    assert list(big.logits_indices[:2]) == list(hb.logits_indices[:2]) == [9, 10]
+    assert set(big.logits_indices[2:41]) == {9} and big.num_rows == 2 and int(big.num_seqs[0]) == 2
+    assert (big.slot_mapping[11:] == -1).all() and (big.seq_lens[2:] == 0).all()
+    assert (big.query_start_loc[2:] == 11).all()
+    small = with_fork_rows(hb, [1, 0], tb, sb)  # fits the batch as it is
+    assert small.block_tables.shape[0] == 8 and list(small.logits_indices[:4]) == [9, 10, 10, 9]

@@ -61,6 +61,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.n = 0
         self.forks = 0
         self.groups = 0  # arrivals with n > 1
+        self.moves = {"copies": 0, "swap-ins": 0}
         self.resolved: set[str] = set()  # parked requests finished by their "owner"
 
     # -- configuration ---------------------------------------------------------
@@ -215,6 +216,8 @@ class RuntimeMachine(RuleBasedStateMachine):
             assert r.num_computed_tokens == 0 or rid in kv.swapped
         assert len(out.copies) <= len(out.scheduled)
         self.shadow.apply_ops(out)  # the engine runs the page moves before the forward pass
+        self.moves["copies"] += len(out.copies)
+        self.moves["swap-ins"] += len(out.swap_in)
         for s in out.scheduled:
             req = sched.requests[s.request_id]
             assert req.status is RequestStatus.RUNNING
@@ -304,6 +307,8 @@ class RuntimeMachine(RuleBasedStateMachine):
         event(f"prefix hits: {'none' if not self.kv.prefix_hits else 'some'}")
         event(f"public forks: {'none' if not self.forks else 'some'}")
         event(f"n>1 arrivals: {'none' if not self.groups else 'some'}")
+        for kind, n in self.moves.items():
+            event(f"{kind}: {'none' if not n else 'some'}")
         pool = self.kv.pool
         assert pool.num_free == pool.num_blocks
         assert all(b.ref_cnt == 0 for b in pool.blocks)

@@ -165,7 +165,7 @@ class LLMEngine:
             raise ValueError(f"token id {bad[0]} out of range for vocab size {self.model_cfg.vocab_size}")
         return None, ids
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) > self.max_model_len:
@@ -175,6 +175,9 @@ class LLMEngine:
             raise ValueError(f"logprobs {params.logprobs} > max {self.sampler.max_logprobs}")
         if params.n > self.cfg.max_num_seqs:  # the n sequences run side by side after the fork
             raise ValueError(f"n={params.n} is larger than max_num_seqs={self.cfg.max_num_seqs}")
+        if priority != 0 and self.cfg.scheduling_policy != "priority":
+            raise ValueError(f"got priority {priority} but priority scheduling is not enabled "
+                             "(scheduling_policy='priority')")
 
     def next_seed(self, temperature: float = 1.0) -> int:
         """A fresh per-sequence seed for a request that did not set one."""
@@ -186,11 +189,8 @@ class LLMEngine:
         params = params or SamplingParams()
         if request_id in self.parents:
             raise ValueError(f"duplicate request id {request_id!r}")
-        if priority != 0 and self.cfg.scheduling_policy != "priority":
-            raise ValueError(f"got priority {priority} but priority scheduling is not enabled "
-                             "(scheduling_policy='priority')")
         text, ids = self.tokenize(prompt)
-        self.validate(ids, params)
+        self.validate(ids, params, priority)
         arrival = arrival_time or time.time()
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         stop = StopRule(max_tokens=max_tokens, min_tokens=params.min_tokens,
