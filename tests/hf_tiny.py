@@ -65,3 +65,14 @@ def hf_last_logits(model, prompt: list[int]) -> np.ndarray:
 def random_prompts(n: int, vocab: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
+
+
+def make_llm(tiny, **kw):
+    """An engine on a (config, weights) pair from `make`, with the small buckets tests use."""
+    from jaxllm import LLM
+
+    cfg, sd = tiny
+    args = dict(hf_config=cfg, weights=sd, dtype="float32", max_model_len=384, max_num_seqs=8,
+                max_num_batched_tokens=64, token_buckets=(16, 64), seq_buckets=(8,))
+    args.update(kw)
+    return LLM(**args)

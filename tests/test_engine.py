@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hf_tiny import make, random_prompts
+from hf_tiny import make, make_llm, random_prompts
 
 from jaxllm import LLM, SamplingParams
 
@@ -14,14 +14,6 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 def tiny():
     _, cfg, sd = make("llama3", seed=3)
     return cfg, sd
-
-
-def make_llm(tiny, **kw):
-    cfg, sd = tiny
-    args = dict(hf_config=cfg, weights=sd, dtype="float32", max_model_len=384, max_num_seqs=8,
-                max_num_batched_tokens=64, token_buckets=(16, 64), seq_buckets=(8,))
-    args.update(kw)
-    return LLM(**args)
 
 
 @pytest.fixture(scope="module")

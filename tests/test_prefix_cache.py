@@ -7,7 +7,7 @@ block must hold exactly the K/V that recomputing it would produce.
 import numpy as np
 import pytest
 
-from hf_tiny import make
+from hf_tiny import make, make_llm
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import EngineConfig
@@ -21,14 +21,6 @@ POOL = 48  # blocks in the cached engine: two full-length sequences, so eviction
 def tiny():
     _, cfg, sd = make("llama3", seed=3)
     return cfg, sd
-
-
-def make_llm(tiny, **kw):
-    cfg, sd = tiny
-    args = dict(hf_config=cfg, weights=sd, dtype="float32", max_model_len=384, max_num_seqs=8,
-                max_num_batched_tokens=64, token_buckets=(16, 64), seq_buckets=(8,))
-    args.update(kw)
-    return LLM(**args)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ high-priority arrival preempts the running low-priority request.
 import numpy as np
 import pytest
 
-from hf_tiny import TINY, make
+from hf_tiny import TINY, make, make_llm
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.runtime.kv_cache_manager import KVCacheManager
@@ -27,14 +27,6 @@ HOST_BLOCKS = 8
 def tiny():
     _, cfg, sd = make("llama3", seed=3)
     return cfg, sd
-
-
-def make_llm(tiny, **kw):
-    cfg, sd = tiny
-    args = dict(hf_config=cfg, weights=sd, dtype="float32", max_model_len=384, max_num_seqs=8,
-                max_num_batched_tokens=64, token_buckets=(16, 64), seq_buckets=(8,))
-    args.update(kw)
-    return LLM(**args)
 
 
 @pytest.fixture(scope="module")
