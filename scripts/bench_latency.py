@@ -46,22 +46,30 @@ def copy_bandwidth(gib: float = 4.0) -> float:
 def fill_random(runner) -> None:
     import jax
 
-    @jax.jit
     def rnd(kv):
         return jax.random.normal(jax.random.key(1), kv.shape, kv.dtype)
 
-    runner.kv_pages = jax.jit(rnd, donate_argnums=0)(runner.kv_pages)
+    # Keep the pages' sharding (tensor parallel; one device: uncommitted, as the runner's):
+    # the step would recompile for another.
+    keep = {"out_shardings": runner.kv_pages.sharding} if runner.tp else {}
+    fill = jax.jit(rnd, donate_argnums=0, **keep)
+    runner.kv_pages = fill(runner.kv_pages)
     runner.kv_pages.block_until_ready()
 
 
-def decode_steps(llm, batch: int, ctx: int, iters: int, rng) -> dict:
-    """Put `batch` requests with `ctx` cached tokens in the running set; time decode steps."""
+def decode_steps(llm, batch: int, ctx: int, iters: int, rng, profile_steps: int = 0,
+                 profile_dir: str | None = None) -> dict:
+    """Put `batch` requests with `ctx` cached tokens in the running set; time decode steps.
+
+    With profile_steps, that many more steps run under the profiler afterwards
+    (`trace_stats.profile`): GPU busy time, kernel time by kind, host spans.
+    """
     from jaxllm import SamplingParams
     from jaxllm.runtime.request import RequestStatus
 
     eng = llm.engine
     sched = eng.scheduler
-    params = SamplingParams(temperature=0.0, max_tokens=iters + 4, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=iters + profile_steps + 4, ignore_eos=True)
     ids = []
     for i in range(batch):
         rid = f"b{batch}-{i}"
@@ -78,8 +86,12 @@ def decode_steps(llm, batch: int, ctx: int, iters: int, rng) -> dict:
         outs = eng.step()
         times.append(time.perf_counter() - t)
         assert sum(1 for _ in outs) == batch
+    res = {"median_s": statistics.median(times[2:]), "min_s": min(times[2:]), "all_s": times}
+    if profile_steps:
+        from trace_stats import profile
+        res["profile"] = profile(eng.step, profile_steps, os.path.join(profile_dir, f"b{batch}"))
     eng.abort_request(ids)
-    return {"median_s": statistics.median(times[2:]), "min_s": min(times[2:]), "all_s": times}
+    return res
 
 
 def hf_decode(cfg: dict, batch: int, ctx: int, new_tokens: tuple[int, int] = (8, 40)) -> float:
@@ -115,6 +127,9 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--profile-steps", type=int, default=0, help="profile this many extra steps per batch")
+    p.add_argument("--profile-dir", default="/tmp/jaxllm-trace")
     p.add_argument("--hf", action="store_true", help="HF transformers + torch.compile peer")
     p.add_argument("--hf-batch-size", type=int, nargs="+", default=[1])
     p.add_argument("--output-json", default=None)
@@ -132,22 +147,28 @@ def main() -> None:
               max_model_len=max_len, max_num_seqs=max_b,
               num_gpu_blocks_override=max_b * -(-max_len // 16) + 16,
               max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-              token_buckets=tuple(sorted({*seqs, args.max_num_batched_tokens})), seq_buckets=seqs)
-    fill_random(llm.engine.runner)
-    m = llm.engine.model_cfg
-    weight_bytes = llm.engine.runner.weight_bytes
-    kv_per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * 2
+              token_buckets=tuple(sorted({*seqs, args.max_num_batched_tokens})), seq_buckets=seqs,
+              tensor_parallel_size=args.tensor_parallel_size)
+    runner = llm.engine.runner
+    fill_random(runner)
+    m = runner.model_cfg
+    # The floor is per device: its share of the weights and of the KV heads it reads.
+    weight_bytes = runner.device_bytes["weight_bytes"]
+    kv_heads = runner.tp.layout.kv_heads_per_device if runner.tp else m.num_kv_heads
+    kv_per_token = m.num_layers * 2 * kv_heads * m.head_dim * runner.kv_pages.dtype.itemsize
     rng = np.random.default_rng(0)
     rows = []
     for b in args.batch_size:
-        r = decode_steps(llm, b, args.input_len, args.num_iters, rng)
+        r = decode_steps(llm, b, args.input_len, args.num_iters, rng, args.profile_steps,
+                         args.profile_dir)
         floor = (weight_bytes + b * args.input_len * kv_per_token) / C
         rows.append({"batch": b, "ctx": args.input_len, "step_s": r["median_s"], "floor_s": floor,
-                     "x_floor": r["median_s"] / floor})
+                     "x_floor": r["median_s"] / floor, "profile": r.get("profile")})
     st = llm.stats()
-    result = {"C_bytes_per_s": C, "weight_bytes": weight_bytes, "rows": rows,
-              "compiles_after_warmup": st["compiles_after_warmup"], "warmup_s": st["warmup_seconds"],
-              "attention_backend": args.attention_backend}
+    result = {"C_bytes_per_s": C, "weight_bytes_per_device": weight_bytes,
+              "total_weight_bytes": runner.weight_bytes, "tensor_parallel_size": args.tensor_parallel_size,
+              "rows": rows, "compiles_after_warmup": st["compiles_after_warmup"],
+              "warmup_s": st["warmup_seconds"], "attention_backend": args.attention_backend}
     if args.hf:
         del llm
         import gc
@@ -158,12 +179,16 @@ def main() -> None:
             t = hf_decode(cfg, b, args.input_len)
             floor = (weight_bytes + b * args.input_len * kv_per_token) / C
             result["hf"].append({"batch": b, "step_s": t, "x_floor": t / floor})
-    print(json.dumps(result, indent=2))
-    print(f"\nC = {C / 1e12:.2f} TB/s, weights {weight_bytes / 1e9:.2f} GB, "
-          f"compiles after warm-up {result['compiles_after_warmup']}")
+    if not args.output_json:
+        print(json.dumps(result, indent=2))
+    print(f"\nC = {C / 1e12:.2f} TB/s, tp {args.tensor_parallel_size}, weights per device "
+          f"{weight_bytes / 1e9:.2f} GB, compiles after warm-up {result['compiles_after_warmup']}")
     print(f"{'batch':>6}{'ctx':>6}{'step ms':>10}{'floor ms':>10}{'x floor':>9}")
     for r in rows:
         print(f"{r['batch']:>6}{r['ctx']:>6}{r['step_s'] * 1e3:>10.2f}{r['floor_s'] * 1e3:>10.2f}{r['x_floor']:>9.2f}")
+        if r["profile"]:
+            from trace_stats import print_summary
+            print_summary(r["profile"])
     for r in result.get("hf", []):
         print(f"HF+torch.compile batch {r['batch']}: {r['step_s'] * 1e3:.2f} ms/step = {r['x_floor']:.2f}x floor")
     if args.output_json:

@@ -144,3 +144,21 @@ def test_n_parallel_samples(llm, prompts):
     assert [c.index for c in a.outputs] == [0, 1, 2]
     assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert len({tuple(c.token_ids) for c in a.outputs}) > 1
+
+
+def test_packed_batch_unpacks_to_the_host_batch():
+    """The step's two packed input arrays give back every field of the host batch."""
+    from jaxllm.engine.batch import build_batch
+    from jaxllm.engine.runner import Batch
+    from jaxllm.runtime.scheduler_output import ScheduledRequest, SchedulerOutput
+
+    rows = [ScheduledRequest("a", token_ids=[5, 6, 7], start_pos=0, block_ids=[3], sample=True),
+            ScheduledRequest("b", token_ids=[9], start_pos=20, block_ids=[1, 4], sample=True)]
+    out = SchedulerOutput(scheduled=rows, num_batched_tokens=4)
+    hb = build_batch(out, (8,), (4,), block_size=16, max_blocks=3)
+    b = Batch.from_host(hb)
+    np.testing.assert_array_equal(b.tokens, hb.tokens)
+    np.testing.assert_array_equal(b.logits_indices, hb.logits_indices)
+    for name in ("positions", "token_req", "slot_mapping", "block_tables", "seq_lens",
+                 "query_start_loc", "num_seqs"):
+        np.testing.assert_array_equal(getattr(b.md, name), getattr(hb, name), err_msg=name)

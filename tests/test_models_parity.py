@@ -19,7 +19,7 @@ def last_logits(llm: LLM, prompt: list[int]) -> np.ndarray:
     out = SchedulerOutput([ScheduledRequest("probe", prompt, 0, eng.kv.block_ids("probe"), True)],
                           num_batched_tokens=len(prompt))
     hb = build_batch(out, eng.token_buckets, eng.seq_buckets, eng.cfg.block_size, eng.runner.max_blocks)
-    logits = np.asarray(eng.runner.execute(hb))[0]
+    logits = np.asarray(eng.runner.execute(hb)[0])[0]
     eng.kv.free(req)
     return logits
 

@@ -404,6 +404,31 @@ def test_reset_prefix_cache() -> None:
     assert kv.get_computed_blocks(make_req("b", range(9))) == []
 
 
+def test_decode_registers_each_full_block_once(monkeypatch) -> None:
+    """A long running request costs the prefix cache only its newly filled blocks per step
+    (rescanning the whole table each step was 14 ms of host time at 64 x 2048 tokens)."""
+    sched = make_sched(num_blocks=128, block_size=4, budget=64)
+    req = make_req("a", range(1, 41), max_tokens=30)
+    sched.add(req)
+    step(sched)  # the 40-token prompt: 10 full blocks
+    calls = []
+    orig = sched.kv.pool.cache
+    monkeypatch.setattr(sched.kv.pool, "cache", lambda b, h: (calls.append(b.block_id), orig(b, h)))
+    for _ in range(12):  # 12 decode steps fill blocks 10, 11 and 12
+        step(sched)
+    assert sorted(calls) == sorted(set(calls)) and len(calls) == 3, calls
+    assert len(sched.kv.pool.cached) == 13
+
+
+def test_reset_prefix_cache_reregisters_running_requests() -> None:
+    kv = KVCacheManager(16, 4)
+    a = make_req("a", range(9))
+    compute(kv, a, 9)
+    kv.reset_prefix_cache()
+    compute(kv, a, 3)  # 12 tokens: all three blocks full, registered again
+    assert len(kv.pool.cached) == 3
+
+
 # -- (d) Scheduler ---------------------------------------------------------------
 
 def test_duplicate_request_id_rejected() -> None:

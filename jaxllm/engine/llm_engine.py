@@ -261,8 +261,9 @@ class LLMEngine:
                 self.parents[seq.parent_id].metrics.first_scheduled_time = now
         if fork_src:
             hb = with_fork_rows(hb, fork_src, self.token_buckets, self.seq_buckets)
-        logits = self.runner.execute(hb)
-        sout = self.sampler.sample(logits, self.sampler.prepare(rows, hb.block_tables.shape[0]))
+        logits, greedy_ids = self.runner.execute(hb)
+        sout = self.sampler.sample(logits, self.sampler.prepare(rows, hb.block_tables.shape[0]),
+                                   greedy_ids)
         # Beam-search rows get no token: the scheduler parks them for the beam search to fork.
         sampled = {rid: int(sout.token_ids[i]) for rid, i in row_of.items()
                    if rid in self.seqs and rows[i] is not _PAD_ROW}

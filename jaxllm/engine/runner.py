@@ -1,6 +1,6 @@
 """The device side: KV pages, the jitted step, and start-up compilation.
 
-`step(params, kv_pages, batch) -> (kv_pages, logits)` is a pure function jitted
+`step(params, kv_pages, batch) -> (kv_pages, logits, greedy_ids)` is a pure function jitted
 once per (token bucket, request bucket) pair with the KV pages donated, so XLA
 updates them in place. Every bucket is compiled at start-up; `stats()` exposes a
 trace counter so tests can assert that serving never compiles again.
@@ -36,15 +36,42 @@ DTYPES = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Batch:
-    tokens: jax.Array  # [T] int32
-    md: AttentionMetadata
-    logits_indices: jax.Array  # [R] int32
+    """A step's inputs as two int32 arrays, so a step costs two host-to-device transfers.
+
+    The nine fields of a `HostBatch` as nine arrays cost nine transfers, each
+    with its own host-side dispatch; packed by length (T or R), they unpack by
+    free slices inside the jitted step. `num_seqs` is not sent: real rows, and
+    only they, have a non-zero `seq_len` (checked when packing).
+    """
+
+    per_token: jax.Array  # [4, T] int32: tokens, positions, token_req, slot_mapping
+    per_row: jax.Array  # [R, B + 3] int32: block table (B) | seq_len | logits index | query end
 
     @classmethod
     def from_host(cls, hb: HostBatch, sharding=None) -> "Batch":
-        md = AttentionMetadata(hb.positions, hb.token_req, hb.slot_mapping, hb.block_tables,
-                               hb.seq_lens, hb.query_start_loc, hb.num_seqs)
-        return jax.device_put(cls(hb.tokens, md, hb.logits_indices), sharding)
+        if int(hb.num_seqs[0]) != int(np.count_nonzero(hb.seq_lens)):
+            raise ValueError(f"num_seqs {hb.num_seqs[0]} != rows with a context {hb.seq_lens}")
+        per_token = np.stack([hb.tokens, hb.positions, hb.token_req, hb.slot_mapping])
+        per_row = np.concatenate([hb.block_tables, hb.seq_lens[:, None], hb.logits_indices[:, None],
+                                  hb.query_start_loc[1:, None]], axis=1, dtype=np.int32)
+        return jax.device_put(cls(per_token, per_row), sharding)
+
+    @property
+    def tokens(self) -> jax.Array:  # [T]
+        return self.per_token[0]
+
+    @property
+    def logits_indices(self) -> jax.Array:  # [R]
+        return self.per_row[:, -2]
+
+    @property
+    def md(self) -> AttentionMetadata:
+        rows, B = self.per_row, self.per_row.shape[1] - 3
+        seq_lens = rows[:, B]
+        qsl = jnp.concatenate([jnp.zeros(1, jnp.int32), rows[:, B + 2]])
+        num_seqs = jnp.count_nonzero(seq_lens).astype(jnp.int32)[None]
+        return AttentionMetadata(self.per_token[1], self.per_token[2], self.per_token[3],
+                                 rows[:, :B], seq_lens, qsl, num_seqs)
 
 
 def resolve_dtype(name: str, platform: str):
@@ -151,15 +178,23 @@ class ModelRunner:
         # float32 means float32: without this, GPUs run f32 matmuls as TF32.
         precision = "highest" if self.dtype == jnp.float32 else None
         with jax.default_matmul_precision(precision):
-            return model(kv_pages, batch.tokens, batch.md, batch.logits_indices, layers)
+            kv_pages, logits = model(kv_pages, batch.tokens, batch.md, batch.logits_indices, layers)
+        if self.tp is not None:
+            # Logits computed per vocabulary shard, then gathered once, and the argmax taken on
+            # the gathered copy. Unpinned, XLA either all-gathers the whole LM head (replicated
+            # logits) or adds two gathers for a per-shard argmax.
+            logits = jax.lax.with_sharding_constraint(logits, self.tp.vocab_sharded)
+            logits = jax.lax.with_sharding_constraint(logits, self.tp.replicated)
+        # Greedy ids come out of the same program: a greedy batch needs no second dispatch.
+        return kv_pages, logits, jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     @property
     def step_params(self):
         """What the jitted step takes as its weights."""
         return self.params if self.layer_params is None else (self.params, self.layer_params)
 
-    def execute(self, hb: HostBatch) -> jax.Array:
-        """Run one step; returns logits [R, V] (float32, still on device).
+    def execute(self, hb: HostBatch) -> tuple[jax.Array, jax.Array]:
+        """Run one step; returns (logits [R, V] float32, greedy ids [R] int32), on device.
 
         With several processes this is the leader's call: the batch is broadcast
         first, so the followers run the same step (`jaxllm.parallel.follow`).
@@ -168,14 +203,14 @@ class ModelRunner:
             self.channel.send(hb)
         return self.run_step(hb)
 
-    def run_step(self, hb: HostBatch) -> jax.Array:
+    def run_step(self, hb: HostBatch) -> tuple[jax.Array, jax.Array]:
         """The jitted step alone (followers call this for each broadcast batch)."""
         if self.tp is None:
-            self.kv_pages, logits = self._step(self.step_params, self.kv_pages, Batch.from_host(hb))
-            return logits
+            self.kv_pages, logits, ids = self._step(self.step_params, self.kv_pages, Batch.from_host(hb))
+            return logits, ids
         batch = Batch.from_host(hb, self.tp.replicated)
-        self.kv_pages, logits = self._step(self.step_params, self.kv_pages, batch)
-        return self.tp.local_logits(logits)
+        self.kv_pages, logits, ids = self._step(self.step_params, self.kv_pages, batch)
+        return self.tp.local_logits(logits), self.tp.local_logits(ids)
 
     def warmup_sampler(self, sampler, num_rows: int) -> None:
         """Compile the sampler for logits as `execute` returns them.
@@ -214,5 +249,5 @@ class ModelRunner:
                     block_tables=np.zeros((R, self.max_blocks), np.int32),
                     seq_lens=np.zeros(R, np.int32), query_start_loc=np.zeros(R + 1, np.int32),
                     num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(R, np.int32), num_rows=0)
-                self.execute(hb).block_until_ready()
+                jax.block_until_ready(self.execute(hb))
         return time.perf_counter() - t0

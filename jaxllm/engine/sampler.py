@@ -270,12 +270,18 @@ class Sampler:
         ids = row.params.all_stop_token_ids(row.eos_token_id)
         return [t for t in ids if 0 <= t < self.vocab_size]
 
-    def sample(self, logits: jax.Array, batch: SamplingBatch) -> SamplerOutput:
-        """Pick one token per row; returns host numpy arrays."""
+    def sample(self, logits: jax.Array, batch: SamplingBatch,
+               greedy_ids: jax.Array | None = None) -> SamplerOutput:
+        """Pick one token per row; returns host numpy arrays.
+
+        `greedy_ids` ([R] argmax of `logits`, when the forward pass computed it
+        already) serves a greedy-only batch without another dispatch.
+        """
         if logits.shape != (batch.num_rows, self.vocab_size):
             raise ValueError(f"logits shape {logits.shape} != ({batch.num_rows}, {self.vocab_size}).")
         if batch.greedy_only:
-            return SamplerOutput(np.asarray(self._greedy_fn(logits)), None, None, None)
+            ids = self._greedy_fn(logits) if greedy_ids is None else greedy_ids
+            return SamplerOutput(np.asarray(ids), None, None, None)
         tokens, tok_lp, top_ids, top_lp = jax.device_get(self._full_fn(logits, batch.tensors))
         if not batch.want_logprobs:
             return SamplerOutput(tokens, None, None, None)

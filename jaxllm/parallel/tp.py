@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxllm.models.config import ModelConfig
 from jaxllm.models.llama import value
 from jaxllm.parallel.attention import shard_attention
-from jaxllm.parallel.mesh import HeadLayout, head_layout, make_mesh, sharded_model_config
+from jaxllm.parallel.mesh import AXIS, HeadLayout, head_layout, make_mesh, sharded_model_config
 from jaxllm.parallel.sharding import (KV_PAGES_SPEC, bytes_on_device, init_random_state,
                                       param_spec, place_state)
 
@@ -40,6 +40,7 @@ class TensorParallel:
         self.checkpoint_cfg = model_cfg
         self.model_cfg = sharded_model_config(model_cfg, self.layout)
         self.replicated = NamedSharding(self.mesh, P())
+        self.vocab_sharded = NamedSharding(self.mesh, P(None, AXIS))  # [R, V] logits, split by V
         self.kv_sharding = NamedSharding(self.mesh, KV_PAGES_SPEC)
         me = jax.process_index()
         self.local_devices = [d for d in self.mesh.devices.flat if d.process_index == me]
@@ -93,7 +94,7 @@ class TensorParallel:
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.kv_sharding)()
 
     def jit_step(self, fn: Callable, params: Any) -> Callable:
-        """jit `fn(params, kv_pages, batch) -> (kv_pages, logits)` with fixed shardings.
+        """jit `fn(params, kv_pages, batch) -> (kv_pages, logits, greedy_ids)` with fixed shardings.
 
         Fixed in/out shardings keep the donated pages in place and make a
         mis-placed input an error instead of a silent recompile.
@@ -101,7 +102,7 @@ class TensorParallel:
         param_shardings = jax.tree.map(lambda x: x.sharding, params)
         return jax.jit(fn, donate_argnums=(1,),
                        in_shardings=(param_shardings, self.kv_sharding, self.replicated),
-                       out_shardings=(self.kv_sharding, self.replicated))
+                       out_shardings=(self.kv_sharding, self.replicated, self.replicated))
 
     def put_batch(self, batch: Any) -> Any:
         """Host batch -> replicated on every mesh device (each process fills its own)."""
@@ -109,7 +110,7 @@ class TensorParallel:
 
     @staticmethod
     def local_logits(logits: jax.Array) -> jax.Array:
-        """The replicated logits' copy on this process's first mesh device (no transfer)."""
+        """A replicated output's copy on this process's first mesh device (no transfer)."""
         return logits.addressable_data(0)
 
     def kv_budget(self, utilization: float, headroom: int = 2 << 30) -> int:

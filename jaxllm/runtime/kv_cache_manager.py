@@ -58,6 +58,10 @@ class KVCacheManager:
         self.tables: dict[str, list[Block]] = {}
         self.swapped: dict[str, list[int]] = {}  # request id -> host slots of its pages, in order
         self._hashes: dict[str, list[int]] = {}  # hashes of each request's full blocks
+        # Request id -> leading blocks of its table already offered to the prefix cache. Each
+        # step then registers only the blocks that filled since, not the whole table again
+        # (that rescan was O(context) per request per step: 14 ms a step at 64 x 2048 tokens).
+        self._num_cached: dict[str, int] = {}
         self._lookups: dict[str, int] = {}  # request id -> hit tokens, counted once admitted
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache (first admission)
         self.prefix_hits = 0  # of which found
@@ -125,14 +129,20 @@ class KVCacheManager:
         table = self.tables.get(req.request_id, [])
         upto = req.num_computed_tokens if num_tokens is None else num_tokens
         n = min(upto // self.block_size, len(table))
-        for b, h in zip(table[:n], self._full_block_hashes(req, n)):
-            self.pool.cache(b, h)
+        start = self._num_cached.get(req.request_id, 0)
+        if n <= start:
+            return
+        hashes = self._full_block_hashes(req, n)
+        for i in range(start, n):
+            self.pool.cache(table[i], hashes[i])
+        self._num_cached[req.request_id] = n
 
     def reset_prefix_cache(self) -> None:
         """Forget all cached hashes (e.g. after the weights change)."""
         for b in self.pool.blocks:
             b.block_hash = None
         self.pool.cached.clear()
+        self._num_cached.clear()
 
     # -- allocation -------------------------------------------------------------
     def _needs_cow(self, table: list[Block], num_computed: int, num_new: int) -> bool:
@@ -194,12 +204,14 @@ class KVCacheManager:
         for b in shared:
             self.pool.touch(b)
         self.tables[child.request_id] = list(shared)
+        self._num_cached.pop(child.request_id, None)
         self._hashes[child.request_id] = self._hashes.get(parent.request_id, [])[:nc // self.block_size]
 
     def free(self, req: Request) -> None:
         """Drop the request's blocks (device and host); cached ones stay reusable."""
         self.pool.release(self.tables.pop(req.request_id, []))
         self._hashes.pop(req.request_id, None)
+        self._num_cached.pop(req.request_id, None)
         self._lookups.pop(req.request_id, None)
         slots = self.swapped.pop(req.request_id, None)
         if slots:
@@ -217,6 +229,7 @@ class KVCacheManager:
         self._out_ops.extend(zip((b.block_id for b in keep), slots))
         self.swapped[req.request_id] = slots
         self.pool.release(self.tables.pop(req.request_id))
+        self._num_cached.pop(req.request_id, None)  # the swap-in's fresh blocks register anew
         self._lookups.pop(req.request_id, None)
         return True
 
