@@ -169,6 +169,7 @@ def main() -> None:
               "total_weight_bytes": runner.weight_bytes, "tensor_parallel_size": args.tensor_parallel_size,
               "rows": rows, "compiles_after_warmup": st["compiles_after_warmup"],
               "warmup_s": st["warmup_seconds"], "attention_backend": args.attention_backend}
+    save(result, args.output_json)  # before the peer: its failure must not lose these figures
     if args.hf:
         del llm
         import gc
@@ -176,7 +177,11 @@ def main() -> None:
         cfg = SHAPES[args.random_shape]
         result["hf"] = []
         for b in args.hf_batch_size:
-            t = hf_decode(cfg, b, args.input_len)
+            try:
+                t = hf_decode(cfg, b, args.input_len)
+            except Exception as e:  # e.g. out of memory beside JAX's pool: report, go on
+                result["hf"].append({"batch": b, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                continue
             floor = (weight_bytes + b * args.input_len * kv_per_token) / C
             result["hf"].append({"batch": b, "step_s": t, "x_floor": t / floor})
     if not args.output_json:
@@ -190,9 +195,16 @@ def main() -> None:
             from trace_stats import print_summary
             print_summary(r["profile"])
     for r in result.get("hf", []):
-        print(f"HF+torch.compile batch {r['batch']}: {r['step_s'] * 1e3:.2f} ms/step = {r['x_floor']:.2f}x floor")
-    if args.output_json:
-        with open(args.output_json, "w") as f:
+        if "error" in r:
+            print(f"HF+torch.compile batch {r['batch']}: {r['error']}")
+        else:
+            print(f"HF+torch.compile batch {r['batch']}: {r['step_s'] * 1e3:.2f} ms/step = {r['x_floor']:.2f}x floor")
+    save(result, args.output_json)
+
+
+def save(result: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump(result, f, indent=2)
 
 

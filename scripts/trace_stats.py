@@ -86,9 +86,9 @@ def summarize(events: list[dict], steps: int, wall_s: float | None = None) -> di
                               for n, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:8]}})
     out["per_device"] = per_dev
     host = collections.defaultdict(float)
-    for e in events:
+    for e in events:  # Python tracer spans ("$file:line fn") and jit dispatches, any host thread
         if e.get("ph") == "X" and "/host" in procs.get(e["pid"], "") and \
-                threads.get((e["pid"], e.get("tid"))) == "python":
+                (e["name"].startswith("$") or e["name"].startswith("PjitFunction")):
             host[e["name"]] += e["dur"]
     out["host_top_s"] = {n[:90]: v * 1e-6 / steps
                          for n, v in sorted(host.items(), key=lambda kv: -kv[1])[:12]}

@@ -107,7 +107,9 @@ class ModelRunner:
                 self.channel = leader_channel(self.max_blocks)
         ckpt_cfg, model_cfg = model_cfg, (self.tp.model_cfg if self.tp else model_cfg)
         self.model_cfg = model_cfg  # with tp > K: the stored (repeated) KV head count
-        make = lambda c=model_cfg: Llama(c, self.dtype, rngs=nnx.Rngs(cfg.seed), attention_fn=attn)
+        embed_fn = self.tp.embedding() if self.tp else None
+        make = lambda c=model_cfg: Llama(c, self.dtype, rngs=nnx.Rngs(cfg.seed), attention_fn=attn,
+                                         embed_fn=embed_fn)
         if self.tp is not None:
             self.graphdef, self.params = self.tp.build_params(make, lambda: make(ckpt_cfg), state)
         elif state is None:

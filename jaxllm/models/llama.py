@@ -101,11 +101,13 @@ class Llama(nnx.Module):
     """Decoder-only transformer: tokens + paged KV cache -> logits of selected rows."""
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs,
-                 attention_fn: AttentionFn | None = None):
+                 attention_fn: AttentionFn | None = None,
+                 embed_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None):
         from jaxllm.kernels.ref import ragged_paged_attention
 
         self.cfg = cfg
         self.attention_fn = attention_fn or ragged_paged_attention
+        self.embed_fn = embed_fn  # None: a plain gather (tensor parallel: parallel/embedding.py)
         self.embed = _param((cfg.vocab_size, cfg.hidden_size), dtype, rngs)
         self.layers = LayerStack(cfg, dtype, rngs)
         self.norm = _param((cfg.hidden_size,), dtype, rngs, None)
@@ -150,7 +152,7 @@ class Llama(nnx.Module):
         cfg = self.cfg
         inv_freq = rope_inv_freq(cfg)
         embed = value(self.embed)
-        x = embed[tokens]
+        x = embed[tokens] if self.embed_fn is None else self.embed_fn(embed, tokens)
 
         def body(carry, xs):
             x, kv = carry

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxllm.models.config import ModelConfig
 from jaxllm.models.llama import value
 from jaxllm.parallel.attention import shard_attention
+from jaxllm.parallel.embedding import shard_embedding
 from jaxllm.parallel.mesh import AXIS, HeadLayout, head_layout, make_mesh, sharded_model_config
 from jaxllm.parallel.sharding import (KV_PAGES_SPEC, bytes_on_device, init_random_state,
                                       param_spec, place_state)
@@ -55,6 +56,12 @@ class TensorParallel:
 
     def attention(self, fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
         return shard_attention(fn, self.mesh)
+
+    def embedding(self) -> Callable[[jax.Array, jax.Array], jax.Array] | None:
+        """The vocabulary-parallel lookup, or None where the table is replicated (V % N)."""
+        if self.checkpoint_cfg.vocab_size % self.tp:
+            return None
+        return shard_embedding(self.mesh)
 
     def build_params(self, make_sharded: Callable[[], nnx.Module],
                      make_unsharded: Callable[[], nnx.Module], state: dict | None

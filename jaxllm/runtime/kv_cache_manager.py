@@ -56,6 +56,10 @@ class KVCacheManager:
         self.host = HostBlockPool(num_host_blocks)
         self.enable_prefix_caching = enable_prefix_caching
         self.tables: dict[str, list[Block]] = {}
+        # The same tables as block ids, rebuilt only when a table changes: the scheduler
+        # reads every running request's ids each step, and a tuple per change is cheaper
+        # than a list comprehension over the whole table per step.
+        self._ids: dict[str, tuple[int, ...]] = {}
         self.swapped: dict[str, list[int]] = {}  # request id -> host slots of its pages, in order
         self._hashes: dict[str, list[int]] = {}  # hashes of each request's full blocks
         # Request id -> leading blocks of its table already offered to the prefix cache. Each
@@ -80,7 +84,19 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.tables.get(request_id, ())]
+        return list(self._ids.get(request_id, ()))  # a C-speed copy: callers may keep it
+
+    def _set_table(self, request_id: str, table: list[Block], appended: list[Block] | None = None) -> None:
+        """Install a request's table; `appended`: it is the old table plus these blocks."""
+        self.tables[request_id] = table
+        if appended is not None and request_id in self._ids:
+            self._ids[request_id] += tuple(b.block_id for b in appended)
+        else:
+            self._ids[request_id] = tuple(b.block_id for b in table)
+
+    def _drop_table(self, request_id: str) -> list[Block]:
+        self._ids.pop(request_id, None)
+        return self.tables.pop(request_id, [])
 
     def is_swapped(self, req: Request) -> bool:
         return req.request_id in self.swapped
@@ -190,7 +206,7 @@ class KVCacheManager:
             self.pool.release([src])  # still held by the other sharers
             self._copy_ops.append((src.block_id, dst.block_id))
             self.num_cow_copies += 1
-        self.tables[req.request_id] = table + new
+        self._set_table(req.request_id, table + new, None if cow or computed_blocks else new)
         hit = self._lookups.pop(req.request_id, None)
         if hit is not None and req.num_preemptions == 0:
             self.prefix_queries += req.num_tokens
@@ -203,13 +219,13 @@ class KVCacheManager:
         shared = self.tables[parent.request_id][:_cdiv(nc, self.block_size)]
         for b in shared:
             self.pool.touch(b)
-        self.tables[child.request_id] = list(shared)
+        self._set_table(child.request_id, list(shared))
         self._num_cached.pop(child.request_id, None)
         self._hashes[child.request_id] = self._hashes.get(parent.request_id, [])[:nc // self.block_size]
 
     def free(self, req: Request) -> None:
         """Drop the request's blocks (device and host); cached ones stay reusable."""
-        self.pool.release(self.tables.pop(req.request_id, []))
+        self.pool.release(self._drop_table(req.request_id))
         self._hashes.pop(req.request_id, None)
         self._num_cached.pop(req.request_id, None)
         self._lookups.pop(req.request_id, None)
@@ -228,7 +244,7 @@ class KVCacheManager:
             return False
         self._out_ops.extend(zip((b.block_id for b in keep), slots))
         self.swapped[req.request_id] = slots
-        self.pool.release(self.tables.pop(req.request_id))
+        self.pool.release(self._drop_table(req.request_id))
         self._num_cached.pop(req.request_id, None)  # the swap-in's fresh blocks register anew
         self._lookups.pop(req.request_id, None)
         return True
@@ -238,7 +254,7 @@ class KVCacheManager:
         blocks = self.pool.allocate(_cdiv(req.num_computed_tokens + num_new_tokens, self.block_size))
         self._in_ops.extend(zip(slots, (b.block_id for b in blocks)))
         self.host.release(slots)  # reusable from the next step on, once the copy has read them
-        self.tables[req.request_id] = blocks
+        self._set_table(req.request_id, blocks)
         return blocks[len(slots):]
 
     # -- per-step device work -------------------------------------------------------
