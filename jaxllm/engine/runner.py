@@ -128,15 +128,19 @@ class ModelRunner:
         if unroll_layers is None:
             unroll_layers = self.platform != "cpu"
         self.layer_params = split_layers(self.params, L) if unroll_layers else None
+        if self.tp is not None and self.layer_params is not None:
+            self.layer_params = self.tp.place_layers(self.params, self.layer_params)
+        # The step takes its weights as a flat list of arrays. Handed the nnx State instead,
+        # every call flattened it leaf by leaf in Python: 4.3-4.8 ms of host time per step for
+        # the Llama-3-8B shape on an H200 (profiled), 10 ms at tp=2, 28 ms for 70B at tp=2.
+        self.flat_params, self._params_def = jax.tree.flatten(self.step_params)
         if self.tp is None:
             self.kv_pages = jnp.zeros(shape, self.dtype)
-            self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+            self._step = jax.jit(self._step_flat, donate_argnums=(1,))
             self.device_bytes = {"weight_bytes": self.weight_bytes, "kv_bytes": self.kv_pages.nbytes}
         else:
-            if self.layer_params is not None:
-                self.layer_params = self.tp.place_layers(self.params, self.layer_params)
             self.kv_pages = self.tp.zeros(shape, self.dtype)
-            self._step = self.tp.jit_step(self._step_impl, self.step_params)
+            self._step = self.tp.jit_step(self._step_flat, self.flat_params)
             self.device_bytes = self.tp.report(self.step_params, self.kv_pages, self.num_blocks)
 
     def _bytes_per_block(self) -> int:
@@ -173,6 +177,9 @@ class ModelRunner:
                 f"still holding its KV pages? set kv_cache_memory_bytes)")
         return int(blocks)
 
+    def _step_flat(self, flat_params: list[jax.Array], kv_pages, batch: Batch):
+        return self._step_impl(self._params_def.unflatten(flat_params), kv_pages, batch)
+
     def _step_impl(self, params, kv_pages, batch: Batch):
         self.num_traces += 1  # runs only while tracing: counts compilations
         params, layers = params if isinstance(params, tuple) else (params, None)
@@ -208,10 +215,10 @@ class ModelRunner:
     def run_step(self, hb: HostBatch) -> tuple[jax.Array, jax.Array]:
         """The jitted step alone (followers call this for each broadcast batch)."""
         if self.tp is None:
-            self.kv_pages, logits, ids = self._step(self.step_params, self.kv_pages, Batch.from_host(hb))
+            self.kv_pages, logits, ids = self._step(self.flat_params, self.kv_pages, Batch.from_host(hb))
             return logits, ids
         batch = Batch.from_host(hb, self.tp.replicated)
-        self.kv_pages, logits, ids = self._step(self.step_params, self.kv_pages, batch)
+        self.kv_pages, logits, ids = self._step(self.flat_params, self.kv_pages, batch)
         return self.tp.local_logits(logits), self.tp.local_logits(ids)
 
     def warmup_sampler(self, sampler, num_rows: int) -> None:
