@@ -57,7 +57,7 @@ def _generate(args: argparse.Namespace) -> int:
 
     llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, seed=args.sample_seed)
+                            top_p=args.top_p, seed=args.sample_seed, n=args.n)
     t0 = time.perf_counter()
     outs = llm.generate(args.prompt, params, use_tqdm=False)
     dt = time.perf_counter() - t0
@@ -65,7 +65,8 @@ def _generate(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([{"prompt": o.prompt, "text": o.outputs[0].text,
                            "token_ids": o.outputs[0].token_ids,
-                           "finish_reason": o.outputs[0].finish_reason} for o in outs], indent=2))
+                           "finish_reason": o.outputs[0].finish_reason,
+                           "all_token_ids": [c.token_ids for c in o.outputs]} for o in outs], indent=2))
     else:
         for o in outs:
             print(f"--- {o.prompt!r}\n{o.outputs[0].text}")
@@ -92,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--sample-seed", type=int, default=None)
+    g.add_argument("--n", type=int, default=1, help="completions per prompt")
     g.add_argument("--json", action="store_true")
     add_engine_args(g)
     g.set_defaults(fn=_generate)

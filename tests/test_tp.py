@@ -211,10 +211,13 @@ def _json_out(stdout: str):
 
 
 def test_two_processes_match_one(tiny_model_dir):
+    """Seeded sampling with n=2: the siblings share the prompt's partly filled last block, so
+    their first decode step copies it (copy-on-write), on every process's KV heads."""
     prompts = ["The capital of France is", "Once upon a time, in a land far"]
     common = ["-m", "jaxllm.cli", "generate", *prompts, "--model", tiny_model_dir, "--json",
               "--max-tokens", "8", "--dtype", "float32", "--max-model-len", "128",
-              "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--tensor-parallel-size", "4"]
+              "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--tensor-parallel-size", "4",
+              "--n", "2", "--temperature", "0.8", "--sample-seed", "7"]
     port = _free_port()
     dist = ["--distributed-coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
     procs = [subprocess.Popen([PY, *common, *dist, "--process-id", str(i)], env=_env(2), cwd=ROOT,
@@ -231,6 +234,7 @@ def test_two_processes_match_one(tiny_model_dir):
         assert p.returncode == 0, err[-4000:]
     leader, follower, ref = (_json_out(o) for o, _ in outs)
     assert follower is None  # followers print no results: they only run steps
-    assert [r["token_ids"] for r in leader] == [r["token_ids"] for r in ref]
-    assert all(len(r["token_ids"]) == 8 for r in ref)
+    assert [r["all_token_ids"] for r in leader] == [r["all_token_ids"] for r in ref]
+    assert all(len(ids) == 8 for r in ref for ids in r["all_token_ids"])
+    assert all(r["all_token_ids"][0] != r["all_token_ids"][1] for r in ref)  # the siblings diverged
     assert np.unique([t for r in ref for t in r["token_ids"]]).size > 2

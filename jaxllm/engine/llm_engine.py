@@ -96,8 +96,12 @@ class LLMEngine:
                         "the window %d, where full attention is exact", self.max_model_len, window)
             self.max_model_len = window
         max_tokens = cfg.max_num_batched_tokens or max(512, cfg.max_num_seqs)
-        self.token_buckets = cfg.token_buckets or default_buckets(max_tokens, 16)
         self.seq_buckets = cfg.seq_buckets or default_buckets(cfg.max_num_seqs, 8)
+        # Every request bucket is a token bucket too, so a decode-only step of n rows pads to
+        # T <= R and takes the GPU decode kernel (the prefill kernel otherwise): on an H200 the
+        # Llama-3-8B batch-1 step took 9.1 ms at T=16/R=1 and 7.1 ms at T=8/R=8 (docs/benchmarks.md).
+        self.token_buckets = cfg.token_buckets or tuple(sorted(
+            set(default_buckets(max_tokens, 16)) | {b for b in self.seq_buckets if b < max_tokens}))
         max_tokens = self.token_buckets[-1]
         if self.seq_buckets[-1] < cfg.max_num_seqs:
             raise ValueError(f"largest seq bucket {self.seq_buckets[-1]} < max_num_seqs {cfg.max_num_seqs}")
@@ -110,6 +114,9 @@ class LLMEngine:
             dtype = resolve_dtype(cfg.dtype, jax.devices()[0].platform)
             state = hf_to_state(self.model_cfg, weights, dtype)
         self.runner = ModelRunner(self.model_cfg, cfg, self.max_model_len, state)
+        if cfg.preemption_mode == "swap" and self.runner.channel is not None:
+            raise ValueError("preemption_mode='swap' needs a single process (each process would "
+                             "hold its own host pages); use preemption_mode='recompute'")
         pages = self.runner.kv_pages
         host_blocks = 0
         if cfg.preemption_mode == "swap":
@@ -148,6 +155,9 @@ class LLMEngine:
         for r in self.seq_buckets:
             self.runner.warmup_sampler(self.sampler, r)  # as the runner's logits are placed
         self.runner.kv_pages = self.kv_ops.warmup(self.runner.kv_pages)
+        channel = self.runner.channel
+        if channel is not None and channel.is_leader:
+            channel.send_copies([])  # compiles the copy broadcast (followers copy nothing)
         self.warmup_seconds = time.perf_counter() - t0
 
     def num_traces(self) -> int:
@@ -228,6 +238,8 @@ class LLMEngine:
         """Swap-outs, copy-on-write copies, swap-ins: before the forward, in this order."""
         if not out.has_kv_ops:
             return
+        if out.copies and self.runner.channel is not None:
+            self.runner.channel.send_copies(out.copies)  # followers hold the other KV heads
         pages = self.runner.kv_pages
         self.kv_ops.swap_out(pages, out.swap_out)
         pages = self.kv_ops.copy(pages, out.copies)

@@ -104,7 +104,7 @@ class ModelRunner:
             self.tp = TensorParallel(model_cfg, cfg.tensor_parallel_size)
             attn = self.tp.attention(attn)
             if self.tp.multi_process:
-                self.channel = leader_channel(self.max_blocks)
+                self.channel = leader_channel(self.max_blocks, cfg.max_num_seqs)
         ckpt_cfg, model_cfg = model_cfg, (self.tp.model_cfg if self.tp else model_cfg)
         self.model_cfg = model_cfg  # with tp > K: the stored (repeated) KV head count
         embed_fn = self.tp.embedding() if self.tp else None

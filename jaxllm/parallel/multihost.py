@@ -12,7 +12,10 @@ Wire format, per step, two `broadcast_one_to_all` calls: a fixed [4] int32
 header (command, T, R, real rows), then the batch's int32 fields concatenated
 (their shapes follow from T, R and the block-table width B, which every process
 derives from the same config). Each (T, R) bucket compiles its broadcast once,
-during warm-up, as the step does.
+during warm-up, as the step does. Copy-on-write page copies (n > 1, beam search)
+travel the same way before the step that needs them (header, then a fixed
+[2, max_copies] payload): every process holds some KV heads of every page.
+Swap preemption is refused with several processes (its host pool is per process).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from jaxllm.engine.batch import HostBatch
 
 log = logging.getLogger("jaxllm")
 
-_STOP, _STEP = 0, 1
+_STOP, _STEP, _COPY = 0, 1, 2
 
 
 def init_distributed(coordinator: str | None, num_processes: int, process_id: int) -> bool:
@@ -58,8 +61,9 @@ def _field_shapes(T: int, R: int, B: int) -> dict[str, tuple[int, ...]]:
 class StepChannel:
     """Leader -> followers broadcast of each step's `HostBatch` (or a stop command)."""
 
-    def __init__(self, max_blocks: int):
+    def __init__(self, max_blocks: int, max_copies: int):
         self.max_blocks = max_blocks
+        self.max_copies = max_copies
         self.is_leader = jax.process_index() == 0
         self.closed = False
 
@@ -76,12 +80,24 @@ class StepChannel:
         payload = np.concatenate([np.asarray(getattr(hb, n), np.int32).ravel() for n in names])
         multihost_utils.broadcast_one_to_all(payload)
 
-    def receive(self) -> HostBatch | None:
-        """Block until the leader's next batch; None once it sends stop."""
+    def send_copies(self, pairs: list[tuple[int, int]]) -> None:
+        """Leader: the step's (source, destination) block copies; [] during warm-up."""
+        self._header((_COPY, len(pairs), 0, 0))
+        payload = np.full((2, self.max_copies), -1, np.int32)
+        if pairs:
+            payload[:, :len(pairs)] = np.asarray(pairs, np.int32).T
+        multihost_utils.broadcast_one_to_all(payload)
+
+    def receive(self) -> HostBatch | list[tuple[int, int]] | None:
+        """Block until the leader's next batch (or block copies); None once it sends stop."""
         cmd, T, R, rows = (int(v) for v in self._header())
         if cmd == _STOP:
             self.closed = True
             return None
+        if cmd == _COPY:
+            payload = np.asarray(multihost_utils.broadcast_one_to_all(
+                np.zeros((2, self.max_copies), np.int32)))
+            return [(int(a), int(b)) for a, b in payload[:, :T].T]
         shapes = _field_shapes(T, R, self.max_blocks)
         size = sum(int(np.prod(s)) for s in shapes.values())
         flat = multihost_utils.broadcast_one_to_all(np.zeros(size, np.int32))
@@ -100,20 +116,23 @@ class StepChannel:
             log.info("multi-host: sent stop to %d follower process(es)", jax.process_count() - 1)
 
 
-def leader_channel(max_blocks: int) -> StepChannel:
-    ch = StepChannel(max_blocks)
+def leader_channel(max_blocks: int, max_copies: int) -> StepChannel:
+    ch = StepChannel(max_blocks, max_copies)
     if ch.is_leader:
         atexit.register(ch.close)  # runs before jax.distributed's own atexit shutdown
     return ch
 
 
-def follow(runner) -> int:
-    """Follower loop: run the leader's steps until it stops; returns the step count."""
+def follow(runner, kv_ops) -> int:
+    """Follower loop: run the leader's steps and page copies until it stops; returns the step count."""
     if runner.channel is None or runner.channel.is_leader:
         raise RuntimeError("follow() runs on processes other than 0 of a multi-process engine")
     steps = 0
-    while (hb := runner.channel.receive()) is not None:
-        runner.run_step(hb)
+    while (msg := runner.channel.receive()) is not None:
+        if isinstance(msg, list):
+            runner.kv_pages = kv_ops.copy(runner.kv_pages, msg)
+            continue
+        runner.run_step(msg)
         steps += 1
     log.info("multi-host follower %d: leader stopped after %d steps", jax.process_index(), steps)
     return steps
@@ -129,7 +148,7 @@ def run_follower(model: str | None = None, **engine_kwargs) -> int:
     if cfg.num_processes <= 1 or cfg.process_id == 0:
         raise ValueError("run_follower is for process ids 1..num_processes-1")
     engine = LLMEngine(cfg, **extra)
-    return follow(engine.runner)
+    return follow(engine.runner, engine.kv_ops)
 
 
 __all__ = ["StepChannel", "follow", "init_distributed", "leader_channel", "run_follower"]
