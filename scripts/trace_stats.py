@@ -100,7 +100,6 @@ def profile(fn, steps: int, log_dir: str) -> dict:
     import jax
 
     try:
-        t = time.perf_counter()
         with jax.profiler.trace(log_dir, create_perfetto_trace=True):
             t = time.perf_counter()
             for _ in range(steps):
