@@ -149,3 +149,18 @@ def test_swap_falls_back_to_recompute_when_the_host_pool_is_full():
     assert all(r.status is RequestStatus.FINISHED_LENGTH and len(r.output_token_ids) == 16 for r in reqs)
     kv.begin_step()
     assert kv.host.num_free == 2 and kv.num_free_blocks == 6 and not kv.swapped
+
+
+def test_swap_is_refused_with_several_processes(tiny, monkeypatch):
+    """A multi-process runner (it has a step channel) cannot swap: each process would keep
+    its own host pages. The engine says so at construction."""
+    import jaxllm.engine.llm_engine as le
+
+    class MultiProcessRunner(le.ModelRunner):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.channel = object()  # what a follower/leader channel stands for here
+
+    monkeypatch.setattr(le, "ModelRunner", MultiProcessRunner)
+    with pytest.raises(ValueError, match="single process"):
+        make_llm(tiny, preemption_mode="swap", skip_warmup=True)
