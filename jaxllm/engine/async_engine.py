@@ -23,7 +23,7 @@ from typing import Any, AsyncIterator, Callable, Protocol, TypeVar
 
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.outputs import RequestOutput
-from jaxllm.server.request_stream import RequestStream
+from jaxllm.engine.request_stream import RequestStream
 from jaxllm.sampling_params import SamplingParams
 
 log = logging.getLogger("jaxllm")
@@ -142,7 +142,7 @@ class AsyncLLM:
 
     def _score(self, token_ids: list[int], k: int) -> list:
         if self._scorer is None:
-            from jaxllm.server.prompt_logprobs import PromptScorer
+            from jaxllm.engine.prompt_logprobs import PromptScorer
             self._scorer = PromptScorer(self.engine)
         return self._scorer.score(token_ids, k)
 

@@ -1,5 +1,1 @@
-"""OpenAI-compatible HTTP server (`jaxllm serve`): FastAPI app over `AsyncLLM`.
-
-Kept import-light on purpose: `jaxllm.engine.async_engine` imports
-`request_stream` from here, and must not pull in FastAPI.
-"""
+"""OpenAI-compatible HTTP server (`jaxllm serve`): FastAPI app over `AsyncLLM`."""

@@ -23,7 +23,7 @@ from jaxllm.engine.async_engine import AsyncLLM, EngineDeadError, EngineOverload
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.server.protocol import APIError
-from jaxllm.server.request_stream import RequestStream
+from jaxllm.engine.request_stream import RequestStream
 
 
 def new_id(prefix: str) -> str:
