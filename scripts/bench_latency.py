@@ -133,9 +133,13 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
-    p.add_argument("--min-token-bucket", type=int, default=16,
-                   help="smallest padded token count (the engine's default is 16: at 1 token, "
-                        "XLA emits the matmuls as reductions, 2.6 ms slower for Llama-3-8B on an H200)")
+    p.add_argument("--min-bucket", type=int, default=8,
+                   help="smallest padded row and token count, as the engine's defaults (8): a "
+                        "batch of 1 runs padded to 8, T = R. --min-bucket 1 runs it unpadded "
+                        "(on an H200 XLA then emits the matmuls as reductions: slower)")
+    p.add_argument("--min-token-bucket", type=int, default=None,
+                   help="smallest token bucket if larger than the row bucket (T > R: the step "
+                        "takes the prefill attention path; for experiments)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--profile-steps", type=int, default=0, help="profile this many extra steps per batch")
     p.add_argument("--profile-dir", default="/tmp/jaxllm-trace")
@@ -150,13 +154,14 @@ def main() -> None:
 
     C = copy_bandwidth()
     max_b = max(args.batch_size)
-    seqs = tuple(sorted(set(args.batch_size)))  # one compiled bucket per measured batch
+    seqs = tuple(sorted({max(b, args.min_bucket) for b in args.batch_size}))  # one bucket a batch
+    min_t = args.min_token_bucket or 1
     max_len = args.input_len + args.num_iters + 8
     llm = LLM(args.model, hf_config=None if args.model else SHAPES[args.random_shape], dtype=args.dtype,
               max_model_len=max_len, max_num_seqs=max_b,
               num_gpu_blocks_override=max_b * -(-max_len // 16) + 16,
               max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
-              token_buckets=tuple(sorted({*(max(b, args.min_token_bucket) for b in seqs),
+              token_buckets=tuple(sorted({*(max(b, min_t) for b in seqs),
                                           args.max_num_batched_tokens})), seq_buckets=seqs,
               tensor_parallel_size=args.tensor_parallel_size)
     runner = llm.engine.runner
