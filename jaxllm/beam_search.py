@@ -141,7 +141,7 @@ class BeamSearch:
         rid = f"__beam{next(self._ids)}"
         req = Request(rid, p.prompt_ids, StopRule(max_tokens=p.max_steps, ignore_eos=True))
         req.output_token_ids = tokens[len(p.prompt_ids):]
-        req.data = self.engine.next_seed(self.params.temperature)
+        req.data = self.engine.next_seed()
         self.owner[rid] = p
         return req
 

@@ -189,7 +189,7 @@ class LLMEngine:
             raise ValueError(f"got priority {priority} but priority scheduling is not enabled "
                              "(scheduling_policy='priority')")
 
-    def next_seed(self, temperature: float = 1.0) -> int:
+    def next_seed(self) -> int:
         """A fresh per-sequence seed for a request that did not set one."""
         return hash((self.cfg.seed, next(self._counter))) & 0x7FFFFFFFFFFFFFFF
 

@@ -28,7 +28,25 @@ class RequestQueue(Protocol):
     def __iter__(self) -> Iterator[Request]: ...
 
 
-class FCFSQueue:
+class _Queue:
+    """What both queues share: `_q` is kept in pop order (index 0 is next)."""
+
+    _q: deque[Request] | list[Request]
+
+    def peek(self) -> Request:
+        return self._q[0]
+
+    def remove(self, req: Request) -> None:
+        self._q.remove(req)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+
+class FCFSQueue(_Queue):
     def __init__(self) -> None:
         self._q: deque[Request] = deque()
 
@@ -38,23 +56,11 @@ class FCFSQueue:
     def add_preempted(self, req: Request) -> None:
         self._q.appendleft(req)
 
-    def peek(self) -> Request:
-        return self._q[0]
-
     def pop(self) -> Request:
         return self._q.popleft()
 
-    def remove(self, req: Request) -> None:
-        self._q.remove(req)
 
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._q)
-
-
-class PriorityQueue:
+class PriorityQueue(_Queue):
     def __init__(self) -> None:
         self._q: list[Request] = []
 
@@ -63,20 +69,8 @@ class PriorityQueue:
 
     add_preempted = add
 
-    def peek(self) -> Request:
-        return self._q[0]
-
     def pop(self) -> Request:
         return self._q.pop(0)
-
-    def remove(self, req: Request) -> None:
-        self._q.remove(req)
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._q)
 
 
 def make_queue(policy: str) -> RequestQueue:
