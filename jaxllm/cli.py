@@ -19,6 +19,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
     p.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped pages")
@@ -49,6 +50,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               scheduling_policy=args.scheduling_policy)
     if args.enable_prefix_caching is not None:
         kw["enable_prefix_caching"] = args.enable_prefix_caching
+    if args.async_scheduling is not None:
+        kw["async_scheduling"] = args.async_scheduling
     return kw
 
 

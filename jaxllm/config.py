@@ -23,6 +23,8 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # or "swap": preempted pages wait in host memory
     swap_space: float = 4.0  # GiB of host memory for swapped pages (preemption_mode="swap")
     scheduling_policy: str = "fcfs"  # or "priority": lower `priority` value runs first
+    # Schedule and dispatch step k+1 while step k runs; its sampled ids feed k+1 on the device.
+    async_scheduling: bool = True
     seed: int = 0
     attention_backend: str | None = None  # None: by platform; "reference", "pallas", "mosaic"
     token_buckets: tuple[int, ...] | None = None  # padded token counts compiled at start-up

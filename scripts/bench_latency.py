@@ -87,15 +87,18 @@ def decode_steps(llm, batch: int, ctx: int, iters: int, rng, profile_steps: int 
         sched.running.append(req)
         ids.append(rid)
     times = []
-    for _ in range(iters):
+    for i in range(iters):
         t = time.perf_counter()
         outs = eng.step()
         times.append(time.perf_counter() - t)
-        assert sum(1 for _ in outs) == batch
+        # Overlapped steps return the step before's tokens: none after the first.
+        assert len(outs) == (0 if i == 0 and eng.async_scheduling else batch)
     res = {"median_s": statistics.median(times[2:]), "min_s": min(times[2:]), "all_s": times}
     if profile_steps:
         from trace_stats import profile
-        res["profile"] = profile(eng.step, profile_steps, os.path.join(profile_dir, f"b{batch}"))
+        tag = f"b{batch}{'-async' if eng.async_scheduling else ''}"
+        res["profile"] = profile(eng.step, profile_steps, os.path.join(profile_dir, tag))
+    eng.flush()
     eng.abort_request(ids)
     return res
 
@@ -143,6 +146,8 @@ def main() -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--profile-steps", type=int, default=0, help="profile this many extra steps per batch")
     p.add_argument("--profile-dir", default="/tmp/jaxllm-trace")
+    p.add_argument("--async-scheduling", nargs="+", choices=["on", "off"], default=["on"],
+                   help="overlapped steps; 'on off' times both on the same engine")
     p.add_argument("--hf", action="store_true", help="HF transformers + torch.compile peer")
     p.add_argument("--hf-batch-size", type=int, nargs="+", default=[1])
     p.add_argument("--output-json", default=None)
@@ -174,11 +179,13 @@ def main() -> None:
     rng = np.random.default_rng(0)
     rows = []
     for b in args.batch_size:
-        r = decode_steps(llm, b, args.input_len, args.num_iters, rng, args.profile_steps,
-                         args.profile_dir)
-        floor = (weight_bytes + b * args.input_len * kv_per_token) / C
-        rows.append({"batch": b, "ctx": args.input_len, "step_s": r["median_s"], "floor_s": floor,
-                     "x_floor": r["median_s"] / floor, "profile": r.get("profile")})
+        for mode in args.async_scheduling:
+            llm.engine.async_scheduling = mode == "on"
+            r = decode_steps(llm, b, args.input_len, args.num_iters, rng, args.profile_steps,
+                             args.profile_dir)
+            floor = (weight_bytes + b * args.input_len * kv_per_token) / C
+            rows.append({"batch": b, "ctx": args.input_len, "async": mode, "step_s": r["median_s"],
+                         "floor_s": floor, "x_floor": r["median_s"] / floor, "profile": r.get("profile")})
     st = llm.stats()
     result = {"C_bytes_per_s": C, "weight_bytes_per_device": weight_bytes,
               "total_weight_bytes": runner.weight_bytes, "tensor_parallel_size": args.tensor_parallel_size,
@@ -203,9 +210,10 @@ def main() -> None:
         print(json.dumps(result, indent=2))
     print(f"\nC = {C / 1e12:.2f} TB/s, tp {args.tensor_parallel_size}, weights per device "
           f"{weight_bytes / 1e9:.2f} GB, compiles after warm-up {result['compiles_after_warmup']}")
-    print(f"{'batch':>6}{'ctx':>6}{'step ms':>10}{'floor ms':>10}{'x floor':>9}")
+    print(f"{'batch':>6}{'ctx':>6}{'async':>6}{'step ms':>10}{'floor ms':>10}{'x floor':>9}")
     for r in rows:
-        print(f"{r['batch']:>6}{r['ctx']:>6}{r['step_s'] * 1e3:>10.2f}{r['floor_s'] * 1e3:>10.2f}{r['x_floor']:>9.2f}")
+        print(f"{r['batch']:>6}{r['ctx']:>6}{r['async']:>6}{r['step_s'] * 1e3:>10.2f}"
+              f"{r['floor_s'] * 1e3:>10.2f}{r['x_floor']:>9.2f}")
         if r["profile"]:
             from trace_stats import print_summary
             print_summary(r["profile"])

@@ -147,17 +147,21 @@ def test_n_parallel_samples(llm, prompts):
 
 
 def test_packed_batch_unpacks_to_the_host_batch():
-    """The step's two packed input arrays give back every field of the host batch."""
+    """The step's two packed input arrays give back every field of the host batch, and a
+    placeholder token (async scheduling) reads the previous step's id of its request."""
     from jaxllm.engine.batch import build_batch
     from jaxllm.engine.runner import Batch
-    from jaxllm.runtime.scheduler_output import ScheduledRequest, SchedulerOutput
+    from jaxllm.runtime.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 
     rows = [ScheduledRequest("a", token_ids=[5, 6, 7], start_pos=0, block_ids=[3], sample=True),
-            ScheduledRequest("b", token_ids=[9], start_pos=20, block_ids=[1, 4], sample=True)]
-    out = SchedulerOutput(scheduled=rows, num_batched_tokens=4)
-    hb = build_batch(out, (8,), (4,), block_size=16, max_blocks=3)
+            ScheduledRequest("b", token_ids=[PLACEHOLDER], start_pos=20, block_ids=[1, 4], sample=True),
+            ScheduledRequest("c", token_ids=[9], start_pos=4, block_ids=[2], sample=True)]
+    out = SchedulerOutput(scheduled=rows, num_batched_tokens=5)
+    hb = build_batch(out, (8,), (4,), block_size=16, max_blocks=3, prev_rows={"b": 2, "z": 0})
     b = Batch.from_host(hb)
-    np.testing.assert_array_equal(b.tokens, hb.tokens)
+    prev_ids = np.array([30, 31, 32, 33], np.int32)
+    np.testing.assert_array_equal(b.tokens(prev_ids), [5, 6, 7, 32, 9, 0, 0, 0])
+    np.testing.assert_array_equal(hb.prev_index, [-1, -1, -1, 2, -1, -1, -1, -1])
     np.testing.assert_array_equal(b.logits_indices, hb.logits_indices)
     for name in ("positions", "token_req", "slot_mapping", "block_tables", "seq_lens",
                  "query_start_loc", "num_seqs"):

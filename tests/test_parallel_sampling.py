@@ -40,6 +40,11 @@ def drain(eng) -> dict:
     done, peak, computed = {}, 0, 0
     schedule = eng.scheduler.schedule
     while eng.has_unfinished_requests():
+        for o in eng.flush():  # the step in flight first: then `out` is the step's own schedule
+            if o.finished:
+                done[o.request_id] = o
+        if not eng.has_unfinished_requests():
+            break
         out = schedule()
         computed += out.num_batched_tokens
         eng.scheduler.schedule = lambda: out  # the step below runs exactly this output

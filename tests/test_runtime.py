@@ -422,7 +422,7 @@ def test_decode_registers_each_full_block_once(monkeypatch) -> None:
 
 def test_reset_prefix_cache_reregisters_running_requests() -> None:
     kv = KVCacheManager(16, 4)
-    a = make_req("a", range(9))
+    a = make_req("a", range(12))
     compute(kv, a, 9)
     kv.reset_prefix_cache()
     compute(kv, a, 3)  # 12 tokens: all three blocks full, registered again
@@ -658,3 +658,52 @@ def test_max_model_len_finishes_request() -> None:
     while sched.has_unfinished():
         step(sched)
     assert r.status is RequestStatus.FINISHED_LENGTH and r.num_tokens == 6
+
+
+# -- (e) overlapped steps (async scheduling) -------------------------------------
+
+def test_overlapped_steps_feed_placeholders_and_keep_tokens():
+    """Step k+1 is scheduled before step k's tokens are known: decode rows feed a
+    PLACEHOLDER, counters already include it, and update(k) appends the real token."""
+    from jaxllm.runtime.scheduler_output import PLACEHOLDER
+
+    sched = make_sched(num_blocks=64, block_size=4, budget=64)
+    a, b = make_req("a", range(1, 6), max_tokens=3), make_req("b", range(1, 8), max_tokens=10)
+    sched.add(a), sched.add(b)
+    k = sched.schedule()  # both prompts
+    assert a.num_computed_tokens == 5 and a.num_pending == 1
+    k1 = sched.schedule()  # before update(k)
+    assert [s.token_ids for s in k1.scheduled] == [[PLACEHOLDER], [PLACEHOLDER]]
+    assert [s.start_pos for s in k1.scheduled] == [5, 7] and all(s.sample for s in k1.scheduled)
+    assert a.num_pending == 2 and a.num_computed_tokens == 6
+    # b's placeholder fills its second block, but an unknown token has no hash yet
+    assert b.num_computed_tokens == 8 and sched.kv._num_cached["b"] == 1
+    sched.update(k, {"a": 11, "b": 21})
+    assert sched.kv._num_cached["b"] == 2
+    assert a.output_token_ids == [11] and a.num_pending == 1
+    k2 = sched.schedule()  # a has 1 real + 1 in flight: its third token is the last one
+    assert [s.token_ids for s in k2.scheduled] == [[PLACEHOLDER], [PLACEHOLDER]]
+    sched.update(k1, {"a": 12, "b": 22})
+    k3 = sched.schedule()  # a's max_tokens are all in flight: a is not scheduled again
+    assert [s.request_id for s in k3.scheduled] == ["b"]
+    sched.update(k2, {"a": 13, "b": 23})
+    assert a.finished and a.output_token_ids == [11, 12, 13]
+    sched.update(k3, {"b": 24})
+    assert b.output_token_ids == [21, 22, 23, 24] and b.num_pending == 0
+    assert b.num_computed_tokens == b.num_tokens - 1  # the last token's K/V comes next step
+
+
+def test_token_of_a_request_preempted_in_flight_is_kept():
+    sched = make_sched(num_blocks=6, block_size=4, budget=64, max_num_seqs=2)
+    a, b = make_req("a", range(1, 9), max_tokens=20), make_req("b", range(1, 13), max_tokens=20)
+    sched.add(a), sched.add(b)
+    k = sched.schedule()  # 2 + 3 blocks of 6
+    k1 = sched.schedule()  # b's decode needs a 4th block for... a's 3rd: the pool runs dry
+    while not k1.preempted:
+        sched.update(k, {"a": 5, "b": 6})
+        k, k1 = k1, sched.schedule()
+    victim = sched.requests[k1.preempted[0]]
+    n_out = len(victim.output_token_ids)
+    sched.update(k, {"a": 5, "b": 6})  # the step in flight when it was preempted
+    assert len(victim.output_token_ids) == n_out + 1 and victim.num_pending == 0
+    assert victim.num_computed_tokens == 0 and victim in sched.waiting

@@ -224,11 +224,13 @@ class RuntimeMachine(RuleBasedStateMachine):
             n = len(s.token_ids)
             assert n >= 1
             # start_pos is the old counter, or past it by whole prefix-hit blocks
-            # for a newly admitted request
+            # for a newly admitted request; the counter already includes the chunk
             if before[s.request_id] > 0:
                 assert s.start_pos == before[s.request_id]
             else:
-                assert s.start_pos % S == 0 and s.start_pos == req.num_computed_tokens
+                assert s.start_pos % S == 0
+            assert req.num_computed_tokens == s.start_pos + n
+            assert req.num_pending == int(s.sample)
             assert s.token_ids == req.all_token_ids[s.start_pos:s.start_pos + n]
             assert s.sample == (s.start_pos + n == req.num_tokens)
             assert s.fork_ids == ([f.request_id for f in req.pending_forks] if s.sample else [])

@@ -95,7 +95,10 @@ def collectives(runner, T: int, R: int) -> list[str]:
                    seq_lens=np.zeros(R, np.int32), query_start_loc=np.zeros(R + 1, np.int32),
                    num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(R, np.int32), num_rows=0)
     batch = Batch.from_host(hb, runner.tp.replicated)
-    hlo = runner._step.lower(runner.flat_params, runner.kv_pages, batch).compile().as_text()
+    import jax
+
+    prev_ids = jax.device_put(np.zeros(runner.max_rows, np.int32), runner.tp.replicated)
+    hlo = runner._step.lower(runner.flat_params, runner.kv_pages, batch, prev_ids).compile().as_text()
     ops = []
     for line in hlo.splitlines():
         for op in ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter"):

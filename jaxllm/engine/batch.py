@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxllm.runtime.scheduler import SchedulerOutput
+from jaxllm.runtime.scheduler import PLACEHOLDER, SchedulerOutput
 
 
 @dataclass
@@ -28,6 +28,7 @@ class HostBatch:
     num_seqs: np.ndarray  # [1] int32
     logits_indices: np.ndarray  # [R] int32 last token of each row; padding 0
     num_rows: int  # real rows
+    prev_index: np.ndarray | None = None  # [T] int32 row of the previous step's ids; -1: known
 
 
 def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -38,7 +39,9 @@ def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
 
 
 def build_batch(out: SchedulerOutput, token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...],
-                block_size: int, max_blocks: int) -> HostBatch:
+                block_size: int, max_blocks: int, prev_rows: dict[str, int] | None = None) -> HostBatch:
+    """`prev_rows` maps a request to its row in the previous step's sampled ids: the
+    device substitutes them for the PLACEHOLDER tokens (steps overlapped)."""
     rows = out.scheduled
     T = pick_bucket(token_buckets, out.num_batched_tokens)
     R = pick_bucket(seq_buckets, len(rows))
@@ -62,8 +65,14 @@ def build_batch(out: SchedulerOutput, token_buckets: tuple[int, ...], seq_bucket
     positions = np.full(T, -1, np.int32)
     token_req = np.zeros(T, np.int32)
     slot_mapping = np.full(T, -1, np.int32)
+    prev_index = np.full(T, -1, np.int32)
     if n:
         tokens[:n] = np.concatenate([np.asarray(s.token_ids, np.int32) for s in rows])
+        holes = np.flatnonzero(tokens[:n] == PLACEHOLDER)
+        if len(holes):  # one per request at most: its last token, sampled by the step in flight
+            owner = np.searchsorted(qsl[1:len(rows) + 1], holes, side="right")
+            prev_index[holes] = [prev_rows[rows[i].request_id] for i in owner]
+            tokens[holes] = 0
         req_of = np.repeat(np.arange(len(rows), dtype=np.int32), lens)
         pos = np.arange(n, dtype=np.int32) - qsl[req_of] + starts[req_of]
         positions[:n] = pos
@@ -75,4 +84,34 @@ def build_batch(out: SchedulerOutput, token_buckets: tuple[int, ...], seq_bucket
     logits_indices = np.zeros(R, np.int32)
     logits_indices[:len(rows)] = qsl[1:len(rows) + 1] - 1
     return HostBatch(tokens, positions, token_req, slot_mapping, block_tables, seq_lens, qsl,
-                     np.array([len(rows)], np.int32), logits_indices, len(rows))
+                     np.array([len(rows)], np.int32), logits_indices, len(rows), prev_index)
+
+
+def with_fork_rows(hb: HostBatch, src_rows: list[int], token_buckets: tuple[int, ...],
+                   seq_buckets: tuple[int, ...]) -> HostBatch:
+    """Append logits rows repeating the last token of `src_rows` (n > 1 siblings).
+
+    The new rows carry no tokens (attention treats them as padding), so only
+    `logits_indices` changes; the batch is re-padded when the rows outgrow its
+    request bucket, to a (tokens, rows) pair the runner compiled at start-up.
+    """
+    n = hb.num_rows + len(src_rows)
+    R0, T0 = hb.block_tables.shape[0], len(hb.tokens)
+    R, T = max(R0, pick_bucket(seq_buckets, n)), T0
+    while R > pick_bucket(seq_buckets, min(T, seq_buckets[-1])):
+        T = token_buckets[token_buckets.index(T) + 1]
+
+    def grow(a: np.ndarray, size: int, fill) -> np.ndarray:
+        out = np.full((size, *a.shape[1:]), fill, a.dtype)
+        out[:len(a)] = a
+        return out
+
+    li = grow(hb.logits_indices, R, 0)
+    li[hb.num_rows:n] = hb.logits_indices[src_rows]
+    return HostBatch(
+        tokens=grow(hb.tokens, T, 0), positions=grow(hb.positions, T, -1),
+        token_req=grow(hb.token_req, T, 0), slot_mapping=grow(hb.slot_mapping, T, -1),
+        block_tables=grow(hb.block_tables, R, 0), seq_lens=grow(hb.seq_lens, R, 0),
+        query_start_loc=grow(hb.query_start_loc, R + 1, hb.query_start_loc[-1]),
+        num_seqs=hb.num_seqs, logits_indices=li, num_rows=hb.num_rows,
+        prev_index=None if hb.prev_index is None else grow(hb.prev_index, T, -1))

@@ -14,16 +14,17 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from jaxllm.config import EngineConfig, default_buckets
-from jaxllm.engine.batch import HostBatch, build_batch, pick_bucket
+from jaxllm.engine.batch import build_batch, with_fork_rows
 from jaxllm.engine.kv_ops import KVOps
 from jaxllm.engine.outputs_builder import Sequence, make_output
 from jaxllm.engine.runner import ModelRunner
-from jaxllm.engine.sampler import SampleRow, Sampler
+from jaxllm.engine.sampler import PendingSample, SampleRow, Sampler
 from jaxllm.models.config import ModelConfig
 from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.runtime.kv_cache_manager import KVCacheManager
@@ -36,33 +37,24 @@ _GREEDY = SamplingParams(temperature=0.0)
 _PAD_ROW = SampleRow(_GREEDY, (), (), 0, None)
 
 
-def with_fork_rows(hb: HostBatch, src_rows: list[int], token_buckets: tuple[int, ...],
-                   seq_buckets: tuple[int, ...]) -> HostBatch:
-    """Append logits rows repeating the last token of `src_rows` (n > 1 siblings).
+@dataclass
+class Launched:
+    """A step dispatched to the device whose sampled tokens the host has not read yet."""
 
-    The new rows carry no tokens (attention treats them as padding), so only
-    `logits_indices` changes; the batch is re-padded when the rows outgrow its
-    request bucket, to a (tokens, rows) pair the runner compiled at start-up.
-    """
-    n = hb.num_rows + len(src_rows)
-    R0, T0 = hb.block_tables.shape[0], len(hb.tokens)
-    R, T = max(R0, pick_bucket(seq_buckets, n)), T0
-    while R > pick_bucket(seq_buckets, min(T, seq_buckets[-1])):
-        T = token_buckets[token_buckets.index(T) + 1]
+    out: SchedulerOutput
+    rows: list[SampleRow]  # one per logits row; _PAD_ROW where the row samples nothing
+    row_of: dict[str, int]  # sequence id -> its row in the step's sampled ids
+    sample: Future | PendingSample | None  # a Future while the dispatch thread owns it
 
-    def grow(a: np.ndarray, size: int, fill) -> np.ndarray:
-        out = np.full((size, *a.shape[1:]), fill, a.dtype)
-        out[:len(a)] = a
-        return out
+    @property
+    def overlappable(self) -> bool:
+        """Can the next step be scheduled before this one's tokens are known?
 
-    li = grow(hb.logits_indices, R, 0)
-    li[hb.num_rows:n] = hb.logits_indices[src_rows]
-    return HostBatch(
-        tokens=grow(hb.tokens, T, 0), positions=grow(hb.positions, T, -1),
-        token_req=grow(hb.token_req, T, 0), slot_mapping=grow(hb.slot_mapping, T, -1),
-        block_tables=grow(hb.block_tables, R, 0), seq_lens=grow(hb.seq_lens, R, 0),
-        query_start_loc=grow(hb.query_start_loc, R + 1, hb.query_start_loc[-1]),
-        num_seqs=hb.num_seqs, logits_indices=li, num_rows=hb.num_rows)
+        Not when it forks n > 1 siblings (they join the running set only on
+        update) or a row has penalties (the next draw needs every earlier token).
+        """
+        return not any(s.fork_ids for s in self.out.scheduled) and not any(
+            r.params.has_penalties for r in self.rows if r is not _PAD_ROW)
 
 
 @dataclass
@@ -113,7 +105,8 @@ class LLMEngine:
             import jax
             dtype = resolve_dtype(cfg.dtype, jax.devices()[0].platform)
             state = hf_to_state(self.model_cfg, weights, dtype)
-        self.runner = ModelRunner(self.model_cfg, cfg, self.max_model_len, state)
+        self.runner = ModelRunner(self.model_cfg, cfg, self.max_model_len, state,
+                                  max_rows=self.seq_buckets[-1])
         if cfg.preemption_mode == "swap" and self.runner.channel is not None:
             raise ValueError("preemption_mode='swap' needs a single process (each process would "
                              "hold its own host pages); use preemption_mode='recompute'")
@@ -129,7 +122,13 @@ class LLMEngine:
             max_model_len=self.max_model_len, policy=cfg.scheduling_policy,
             preemption_mode=cfg.preemption_mode), self.kv)
         self.beam = None  # the running jaxllm.beam_search.BeamSearch, if any
-        self.sampler = Sampler(self.model_cfg.vocab_size, self.max_model_len)
+        self.sampler = Sampler(self.model_cfg.vocab_size, self.max_model_len,
+                               pad_to=self.runner.max_rows)
+        # Overlapped steps: one dispatch thread runs the jitted calls (XLA launches a step's
+        # kernels from the calling thread) while this one reads the step before and schedules.
+        self._dispatcher = (ThreadPoolExecutor(1, thread_name_prefix="jaxllm-step")
+                            if cfg.async_scheduling and self.runner.channel is None else None)
+        self._inflight: Launched | None = None
         self.parents: dict[str, ParentRequest] = {}
         self.seqs: dict[str, Sequence] = {}
         self._counter = itertools.count()
@@ -245,22 +244,67 @@ class LLMEngine:
         pages = self.kv_ops.copy(pages, out.copies)
         self.runner.kv_pages = self.kv_ops.swap_in(pages, out.swap_in)
 
-    def _sample_row(self, request_id: str) -> SampleRow:
+    def _sample_row(self, request_id: str, own: bool = False) -> SampleRow:
+        """`own`: the row of a request the scheduler just scheduled to sample, which
+        counted that sample in `num_pending` already."""
         seq = self.seqs.get(request_id)
         if seq is None:
             return self.beam.sample_row(request_id)
         return SampleRow(seq.params, seq.req.prompt_token_ids, seq.req.output_token_ids, seq.seed,
-                         self.eos_ids[0] if self.eos_ids else None)
+                         self.eos_ids[0] if self.eos_ids else None, seq.req.num_pending - own)
 
     def step(self) -> list[RequestOutput]:
+        """Schedule and dispatch a step; return the outputs of the last one finished.
+
+        With `async_scheduling` the step scheduled here runs on the device while
+        the host reads the step before (vLLM's async scheduling): tokens still
+        in flight enter the batch as placeholders the device fills from the
+        previous step's sampled ids. Steps that fork siblings, use penalties or
+        beam search are read before the next is scheduled.
+        """
+        prev, self._inflight = self._inflight, None
+        outputs: list[RequestOutput] = []
+        if prev is not None and (not prev.overlappable or self.beam is not None):
+            outputs, prev = self._process(prev), None
         out = self.scheduler.schedule()
-        self._run_kv_ops(out)
+        launched = self._launch(out, prev)
+        if prev is not None:
+            outputs += self._process(prev)
+        if launched is not None:
+            if self._dispatcher is not None and self.beam is None:
+                self._inflight = launched
+            else:
+                outputs += self._process(launched)
+        merged = {o.request_id: o for o in outputs}  # a request's later output supersedes
+        return list(merged.values())
+
+    @property
+    def async_scheduling(self) -> bool:
+        return self._dispatcher is not None
+
+    @async_scheduling.setter
+    def async_scheduling(self, on: bool) -> None:
+        """Switch overlapped steps on or off between steps (benchmarks compare both)."""
+        if on and self.runner.channel is not None:
+            raise ValueError("async scheduling needs a single process")
+        if on != self.async_scheduling:
+            self.flush()
+            self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-step") if on else None
+
+    def flush(self) -> list[RequestOutput]:
+        """Read the step in flight, if any (async scheduling); nothing is left running."""
+        prev, self._inflight = self._inflight, None
+        return [] if prev is None else self._process(prev)
+
+    def _launch(self, out: SchedulerOutput, prev: Launched | None) -> Launched | None:
         if out.empty:
-            return []
+            if out.has_kv_ops:
+                self._submit(self._dispatch, out, None, None, None)
+            return None
         now = time.time()
         hb = build_batch(out, self.token_buckets, self.seq_buckets, self.cfg.block_size,
-                         self.runner.max_blocks)
-        rows = [self._sample_row(s.request_id) if s.sample else _PAD_ROW for s in out.scheduled]
+                         self.runner.max_blocks, prev.row_of if prev is not None else None)
+        rows = [self._sample_row(s.request_id, True) if s.sample else _PAD_ROW for s in out.scheduled]
         row_of = {s.request_id: i for i, s in enumerate(out.scheduled)}
         fork_src = []
         for i, s in enumerate(out.scheduled):
@@ -273,9 +317,30 @@ class LLMEngine:
                 self.parents[seq.parent_id].metrics.first_scheduled_time = now
         if fork_src:
             hb = with_fork_rows(hb, fork_src, self.token_buckets, self.seq_buckets)
-        logits, greedy_ids = self.runner.execute(hb)
-        sout = self.sampler.sample(logits, self.sampler.prepare(rows, hb.block_tables.shape[0]),
-                                   greedy_ids)
+        sbatch = self.sampler.prepare(rows, hb.block_tables.shape[0])
+        sample = self._submit(self._dispatch, out, hb, sbatch, prev.sample if prev else None)
+        return Launched(out, rows, row_of, sample)
+
+    def _submit(self, fn, *args) -> Future | PendingSample | None:
+        return fn(*args) if self._dispatcher is None else self._dispatcher.submit(fn, *args)
+
+    def _dispatch(self, out, hb, sbatch, prev_sample) -> PendingSample | None:
+        """Device work of one step, in order: page moves, forward pass, draw. No sync."""
+        self._run_kv_ops(out)
+        if hb is None:
+            return None
+        prev_ids = None
+        if hb.prev_index is not None and (hb.prev_index >= 0).any():
+            # Submitted before this call on the one dispatch thread: already done.
+            prev_ids = (prev_sample.result() if isinstance(prev_sample, Future) else prev_sample).token_ids
+        logits, greedy_ids = self.runner.execute(hb, prev_ids)
+        return self.sampler.launch(logits, sbatch, greedy_ids)
+
+    def _process(self, launched: Launched) -> list[RequestOutput]:
+        """Read a step's sampled tokens (the one device sync) and advance its requests."""
+        out, rows, row_of = launched.out, launched.rows, launched.row_of
+        pending = launched.sample
+        sout = (pending.result() if isinstance(pending, Future) else pending).fetch()
         # Beam-search rows get no token: the scheduler parks them for the beam search to fork.
         sampled = {rid: int(sout.token_ids[i]) for rid, i in row_of.items()
                    if rid in self.seqs and rows[i] is not _PAD_ROW}

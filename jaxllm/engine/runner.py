@@ -23,6 +23,7 @@ from flax import nnx
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine.batch import HostBatch, pick_bucket
+from jaxllm.engine.sampler import pad_ids
 from jaxllm.kernels.metadata import AttentionMetadata
 from jaxllm.models.config import ModelConfig
 from jaxllm.models.llama import Llama, load_state, split_layers
@@ -44,21 +45,23 @@ class Batch:
     only they, have a non-zero `seq_len` (checked when packing).
     """
 
-    per_token: jax.Array  # [4, T] int32: tokens, positions, token_req, slot_mapping
+    per_token: jax.Array  # [5, T] int32: tokens, positions, token_req, slot_mapping, prev_index
     per_row: jax.Array  # [R, B + 3] int32: block table (B) | seq_len | logits index | query end
 
     @classmethod
     def from_host(cls, hb: HostBatch, sharding=None) -> "Batch":
         if int(hb.num_seqs[0]) != int(np.count_nonzero(hb.seq_lens)):
             raise ValueError(f"num_seqs {hb.num_seqs[0]} != rows with a context {hb.seq_lens}")
-        per_token = np.stack([hb.tokens, hb.positions, hb.token_req, hb.slot_mapping])
+        prev = hb.prev_index if hb.prev_index is not None else np.full_like(hb.tokens, -1)
+        per_token = np.stack([hb.tokens, hb.positions, hb.token_req, hb.slot_mapping, prev])
         per_row = np.concatenate([hb.block_tables, hb.seq_lens[:, None], hb.logits_indices[:, None],
                                   hb.query_start_loc[1:, None]], axis=1, dtype=np.int32)
         return jax.device_put(cls(per_token, per_row), sharding)
 
-    @property
-    def tokens(self) -> jax.Array:  # [T]
-        return self.per_token[0]
+    def tokens(self, prev_ids: jax.Array) -> jax.Array:  # [T]
+        """Token ids, with the previous step's sampled ids ([P]) where they were unknown."""
+        prev = self.per_token[4]
+        return jnp.where(prev >= 0, prev_ids[jnp.maximum(prev, 0)], self.per_token[0])
 
     @property
     def logits_indices(self) -> jax.Array:  # [R]
@@ -91,8 +94,13 @@ def pick_attention(backend: str | None, platform: str):
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int,
-                 state: dict | None = None, dtype=None, unroll_layers: bool | None = None):
+                 state: dict | None = None, dtype=None, unroll_layers: bool | None = None,
+                 max_rows: int | None = None):
         self.cfg = cfg
+        # Sampled ids travel between steps as one [max_rows] array (the largest request
+        # bucket), so an overlapped step reads them whatever the previous bucket was.
+        self.max_rows = max_rows or cfg.max_num_seqs
+        self.no_ids = None  # [max_rows] zeros: `prev_ids` of a step with every token known
         self.platform = jax.devices()[0].platform
         self.dtype = dtype or resolve_dtype(cfg.dtype, self.platform)
         self.block_size = cfg.block_size
@@ -177,17 +185,18 @@ class ModelRunner:
                 f"still holding its KV pages? set kv_cache_memory_bytes)")
         return int(blocks)
 
-    def _step_flat(self, flat_params: list[jax.Array], kv_pages, batch: Batch):
-        return self._step_impl(self._params_def.unflatten(flat_params), kv_pages, batch)
+    def _step_flat(self, flat_params: list[jax.Array], kv_pages, batch: Batch, prev_ids: jax.Array):
+        return self._step_impl(self._params_def.unflatten(flat_params), kv_pages, batch, prev_ids)
 
-    def _step_impl(self, params, kv_pages, batch: Batch):
+    def _step_impl(self, params, kv_pages, batch: Batch, prev_ids: jax.Array):
         self.num_traces += 1  # runs only while tracing: counts compilations
         params, layers = params if isinstance(params, tuple) else (params, None)
         model = nnx.merge(self.graphdef, params)
         # float32 means float32: without this, GPUs run f32 matmuls as TF32.
         precision = "highest" if self.dtype == jnp.float32 else None
         with jax.default_matmul_precision(precision):
-            kv_pages, logits = model(kv_pages, batch.tokens, batch.md, batch.logits_indices, layers)
+            kv_pages, logits = model(kv_pages, batch.tokens(prev_ids), batch.md, batch.logits_indices,
+                                     layers)
         if self.tp is not None:
             # Logits computed per vocabulary shard, then gathered once, and the argmax taken on
             # the gathered copy. Unpinned, XLA either all-gathers the whole LM head (replicated
@@ -195,30 +204,41 @@ class ModelRunner:
             logits = jax.lax.with_sharding_constraint(logits, self.tp.vocab_sharded)
             logits = jax.lax.with_sharding_constraint(logits, self.tp.replicated)
         # Greedy ids come out of the same program: a greedy batch needs no second dispatch.
-        return kv_pages, logits, jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return kv_pages, logits, pad_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32), self.max_rows)
 
     @property
     def step_params(self):
         """What the jitted step takes as its weights."""
         return self.params if self.layer_params is None else (self.params, self.layer_params)
 
-    def execute(self, hb: HostBatch) -> tuple[jax.Array, jax.Array]:
-        """Run one step; returns (logits [R, V] float32, greedy ids [R] int32), on device.
+    def execute(self, hb: HostBatch, prev_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+        """Run one step; returns (logits [R, V] float32, greedy ids [max_rows] int32), on device.
 
+        `prev_ids` ([max_rows], on device) are the sampled ids of the step before,
+        read where `hb.prev_index` >= 0 (overlapped steps; single process only).
         With several processes this is the leader's call: the batch is broadcast
         first, so the followers run the same step (`jaxllm.parallel.follow`).
         """
         if self.channel is not None:
+            if prev_ids is not None:
+                raise ValueError("overlapped steps need one process: followers never see sampled ids")
             self.channel.send(hb)
-        return self.run_step(hb)
+        return self.run_step(hb, prev_ids)
 
-    def run_step(self, hb: HostBatch) -> tuple[jax.Array, jax.Array]:
+    def run_step(self, hb: HostBatch, prev_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """The jitted step alone (followers call this for each broadcast batch)."""
+        if self.no_ids is None:
+            self.no_ids = jnp.zeros(self.max_rows, jnp.int32)
+            if self.tp is not None:
+                self.no_ids = jax.device_put(self.no_ids, self.tp.replicated)
+        prev_ids = self.no_ids if prev_ids is None else prev_ids
         if self.tp is None:
-            self.kv_pages, logits, ids = self._step(self.flat_params, self.kv_pages, Batch.from_host(hb))
+            self.kv_pages, logits, ids = self._step(self.flat_params, self.kv_pages, Batch.from_host(hb),
+                                                    prev_ids)
             return logits, ids
         batch = Batch.from_host(hb, self.tp.replicated)
-        self.kv_pages, logits, ids = self._step(self.flat_params, self.kv_pages, batch)
+        prev_ids = jax.device_put(prev_ids, self.tp.replicated)  # a no-op for the step's own ids
+        self.kv_pages, logits, ids = self._step(self.flat_params, self.kv_pages, batch, prev_ids)
         return self.tp.local_logits(logits), self.tp.local_logits(ids)
 
     def warmup_sampler(self, sampler, num_rows: int) -> None:

@@ -45,6 +45,11 @@ class SampleRow:
     output_ids: Sequence[int]  # tokens generated so far by this request
     seed: int  # always set: the engine derives one when params.seed is None
     eos_token_id: int | None
+    num_pending: int = 0  # tokens sampled in flight (async steps), not yet in output_ids
+
+    @property
+    def num_output(self) -> int:
+        return len(self.output_ids) + self.num_pending
 
 
 @jax.tree_util.register_dataclass
@@ -93,8 +98,13 @@ class SamplerOutput:
     top_logprobs: np.ndarray | None  # [R, min(max_logprobs, V)] float32
 
 
-def _greedy_sample(logits: jax.Array) -> jax.Array:
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def _greedy_sample(logits: jax.Array, pad_to: int = 0) -> jax.Array:
+    return pad_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32), pad_to)
+
+
+def pad_ids(ids: jax.Array, size: int) -> jax.Array:
+    """[R] ids -> [max(size, R)]: one shape for every bucket, so the next step can read them."""
+    return ids if size <= ids.shape[0] else jnp.zeros(size, ids.dtype).at[:ids.shape[0]].set(ids)
 
 
 def _apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -140,7 +150,7 @@ def _draw(seed: jax.Array, step: jax.Array, logits: jax.Array) -> jax.Array:
 
 
 def _full_sample(
-    logits: jax.Array, t: SamplingTensors, max_logprobs: int
+    logits: jax.Array, t: SamplingTensors, max_logprobs: int, pad_to: int = 0
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     num_rows, vocab = logits.shape
     raw = logits.astype(jnp.float32)
@@ -172,7 +182,24 @@ def _full_sample(
         )
 
     tok_lp, top_ids, top_lp = jax.lax.cond(jnp.any(t.num_logprobs >= 0), with_logprobs, without, raw, tokens)
-    return tokens, tok_lp, top_ids, top_lp
+    return pad_ids(tokens, pad_to), tok_lp, top_ids, top_lp
+
+
+@dataclass
+class PendingSample:
+    """A dispatched draw: device arrays the host has not waited for yet.
+
+    `token_ids` stays on the device so an overlapped next step can read it
+    before the host does; `fetch` is the one device-to-host sync.
+    """
+
+    token_ids: jax.Array  # [max(pad_to, R)] int32
+    extras: tuple | None = None  # (logprobs, top ids, top logprobs) when some row wants them
+
+    def fetch(self) -> SamplerOutput:
+        if self.extras is None:
+            return SamplerOutput(np.asarray(self.token_ids), None, None, None)
+        return SamplerOutput(*jax.device_get((self.token_ids, *self.extras)))
 
 
 class Sampler:
@@ -184,6 +211,7 @@ class Sampler:
         max_model_len: int,
         max_logprobs: int = 20,
         sharding: jax.sharding.Sharding | None = None,
+        pad_to: int = 0,
     ) -> None:
         if max_logprobs < 1:
             raise ValueError(f"max_logprobs must be at least 1, got {max_logprobs}.")
@@ -191,9 +219,11 @@ class Sampler:
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         self._sharding = sharding  # where the per-row tensors live (default device if None)
-        self._greedy_fn = jax.jit(_greedy_sample)
+        self.pad_to = pad_to  # sampled ids come out [max(pad_to, R)] (see `pad_ids`)
+        self._greedy_fn = jax.jit(functools.partial(_greedy_sample, pad_to=pad_to))
         # Top-n output width; a toy vocab smaller than max_logprobs narrows it.
-        self._full_fn = jax.jit(functools.partial(_full_sample, max_logprobs=min(max_logprobs, vocab_size)))
+        self._full_fn = jax.jit(functools.partial(
+            _full_sample, max_logprobs=min(max_logprobs, vocab_size), pad_to=pad_to))
 
     def num_compiled_variants(self) -> int:
         """Compiled (function, shape) entries; lets callers assert no recompiles."""
@@ -244,9 +274,11 @@ class Sampler:
             penalties[:, i] = (p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
             s = r.seed & 0xFFFF_FFFF_FFFF_FFFF
             seed[i] = (s >> 32, s & 0xFFFF_FFFF)
-            step[i] = len(r.output_ids)
+            step[i] = r.num_output
             prompt_len[i] = len(r.prompt_ids)
             if any_penalty and p.has_penalties:
+                if r.num_pending:
+                    raise ValueError("penalties need every earlier token: sample after the step in flight")
                 total = len(r.prompt_ids) + len(r.output_ids)
                 if total > self.max_model_len:
                     raise ValueError(f"row {i} has {total} tokens, more than max_model_len={self.max_model_len}.")
@@ -265,27 +297,29 @@ class Sampler:
 
     def _suppressed_ids(self, row: SampleRow) -> list[int]:
         """Stop ids (and EOS) to mask while the request is below min_tokens."""
-        if len(row.output_ids) >= row.params.min_tokens:
+        if row.num_output >= row.params.min_tokens:
             return []
         ids = row.params.all_stop_token_ids(row.eos_token_id)
         return [t for t in ids if 0 <= t < self.vocab_size]
 
     def sample(self, logits: jax.Array, batch: SamplingBatch,
                greedy_ids: jax.Array | None = None) -> SamplerOutput:
-        """Pick one token per row; returns host numpy arrays.
+        """Pick one token per row; returns host numpy arrays."""
+        return self.launch(logits, batch, greedy_ids).fetch()
 
-        `greedy_ids` ([R] argmax of `logits`, when the forward pass computed it
+    def launch(self, logits: jax.Array, batch: SamplingBatch,
+               greedy_ids: jax.Array | None = None) -> PendingSample:
+        """Dispatch the draw without waiting for it.
+
+        `greedy_ids` (argmax of `logits`, when the forward pass computed it
         already) serves a greedy-only batch without another dispatch.
         """
         if logits.shape != (batch.num_rows, self.vocab_size):
             raise ValueError(f"logits shape {logits.shape} != ({batch.num_rows}, {self.vocab_size}).")
         if batch.greedy_only:
-            ids = self._greedy_fn(logits) if greedy_ids is None else greedy_ids
-            return SamplerOutput(np.asarray(ids), None, None, None)
-        tokens, tok_lp, top_ids, top_lp = jax.device_get(self._full_fn(logits, batch.tensors))
-        if not batch.want_logprobs:
-            return SamplerOutput(tokens, None, None, None)
-        return SamplerOutput(tokens, tok_lp, top_ids, top_lp)
+            return PendingSample(self._greedy_fn(logits) if greedy_ids is None else greedy_ids)
+        tokens, tok_lp, top_ids, top_lp = self._full_fn(logits, batch.tensors)
+        return PendingSample(tokens, (tok_lp, top_ids, top_lp) if batch.want_logprobs else None)
 
     def warmup(self, num_rows: int) -> None:
         """Compile the greedy and both full variants for this padded row count."""

@@ -101,14 +101,14 @@ class TensorParallel:
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.kv_sharding)()
 
     def jit_step(self, fn: Callable, params: Any) -> Callable:
-        """jit `fn(params, kv_pages, batch) -> (kv_pages, logits, greedy_ids)` with fixed shardings.
+        """jit `fn(params, kv_pages, batch, prev_ids) -> (kv_pages, logits, greedy_ids)`, fixed shardings.
 
         Fixed in/out shardings keep the donated pages in place and make a
         mis-placed input an error instead of a silent recompile.
         """
         param_shardings = jax.tree.map(lambda x: x.sharding, params)
         return jax.jit(fn, donate_argnums=(1,),
-                       in_shardings=(param_shardings, self.kv_sharding, self.replicated),
+                       in_shardings=(param_shardings, self.kv_sharding, self.replicated, self.replicated),
                        out_shardings=(self.kv_sharding, self.replicated, self.replicated))
 
     def put_batch(self, batch: Any) -> Any:

@@ -144,6 +144,7 @@ class KVCacheManager:
             return
         table = self.tables.get(req.request_id, [])
         upto = req.num_computed_tokens if num_tokens is None else num_tokens
+        upto = min(upto, req.num_tokens)  # tokens still in flight (async steps) have no hash yet
         n = min(upto // self.block_size, len(table))
         start = self._num_cached.get(req.request_id, 0)
         if n <= start:

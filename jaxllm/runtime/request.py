@@ -6,6 +6,12 @@ feeds the rest, in chunks if the token budget is short. A request resumed after
 recompute preemption just has its counter reset to 0; one resumed after swap
 preemption keeps it (its pages come back from host memory).
 
+With overlapped (async) scheduling the engine schedules step k+1 before step
+k's sampled tokens reach the host. `num_pending` counts those tokens in flight:
+the scheduler treats them as known (their positions get fed as placeholders
+the device fills from step k's output), and `Scheduler.update` turns each into
+a real token. Synchronous engines see it go 0 -> 1 -> 0 within one step.
+
 Parallel sampling (n > 1) uses one *leader* request for the prompt; the other
 n - 1 sequences wait as `pending_forks` and are forked off the leader, sharing
 its blocks, the moment its prompt is computed and n first tokens are sampled.
@@ -56,6 +62,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    num_pending: int = 0  # sampled tokens scheduled for but not yet appended (async scheduling)
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
     first_token_time: float | None = None
@@ -90,6 +97,17 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p:stop - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[:stop - p]
+
+    @property
+    def num_tokens_scheduled(self) -> int:
+        """Known tokens plus the sampled ones still in flight."""
+        return self.num_tokens + self.num_pending
+
+    def will_stop_by_length(self, max_model_len: int) -> bool:
+        """Its in-flight tokens already reach max_tokens or the context limit."""
+        return self.num_pending > 0 and (
+            len(self.output_token_ids) + self.num_pending >= self.stop.max_tokens
+            or self.num_tokens_scheduled >= max_model_len)
 
     @property
     def all_token_ids(self) -> list[int]:

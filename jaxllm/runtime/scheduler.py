@@ -32,9 +32,10 @@ import time
 from jaxllm.runtime.kv_cache_manager import KVCacheManager
 from jaxllm.runtime.request import Request, RequestStatus
 from jaxllm.runtime.request_queue import make_queue
-from jaxllm.runtime.scheduler_output import ScheduledRequest, SchedulerConfig, SchedulerOutput
+from jaxllm.runtime.scheduler_output import (PLACEHOLDER, ScheduledRequest, SchedulerConfig,
+                                             SchedulerOutput)
 
-__all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "ScheduledRequest"]
+__all__ = ["PLACEHOLDER", "Scheduler", "SchedulerConfig", "SchedulerOutput", "ScheduledRequest"]
 
 
 class Scheduler:
@@ -196,7 +197,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(picked) < cfg.max_num_seqs:
             req = self.running[i]
-            n = self._chunk(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req.num_tokens_scheduled - req.num_computed_tokens, budget)
+            if n <= 0 or req.will_stop_by_length(cfg.max_model_len):
+                i += 1  # its tokens in flight end it: nothing more to run
+                continue
             while self.kv.allocate_slots(req, n) is None:
                 if self._evict_parked():
                     continue
@@ -237,43 +241,50 @@ class Scheduler:
                 budget -= n
 
         for req, n in picked:
-            start = req.num_computed_tokens
-            sample = start + n == req.num_tokens
+            start, end, known = req.num_computed_tokens, req.num_computed_tokens + n, req.num_tokens
+            sample = end == req.num_tokens_scheduled
+            ids = req.token_slice(start, min(end, known)) + [PLACEHOLDER] * (end - max(start, known))
             out.scheduled.append(ScheduledRequest(
                 request_id=req.request_id,
-                token_ids=req.token_slice(start, start + n),
+                token_ids=ids,
                 start_pos=start,
                 block_ids=self.kv.block_ids(req.request_id),
                 sample=sample,
                 fork_ids=[f.request_id for f in req.pending_forks] if sample else [],
             ))
             out.num_batched_tokens += n
+            # Counted as computed now (vLLM V1 does the same): the next schedule may come
+            # before this step's update when the engine overlaps steps.
+            req.num_computed_tokens = end
+            req.num_pending += sample
         out.swap_out, out.copies, out.swap_in = self.kv.take_ops()
         return out
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance counters after the step ran; fork pending siblings; append sampled tokens.
+        """After the step ran: fork pending siblings; append sampled tokens.
 
         A sampling request (or sibling) missing from `sampled` is parked.
         Returns the requests that received a token (finished ones included:
-        their blocks are already freed and they are no longer tracked).
+        their blocks are already freed and they are no longer tracked). With
+        overlapped steps a request may have been preempted since `out` was
+        scheduled: its token still counts (a recompute will include it).
         """
         now = time.time()
         touched: list[Request] = []
         for s in out.scheduled:
             req = self.requests.get(s.request_id)
-            if req is None or req.status is not RequestStatus.RUNNING:  # aborted meanwhile
+            if req is None:  # finished or aborted meanwhile
                 continue
-            req.num_computed_tokens = s.start_pos + len(s.token_ids)
-            self.kv.cache_full_blocks(req)
-            if not s.sample:
-                continue
-            forks, req.pending_forks = req.pending_forks, []
-            for child in forks:  # before req's own stop check can free the shared blocks
-                del self._leader_of[child.request_id]
-                self._share(req, child)
-                self._append(child, sampled.get(child.request_id), now, touched)
-            self._append(req, sampled.get(req.request_id), now, touched)
+            req.num_pending -= s.sample
+            if s.sample:
+                forks, req.pending_forks = req.pending_forks, []
+                for child in forks:  # before req's own stop check can free the shared blocks
+                    del self._leader_of[child.request_id]
+                    self._share(req, child)
+                    self._append(child, sampled.get(child.request_id), now, touched)
+                self._append(req, sampled.get(req.request_id), now, touched)
+            if req.status is RequestStatus.RUNNING:  # a block the new token completes gets its hash
+                self.kv.cache_full_blocks(req)
         return touched
 
     def _append(self, req: Request, token: int | None, now: float, touched: list[Request]) -> None:

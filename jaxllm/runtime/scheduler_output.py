@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+PLACEHOLDER = -1  # a token id sampled by the step still in flight (async scheduling)
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -30,7 +32,7 @@ class SchedulerConfig:
 @dataclass
 class ScheduledRequest:
     request_id: str
-    token_ids: list[int]  # the new tokens fed this step
+    token_ids: list[int]  # the new tokens fed this step; PLACEHOLDER where still in flight
     start_pos: int  # position of token_ids[0] (= num_computed_tokens before the step)
     block_ids: list[int]  # the request's whole block table
     sample: bool  # this chunk reaches the end of the known tokens: sample one
