@@ -13,7 +13,9 @@ Two warpgroups:
 Split-K: with few (token, head) pairs the context is cut into `num_splits`
 page ranges; each CTA writes its normalized partial output and log-sum-exp and
 `combine` merges them (one small XLA fusion). With one split the CTA writes the
-final bf16 output directly.
+final bf16 output directly. The split count follows the *real* tokens at run
+time (a batch of 1 padded to 8 tokens splits 16 ways, not 2): the grid is sized
+for one real token, and CTAs past the count, or of padding tokens, return at once.
 
 Every token is handled independently (its request from `token_req`, its key
 range from `positions`), so the kernel is correct for any batch; it is only
@@ -53,7 +55,23 @@ def default_config(num_tokens: int, num_kv_heads: int, num_sms: int = 132) -> tu
     return splits, 6 if splits == 1 else 5
 
 
-def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, q_ref, kv_ref, *refs,
+def active_splits(positions: jax.Array, num_kv_heads: int, max_splits: int,
+                  num_sms: int = 132) -> jax.Array:
+    """[1] int32: `default_config`'s split count for the tokens that are real at run time.
+
+    A step compiled for T tokens may carry only one real token (a batch of 1 padded
+    to 8): the grid has `max_splits` splits, and the CTAs past this count return at once.
+    """
+    pairs = jnp.sum(positions >= 0).astype(jnp.int32) * num_kv_heads
+    n = jnp.int32(1)
+    c = 2
+    while c <= min(max_splits, 16):
+        n = jnp.where(pairs * c <= num_sms, c, n)  # as default_config's doubling rule
+        c *= 2
+    return n[None]
+
+
+def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, q_ref, kv_ref, *refs,
                    sm_scale: float, num_kv_heads: int, num_pages: int, page_size: int,
                    ppb: int, nst: int, num_splits: int, interpret: bool):
     """Body; refs = outputs (o [, lse]) then the scoped SMEM / barriers."""
@@ -88,13 +106,15 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, q_ref, kv_ref, *refs,
 
     kv_len = pos_ref[tok] + 1  # keys 0..position; padding tokens (-1) see none
     n_pages = (kv_len + page_size - 1) // page_size
-    pps = ((n_pages + num_splits - 1) // num_splits + ppb - 1) // ppb * ppb
+    active = active_ref[0]  # splits in use; the rest (and padding tokens) skip, `combine` masks them
+    run = ((split < active) & (kv_len > 0)) if num_splits > 1 else True
+    pps = ((n_pages + active - 1) // active + ppb - 1) // ppb * ppb
     p0 = split * pps
     p1 = jnp.minimum(p0 + pps, n_pages)
     steps = jnp.maximum(p1 - p0 + ppb - 1, 0) // ppb
     key_end = jnp.minimum(p1 * page_size, kv_len)
 
-    @pl.when(wg == 1)
+    @pl.when((wg == 1) & run)
     def _producer():
         req = req_ref[tok]
         base = (layer_ref[0] * 2 * num_kv_heads + kvh) * num_pages  # K pages of this head
@@ -122,7 +142,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, q_ref, kv_ref, *refs,
         def _(step):
             plgpu.barrier_wait(free_bar.at[lax.rem(step, jnp.int32(nst))])
 
-    @pl.when(wg == 0)
+    @pl.when((wg == 0) & run)
     def _consumer():
         q_smem[...] = cast(jnp.zeros((_ROWS, head_dim), q_smem.dtype), plgpu.Layout.WGMMA)
         plgpu.commit_smem()
@@ -185,9 +205,17 @@ def _interpret_params():
     return InterpretGPUParams(detect_races=True)
 
 
-def combine(o_part: jax.Array, lse: jax.Array, group: int, dtype) -> jax.Array:
-    """Merge split partials: o_part [N, T, K, G, D] f32, lse [N, T, K, 64] (log2) -> [T, H, D]."""
+def combine(o_part: jax.Array, lse: jax.Array, group: int, dtype,
+            valid: jax.Array | None = None) -> jax.Array:
+    """Merge split partials: o_part [N, T, K, G, D] f32, lse [N, T, K, 64] (log2) -> [T, H, D].
+
+    valid [N, T] marks the partials the kernel wrote; the others hold whatever the
+    buffer held (a skipped CTA writes nothing) and weigh 0.
+    """
     lse = lse[..., :group]  # [N, T, K, G]
+    if valid is not None:
+        lse = jnp.where(valid[:, :, None, None], lse, -jnp.inf)
+        o_part = jnp.where(valid[:, :, None, None, None], o_part, 0.0)
     top = lse.max(axis=0)
     top = jnp.where(jnp.isfinite(top), top, 0.0)  # all splits empty (padding) -> weights 0
     w = jnp.exp2(lse - top)
@@ -202,9 +230,11 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
                            num_splits: int | None = None, block_keys: int = 64,
                            num_stages: int | None = None, interpret: bool = False,
                            reduction_scratch_bytes: int | None = None,
-                           return_partials: bool = False) -> jax.Array:
+                           return_partials: bool = False, num_sms: int = 132) -> jax.Array:
     """Decode attention, q [T, H, D] -> [T, H, D]; same contract as ref.ragged_paged_attention.
 
+    Without num_splits the grid has the splits one real token would want, and the
+    count in use follows the real tokens at run time (`active_splits`).
     return_partials (benchmarks only): skip the split combine and return the kernel's outputs.
     """
     num_tokens, num_heads, head_dim = q.shape
@@ -215,8 +245,12 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     if block_keys != 64:  # 32: wgmma wants K % 64 == 0; 128 failed the check (docs/kernels.md)
         raise ValueError(f"block_keys must be 64, got {block_keys}")
     ppb = max(1, block_keys // page_size)
-    auto_splits, auto_stages = default_config(num_tokens, num_kv_heads)
+    auto_splits, auto_stages = default_config(num_tokens, num_kv_heads, num_sms)
+    if num_splits is None and num_tokens * num_kv_heads < num_sms:
+        auto_splits, auto_stages = default_config(1, num_kv_heads, num_sms)  # for one real token
     splits, num_stages = num_splits or auto_splits, num_stages or auto_stages
+    active = (jnp.full((1,), splits, jnp.int32) if num_splits is not None or splits == 1
+              else active_splits(md.positions, num_kv_heads, splits, num_sms))
     flat_kv = kv_pages.reshape(-1, page_size, head_dim)  # page-major; a free reshape
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -261,10 +295,11 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         compiler_params=plgpu.CompilerParams(approx_math=True, **rsb),
         interpret=_interpret_params() if interpret else None,
     )(md.positions.astype(jnp.int32), md.token_req.astype(jnp.int32),
-      md.block_tables.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32),
+      md.block_tables.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), active,
       q4, flat_kv)
     if return_partials:
         return outs
     if splits > 1:
-        return combine(outs[0], outs[1], group, q.dtype)
+        valid = (jnp.arange(splits)[:, None] < active[0]) & (md.positions >= 0)[None, :]
+        return combine(outs[0], outs[1], group, q.dtype, valid)
     return outs[0].reshape(num_tokens, num_heads, head_dim)
