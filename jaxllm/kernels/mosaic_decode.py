@@ -1,6 +1,6 @@
 """Hopper paged decode attention on Mosaic GPU (`plgpu.kernel`), one query token per row.
 
-Grid (token, kv head, split). Each CTA owns the G = H / K query heads of one kv
+Grid (token, kv head), or a flat one when split (below). Each CTA owns the G = H / K query heads of one kv
 head for one token, so every key/value page is loaded once for all of them.
 Two warpgroups:
   * producer (wg 1): walks the split's pages through the block table and TMA-copies
@@ -14,8 +14,8 @@ Split-K: with few (token, head) pairs the context is cut into `num_splits`
 page ranges; each CTA writes its normalized partial output and log-sum-exp and
 `combine` merges them (one small XLA fusion). With one split the CTA writes the
 final bf16 output directly. The split count follows the *real* tokens at run
-time (a batch of 1 padded to 8 tokens splits 16 ways, not 2): the grid is sized
-for one real token, and CTAs past the count, or of padding tokens, return at once.
+time (a batch of 1 padded to 8 tokens splits 16 ways, not 2) over a flat grid of
+one wave: CTAs past real tokens x heads x splits return at once.
 
 Every token is handled independently (its request from `token_req`, its key
 range from `positions`), so the kernel is correct for any batch; it is only
@@ -57,24 +57,31 @@ def default_config(num_tokens: int, num_kv_heads: int, num_sms: int = 132) -> tu
 
 def active_splits(positions: jax.Array, num_kv_heads: int, max_splits: int,
                   num_sms: int = 132) -> jax.Array:
-    """[1] int32: `default_config`'s split count for the tokens that are real at run time.
+    """[2] int32: (`default_config`'s split count for the real tokens, real tokens).
 
     A step compiled for T tokens may carry only one real token (a batch of 1 padded
-    to 8): the grid has `max_splits` splits, and the CTAs past this count return at once.
+    to 8), so the count is chosen at run time. Real tokens come first (padding ends
+    the batch), which lets the kernel map a flat CTA index onto them.
     """
-    pairs = jnp.sum(positions >= 0).astype(jnp.int32) * num_kv_heads
+    real = jnp.sum(positions >= 0).astype(jnp.int32)
+    pairs = real * num_kv_heads
     n = jnp.int32(1)
     c = 2
     while c <= min(max_splits, 16):
         n = jnp.where(pairs * c <= num_sms, c, n)  # as default_config's doubling rule
         c *= 2
-    return n[None]
+    return jnp.stack([n, real])
 
 
 def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, q_ref, kv_ref, *refs,
                    sm_scale: float, num_kv_heads: int, num_pages: int, page_size: int,
                    ppb: int, nst: int, num_splits: int, interpret: bool):
-    """Body; refs = outputs (o [, lse]) then the scoped SMEM / barriers."""
+    """Body; refs = outputs (o [, lse]) then the scoped SMEM / barriers.
+
+    Split grids are flat: CTA w takes (token, kv head, split) = w's digits in base
+    (K, active), so the first real * K * active CTAs do all the work and the rest
+    return at once; one wave (num_sms CTAs) covers any real count.
+    """
     if num_splits > 1:
         o_ref, lse_ref, scratch = refs[0], refs[1], refs[2:]
     else:
@@ -83,7 +90,15 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, q_ref, kv_re
      q_bar, k_bar, v_bar, free_bar, *a_bufs) = scratch
     if o_smem is None:  # one split: stage the bf16 output in q's buffer (q is in registers)
         o_smem = q_smem
-    tok, kvh, split = lax.axis_index("t"), lax.axis_index("h"), lax.axis_index("s")
+    active = active_ref[0]  # splits in use
+    if num_splits > 1:
+        w, per_tok = lax.axis_index("w"), num_kv_heads * active
+        run = w < active_ref[1] * per_tok  # real tokens x heads x splits
+        tok = jnp.minimum(w // per_tok, pos_ref.shape[0] - 1)
+        kvh, split = (w % per_tok) // active, w % active
+    else:
+        tok, kvh, split = lax.axis_index("t"), lax.axis_index("h"), 0
+        run = True
     wg = lax.axis_index("wg")
     # Layout casts only steer the GPU lowering; the CPU interpreter has no rule for them.
     cast = (lambda x, _: x) if interpret else plgpu.layout_cast
@@ -106,8 +121,6 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, q_ref, kv_re
 
     kv_len = pos_ref[tok] + 1  # keys 0..position; padding tokens (-1) see none
     n_pages = (kv_len + page_size - 1) // page_size
-    active = active_ref[0]  # splits in use; the rest (and padding tokens) skip, `combine` masks them
-    run = ((split < active) & (kv_len > 0)) if num_splits > 1 else True
     pps = ((n_pages + active - 1) // active + ppb - 1) // ppb * ppb
     p0 = split * pps
     p1 = jnp.minimum(p0 + pps, n_pages)
@@ -249,8 +262,11 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     if num_splits is None and num_tokens * num_kv_heads < num_sms:
         auto_splits, auto_stages = default_config(1, num_kv_heads, num_sms)  # for one real token
     splits, num_stages = num_splits or auto_splits, num_stages or auto_stages
-    active = (jnp.full((1,), splits, jnp.int32) if num_splits is not None or splits == 1
-              else active_splits(md.positions, num_kv_heads, splits, num_sms))
+    if num_splits is not None or splits == 1:  # as asked: every token, `splits` ways
+        active = jnp.array([splits, num_tokens], jnp.int32)
+        num_sms = num_tokens * num_kv_heads * splits  # the flat grid: one CTA each
+    else:
+        active = active_splits(md.positions, num_kv_heads, splits, num_sms)
     flat_kv = kv_pages.reshape(-1, page_size, head_dim)  # page-major; a free reshape
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -288,9 +304,10 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         _decode_kernel, sm_scale=float(sm_scale), num_kv_heads=num_kv_heads,
         num_pages=num_pages, page_size=page_size, ppb=ppb, nst=num_stages, num_splits=splits,
         interpret=interpret)
+    grid = ((num_sms,), ("w",)) if splits > 1 else ((num_tokens, num_kv_heads), ("t", "h"))
     outs = plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch,
-        grid=(num_tokens, num_kv_heads, splits), grid_names=("t", "h", "s"),
+        grid=grid[0], grid_names=grid[1],
         num_threads=2, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, **rsb),
         interpret=_interpret_params() if interpret else None,
@@ -300,6 +317,6 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     if return_partials:
         return outs
     if splits > 1:
-        valid = (jnp.arange(splits)[:, None] < active[0]) & (md.positions >= 0)[None, :]
+        valid = (jnp.arange(splits)[:, None] < active[0]) & (jnp.arange(num_tokens) < active[1])[None, :]
         return combine(outs[0], outs[1], group, q.dtype, valid)
     return outs[0].reshape(num_tokens, num_heads, head_dim)
