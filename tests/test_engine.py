@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from hf_tiny import make, make_llm, random_prompts
+from hf_tiny import make, make_llm
 
 from jaxllm import LLM, SamplingParams
 

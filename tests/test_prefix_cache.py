@@ -9,7 +9,7 @@ import pytest
 
 from hf_tiny import make, make_llm
 
-from jaxllm import LLM, SamplingParams
+from jaxllm import SamplingParams
 from jaxllm.config import EngineConfig
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

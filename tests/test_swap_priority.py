@@ -12,7 +12,7 @@ import pytest
 
 from hf_tiny import TINY, make, make_llm
 
-from jaxllm import LLM, SamplingParams
+from jaxllm import SamplingParams
 from jaxllm.runtime.kv_cache_manager import KVCacheManager
 from jaxllm.runtime.request import Request, RequestStatus, StopRule
 from jaxllm.runtime.scheduler import Scheduler, SchedulerConfig

@@ -15,14 +15,13 @@ import itertools
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 
 from jaxllm.config import EngineConfig, default_buckets
 from jaxllm.engine.batch import build_batch, with_fork_rows
 from jaxllm.engine.kv_ops import KVOps
-from jaxllm.engine.outputs_builder import Sequence, make_output
+from jaxllm.engine.outputs_builder import ParentRequest, Sequence, make_output
 from jaxllm.engine.runner import ModelRunner
 from jaxllm.engine.sampler import PendingSample, SampleRow, Sampler
 from jaxllm.models.config import ModelConfig
@@ -55,18 +54,6 @@ class Launched:
         """
         return not any(s.fork_ids for s in self.out.scheduled) and not any(
             r.params.has_penalties for r in self.rows if r is not _PAD_ROW)
-
-
-@dataclass
-class ParentRequest:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    metrics: RequestMetrics
-    num_cached_tokens: int = 0
-    finished_seqs: set = field(default_factory=set)
 
 
 class LLMEngine:
@@ -351,23 +338,14 @@ class LLMEngine:
         outputs: dict[str, RequestOutput] = {}
         for req in touched:
             seq = self.seqs[req.request_id]
-            stop_str_hit = seq.on_token(sout, row_of[req.request_id])
-            if stop_str_hit and not req.finished:
+            if seq.on_token(sout, row_of[req.request_id]) and not req.finished:  # a stop string
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
-            parent = self.parents[seq.parent_id]
-            parent.metrics.last_token_time = time.time()
-            if parent.metrics.first_token_time is None:
-                parent.metrics.first_token_time = parent.metrics.last_token_time
-            if req.num_preemptions == 0 or not parent.num_cached_tokens:
-                parent.num_cached_tokens = max(parent.num_cached_tokens, req.num_cached_tokens)
             if req.finished:
-                parent.finished_seqs.add(req.request_id)
                 del self.seqs[req.request_id]
-            finished = len(parent.finished_seqs) == len(parent.seqs)
-            if finished:
-                parent.metrics.finished_time = time.time()
+            parent = self.parents[seq.parent_id]
+            if parent.record(req):
                 del self.parents[parent.request_id]
-            outputs[parent.request_id] = make_output(parent, finished)
+            outputs[parent.request_id] = make_output(parent, parent.finished)
         return list(outputs.values())
 
     def stats(self) -> dict:

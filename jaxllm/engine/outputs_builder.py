@@ -1,8 +1,11 @@
-"""Per-sequence output state: incremental text, stop strings, logprobs."""
+"""Per-request and per-sequence output state: incremental text, stop strings, logprobs, metrics."""
 
 from __future__ import annotations
 
-from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+import time
+from dataclasses import dataclass, field
+
+from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxllm.runtime.request import Request
 from jaxllm.sampling_params import SamplingParams
 
@@ -80,3 +83,35 @@ def make_output(parent, finished: bool) -> RequestOutput:
         prompt_token_ids=parent.prompt_token_ids,
         outputs=[s.completion() for s in parent.seqs], finished=finished,
         metrics=parent.metrics, num_cached_tokens=parent.num_cached_tokens)
+
+
+@dataclass
+class ParentRequest:
+    """A user request: its n sequences and the metrics reported for them together."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+    finished_seqs: set = field(default_factory=set)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.finished_seqs) == len(self.seqs)
+
+    def record(self, req: Request) -> bool:
+        """A sequence received a token: update timings; True once every sequence finished."""
+        m = self.metrics
+        m.last_token_time = time.time()
+        if m.first_token_time is None:
+            m.first_token_time = m.last_token_time
+        if req.num_preemptions == 0 or not self.num_cached_tokens:
+            self.num_cached_tokens = max(self.num_cached_tokens, req.num_cached_tokens)
+        if req.finished:
+            self.finished_seqs.add(req.request_id)
+        if self.finished:
+            m.finished_time = time.time()
+        return self.finished
