@@ -6,7 +6,9 @@ Both the offline `LLM` and the async server drive this one class: `add_request`,
 n - 1 sample from the same logits row (each with its own seed, seed + i) and
 are forked off it, sharing its KV blocks by reference count (the scheduler
 copies the shared partial block on write). Before each forward pass the step
-runs the page copies and swaps the scheduler asked for (`kv_ops`).
+runs the page copies and swaps the scheduler asked for (`kv_ops`). With async
+scheduling the device work runs on a dispatch thread (`dispatch.py`) one step
+ahead of the host's reading of outputs.
 """
 
 from __future__ import annotations
@@ -14,16 +16,15 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 
 from jaxllm.config import EngineConfig, default_buckets
 from jaxllm.engine.batch import build_batch, with_fork_rows
+from jaxllm.engine.dispatch import PAD_ROW, Dispatcher, Launched
 from jaxllm.engine.kv_ops import KVOps
 from jaxllm.engine.outputs_builder import ParentRequest, Sequence, make_output
 from jaxllm.engine.runner import ModelRunner
-from jaxllm.engine.sampler import PendingSample, SampleRow, Sampler
+from jaxllm.engine.sampler import SampleRow, Sampler
 from jaxllm.models.config import ModelConfig
 from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.runtime.kv_cache_manager import KVCacheManager
@@ -32,28 +33,6 @@ from jaxllm.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxllm.sampling_params import SamplingParams
 
 log = logging.getLogger("jaxllm")
-_GREEDY = SamplingParams(temperature=0.0)
-_PAD_ROW = SampleRow(_GREEDY, (), (), 0, None)
-
-
-@dataclass
-class Launched:
-    """A step dispatched to the device whose sampled tokens the host has not read yet."""
-
-    out: SchedulerOutput
-    rows: list[SampleRow]  # one per logits row; _PAD_ROW where the row samples nothing
-    row_of: dict[str, int]  # sequence id -> its row in the step's sampled ids
-    sample: Future | PendingSample | None  # a Future while the dispatch thread owns it
-
-    @property
-    def overlappable(self) -> bool:
-        """Can the next step be scheduled before this one's tokens are known?
-
-        Not when it forks n > 1 siblings (they join the running set only on
-        update) or a row has penalties (the next draw needs every earlier token).
-        """
-        return not any(s.fork_ids for s in self.out.scheduled) and not any(
-            r.params.has_penalties for r in self.rows if r is not _PAD_ROW)
 
 
 class LLMEngine:
@@ -111,10 +90,8 @@ class LLMEngine:
         self.beam = None  # the running jaxllm.beam_search.BeamSearch, if any
         self.sampler = Sampler(self.model_cfg.vocab_size, self.max_model_len,
                                pad_to=self.runner.max_rows)
-        # Overlapped steps: one dispatch thread runs the jitted calls (XLA launches a step's
-        # kernels from the calling thread) while this one reads the step before and schedules.
-        self._dispatcher = (ThreadPoolExecutor(1, thread_name_prefix="jaxllm-step")
-                            if cfg.async_scheduling and self.runner.channel is None else None)
+        self.dispatcher = Dispatcher(self.runner, self.kv_ops, self.sampler,
+                                     threaded=cfg.async_scheduling and self.runner.channel is None)
         self._inflight: Launched | None = None
         self.parents: dict[str, ParentRequest] = {}
         self.seqs: dict[str, Sequence] = {}
@@ -220,17 +197,6 @@ class LLMEngine:
         return len(self.parents)
 
     # -- the step -----------------------------------------------------------
-    def _run_kv_ops(self, out: SchedulerOutput) -> None:
-        """Swap-outs, copy-on-write copies, swap-ins: before the forward, in this order."""
-        if not out.has_kv_ops:
-            return
-        if out.copies and self.runner.channel is not None:
-            self.runner.channel.send_copies(out.copies)  # followers hold the other KV heads
-        pages = self.runner.kv_pages
-        self.kv_ops.swap_out(pages, out.swap_out)
-        pages = self.kv_ops.copy(pages, out.copies)
-        self.runner.kv_pages = self.kv_ops.swap_in(pages, out.swap_in)
-
     def _sample_row(self, request_id: str, own: bool = False) -> SampleRow:
         """`own`: the row of a request the scheduler just scheduled to sample, which
         counted that sample in `num_pending` already."""
@@ -258,7 +224,7 @@ class LLMEngine:
         if prev is not None:
             outputs += self._process(prev)
         if launched is not None:
-            if self._dispatcher is not None and self.beam is None:
+            if self.dispatcher.threaded and self.beam is None:
                 self._inflight = launched
             else:
                 outputs += self._process(launched)
@@ -267,7 +233,7 @@ class LLMEngine:
 
     @property
     def async_scheduling(self) -> bool:
-        return self._dispatcher is not None
+        return self.dispatcher.threaded
 
     @async_scheduling.setter
     def async_scheduling(self, on: bool) -> None:
@@ -276,7 +242,7 @@ class LLMEngine:
             raise ValueError("async scheduling needs a single process")
         if on != self.async_scheduling:
             self.flush()
-            self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-step") if on else None
+            self.dispatcher.threaded = on
 
     def flush(self) -> list[RequestOutput]:
         """Read the step in flight, if any (async scheduling); nothing is left running."""
@@ -286,12 +252,12 @@ class LLMEngine:
     def _launch(self, out: SchedulerOutput, prev: Launched | None) -> Launched | None:
         if out.empty:
             if out.has_kv_ops:
-                self._submit(self._dispatch, out, None, None, None)
+                self.dispatcher.submit(out)
             return None
         now = time.time()
         hb = build_batch(out, self.token_buckets, self.seq_buckets, self.cfg.block_size,
                          self.runner.max_blocks, prev.row_of if prev is not None else None)
-        rows = [self._sample_row(s.request_id, True) if s.sample else _PAD_ROW for s in out.scheduled]
+        rows = [self._sample_row(s.request_id, True) if s.sample else PAD_ROW for s in out.scheduled]
         row_of = {s.request_id: i for i, s in enumerate(out.scheduled)}
         fork_src = []
         for i, s in enumerate(out.scheduled):
@@ -305,32 +271,16 @@ class LLMEngine:
         if fork_src:
             hb = with_fork_rows(hb, fork_src, self.token_buckets, self.seq_buckets)
         sbatch = self.sampler.prepare(rows, hb.block_tables.shape[0])
-        sample = self._submit(self._dispatch, out, hb, sbatch, prev.sample if prev else None)
+        sample = self.dispatcher.submit(out, hb, sbatch, prev.sample if prev else None)
         return Launched(out, rows, row_of, sample)
-
-    def _submit(self, fn, *args) -> Future | PendingSample | None:
-        return fn(*args) if self._dispatcher is None else self._dispatcher.submit(fn, *args)
-
-    def _dispatch(self, out, hb, sbatch, prev_sample) -> PendingSample | None:
-        """Device work of one step, in order: page moves, forward pass, draw. No sync."""
-        self._run_kv_ops(out)
-        if hb is None:
-            return None
-        prev_ids = None
-        if hb.prev_index is not None and (hb.prev_index >= 0).any():
-            # Submitted before this call on the one dispatch thread: already done.
-            prev_ids = (prev_sample.result() if isinstance(prev_sample, Future) else prev_sample).token_ids
-        logits, greedy_ids = self.runner.execute(hb, prev_ids)
-        return self.sampler.launch(logits, sbatch, greedy_ids)
 
     def _process(self, launched: Launched) -> list[RequestOutput]:
         """Read a step's sampled tokens (the one device sync) and advance its requests."""
         out, rows, row_of = launched.out, launched.rows, launched.row_of
-        pending = launched.sample
-        sout = (pending.result() if isinstance(pending, Future) else pending).fetch()
+        sout = launched.result().fetch()
         # Beam-search rows get no token: the scheduler parks them for the beam search to fork.
         sampled = {rid: int(sout.token_ids[i]) for rid, i in row_of.items()
-                   if rid in self.seqs and rows[i] is not _PAD_ROW}
+                   if rid in self.seqs and rows[i] is not PAD_ROW}
         touched = self.scheduler.update(out, sampled)
         if self.beam is not None:
             self.beam.on_step(out, sout, row_of)

@@ -1,0 +1,96 @@
+"""A step's device work (page moves, forward pass, draw), inline or on one dispatch thread.
+
+Why a thread: XLA launches every kernel of the jitted step from the calling thread
+(4-8 ms for the ~500 kernels of a Llama-3-8B step on an H200). Launched from here,
+that runs beside the host reading the step before and scheduling the next (async
+scheduling): on the H200 the step time then equals the GPU busy time
+(docs/benchmarks.md, third round). One thread keeps the device work in submission
+order, which the page moves and the donated KV pages rely on.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from jaxllm.engine.sampler import PendingSample, SampleRow
+from jaxllm.runtime.scheduler import SchedulerOutput
+from jaxllm.sampling_params import SamplingParams
+
+PAD_ROW = SampleRow(SamplingParams(temperature=0.0), (), (), 0, None)  # a row that samples nothing
+
+
+@dataclass
+class Launched:
+    """A step dispatched to the device whose sampled tokens the host has not read yet."""
+
+    out: SchedulerOutput
+    rows: list[SampleRow]  # one per logits row; PAD_ROW where the row samples nothing
+    row_of: dict[str, int]  # sequence id -> its row in the step's sampled ids
+    sample: Future | PendingSample | None  # a Future while the dispatch thread owns it
+
+    @property
+    def overlappable(self) -> bool:
+        """Can the next step be scheduled before this one's tokens are known?
+
+        Not when it forks n > 1 siblings (they join the running set only on
+        update) or a row has penalties (the next draw needs every earlier token).
+        """
+        return not any(s.fork_ids for s in self.out.scheduled) and not any(
+            r.params.has_penalties for r in self.rows if r is not PAD_ROW)
+
+    def result(self) -> PendingSample:
+        return resolved(self.sample)
+
+
+def resolved(sample: Future | PendingSample) -> PendingSample:
+    return sample.result() if isinstance(sample, Future) else sample
+
+
+class Dispatcher:
+    def __init__(self, runner, kv_ops, sampler, threaded: bool):
+        self.runner, self.kv_ops, self.sampler = runner, kv_ops, sampler
+        self._pool = None
+        self.threaded = threaded
+
+    @property
+    def threaded(self) -> bool:
+        return self._pool is not None
+
+    @threaded.setter
+    def threaded(self, on: bool) -> None:
+        if on and self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-step")
+        elif not on and self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    def submit(self, out: SchedulerOutput, hb=None, sbatch=None,
+               prev: Future | PendingSample | None = None) -> Future | PendingSample | None:
+        """Queue the step's device work; `prev` is the step before's draw (placeholders)."""
+        if self._pool is None:
+            return self._run(out, hb, sbatch, prev)
+        return self._pool.submit(self._run, out, hb, sbatch, prev)
+
+    def _run(self, out, hb, sbatch, prev) -> PendingSample | None:
+        """In order: page moves, forward pass, draw. Nothing here waits for the device."""
+        self._kv_ops(out)
+        if hb is None:
+            return None
+        prev_ids = None
+        if hb.prev_index is not None and (hb.prev_index >= 0).any():
+            prev_ids = resolved(prev).token_ids  # submitted earlier on this thread: done
+        logits, greedy_ids = self.runner.execute(hb, prev_ids)
+        return self.sampler.launch(logits, sbatch, greedy_ids)
+
+    def _kv_ops(self, out: SchedulerOutput) -> None:
+        """Swap-outs, copy-on-write copies, swap-ins: before the forward, in this order."""
+        if not out.has_kv_ops:
+            return
+        runner = self.runner
+        if out.copies and runner.channel is not None:
+            runner.channel.send_copies(out.copies)  # followers hold the other KV heads
+        pages = runner.kv_pages
+        self.kv_ops.swap_out(pages, out.swap_out)
+        pages = self.kv_ops.copy(pages, out.copies)
+        runner.kv_pages = self.kv_ops.swap_in(pages, out.swap_in)
