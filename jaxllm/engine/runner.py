@@ -1,8 +1,9 @@
 """The device side: KV pages, the jitted step, and start-up compilation.
 
-`step(params, kv_pages, batch) -> (kv_pages, logits, greedy_ids)` is a pure function jitted
-once per (token bucket, request bucket) pair with the KV pages donated, so XLA
-updates them in place. Every bucket is compiled at start-up; `stats()` exposes a
+`step(params, kv_pages, batch, prev_ids) -> (kv_pages, logits, greedy_ids)` is a pure function
+jitted once per (token bucket, request bucket) pair with the KV pages donated, so XLA
+updates them in place. `prev_ids` ([max_rows]) are the previous step's sampled ids: with
+async scheduling a decode token still in flight is read from them on the device. Every bucket is compiled at start-up; `stats()` exposes a
 trace counter so tests can assert that serving never compiles again.
 
 With tensor_parallel_size > 1 (or several processes) the same step runs over a
