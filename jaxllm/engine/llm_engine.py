@@ -101,8 +101,9 @@ class LLMEngine:
         if not cfg.skip_warmup:
             self.warmup()
         self.traces_after_warmup = self.num_traces()
-        log.info("engine ready: %d KV blocks of %d tokens, buckets tokens=%s seqs=%s, warm-up %.1fs",
-                 self.runner.num_blocks, cfg.block_size, self.token_buckets, self.seq_buckets,
+        log.info("engine ready: %d KV blocks of %d tokens, buckets tokens=%s seqs=%s, async "
+                 "scheduling %s, warm-up %.1fs", self.runner.num_blocks, cfg.block_size,
+                 self.token_buckets, self.seq_buckets, "on" if self.async_scheduling else "off",
                  self.warmup_seconds)
 
     def _eos_ids(self) -> tuple[int, ...]:
