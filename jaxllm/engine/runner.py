@@ -1,10 +1,11 @@
 """The device side: KV pages, the jitted step, and start-up compilation.
 
-`step(params, kv_pages, batch, prev_ids) -> (kv_pages, logits, greedy_ids)` is a pure function
-jitted once per (token bucket, request bucket) pair with the KV pages donated, so XLA
-updates them in place. `prev_ids` ([max_rows]) are the previous step's sampled ids: with
-async scheduling a decode token still in flight is read from them on the device. Every bucket is compiled at start-up; `stats()` exposes a
-trace counter so tests can assert that serving never compiles again.
+`step(params, kv_pages, batch, prev_ids) -> (kv_pages, logits, greedy_ids)` is a pure
+function jitted once per (token bucket, request bucket) pair with the KV pages donated,
+so XLA updates them in place. `prev_ids` ([max_rows]) are the previous step's sampled
+ids: with async scheduling a decode token still in flight is read from them on the
+device. Every bucket is compiled at start-up; `stats()` exposes a trace counter so
+tests can assert that serving never compiles again.
 
 With tensor_parallel_size > 1 (or several processes) the same step runs over a
 `jaxllm.parallel.TensorParallel` mesh: parameters and pages are placed shard by
@@ -101,7 +102,6 @@ class ModelRunner:
         # Sampled ids travel between steps as one [max_rows] array (the largest request
         # bucket), so an overlapped step reads them whatever the previous bucket was.
         self.max_rows = max_rows or cfg.max_num_seqs
-        self.no_ids = None  # [max_rows] zeros: `prev_ids` of a step with every token known
         self.platform = jax.devices()[0].platform
         self.dtype = dtype or resolve_dtype(cfg.dtype, self.platform)
         self.block_size = cfg.block_size
@@ -143,12 +143,14 @@ class ModelRunner:
         # nnx State (0.1 ms for 300 arrays on the CPU VM; the 4-8 ms host span of the jitted
         # call on an H200 is XLA launching the step's kernels, which this does not change).
         self.flat_params, self._params_def = jax.tree.flatten(self.step_params)
+        self.no_ids = jnp.zeros(self.max_rows, jnp.int32)  # `prev_ids` when every token is known
         if self.tp is None:
             self.kv_pages = jnp.zeros(shape, self.dtype)
             self._step = jax.jit(self._step_flat, donate_argnums=(1,))
             self.device_bytes = {"weight_bytes": self.weight_bytes, "kv_bytes": self.kv_pages.nbytes}
         else:
             self.kv_pages = self.tp.zeros(shape, self.dtype)
+            self.no_ids = jax.device_put(self.no_ids, self.tp.replicated)
             self._step = self.tp.jit_step(self._step_flat, self.flat_params)
             self.device_bytes = self.tp.report(self.step_params, self.kv_pages, self.num_blocks)
 
@@ -228,10 +230,6 @@ class ModelRunner:
 
     def run_step(self, hb: HostBatch, prev_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """The jitted step alone (followers call this for each broadcast batch)."""
-        if self.no_ids is None:
-            self.no_ids = jnp.zeros(self.max_rows, jnp.int32)
-            if self.tp is not None:
-                self.no_ids = jax.device_put(self.no_ids, self.tp.replicated)
         prev_ids = self.no_ids if prev_ids is None else prev_ids
         if self.tp is None:
             self.kv_pages, logits, ids = self._step(self.flat_params, self.kv_pages, Batch.from_host(hb),
@@ -240,7 +238,9 @@ class ModelRunner:
         batch = Batch.from_host(hb, self.tp.replicated)
         prev_ids = jax.device_put(prev_ids, self.tp.replicated)  # a no-op for the step's own ids
         self.kv_pages, logits, ids = self._step(self.flat_params, self.kv_pages, batch, prev_ids)
-        return self.tp.local_logits(logits), self.tp.local_logits(ids)
+        # One process: the ids stay replicated, so the next step takes them as they are.
+        # Several: only this process's copy can be read on the host.
+        return self.tp.local_logits(logits), self.tp.local_logits(ids) if self.tp.multi_process else ids
 
     def warmup_sampler(self, sampler, num_rows: int) -> None:
         """Compile the sampler for logits as `execute` returns them.

@@ -219,7 +219,7 @@ class Sampler:
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
         self._sharding = sharding  # where the per-row tensors live (default device if None)
-        self.pad_to = pad_to  # sampled ids come out [max(pad_to, R)] (see `pad_ids`)
+        # Sampled ids come out [max(pad_to, R)] (see `pad_ids`).
         self._greedy_fn = jax.jit(functools.partial(_greedy_sample, pad_to=pad_to))
         # Top-n output width; a toy vocab smaller than max_logprobs narrows it.
         self._full_fn = jax.jit(functools.partial(

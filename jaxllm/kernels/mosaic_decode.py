@@ -264,9 +264,10 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     splits, num_stages = num_splits or auto_splits, num_stages or auto_stages
     if num_splits is not None or splits == 1:  # as asked: every token, `splits` ways
         active = jnp.array([splits, num_tokens], jnp.int32)
-        num_sms = num_tokens * num_kv_heads * splits  # the flat grid: one CTA each
+        num_ctas = num_tokens * num_kv_heads * splits  # split: the flat grid, one CTA each
     else:
         active = active_splits(md.positions, num_kv_heads, splits, num_sms)
+        num_ctas = num_sms  # one wave, mapped onto the real tokens
     flat_kv = kv_pages.reshape(-1, page_size, head_dim)  # page-major; a free reshape
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -304,7 +305,7 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         _decode_kernel, sm_scale=float(sm_scale), num_kv_heads=num_kv_heads,
         num_pages=num_pages, page_size=page_size, ppb=ppb, nst=num_stages, num_splits=splits,
         interpret=interpret)
-    grid = ((num_sms,), ("w",)) if splits > 1 else ((num_tokens, num_kv_heads), ("t", "h"))
+    grid = ((num_ctas,), ("w",)) if splits > 1 else ((num_tokens, num_kv_heads), ("t", "h"))
     outs = plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch,
         grid=grid[0], grid_names=grid[1],
