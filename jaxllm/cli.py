@@ -7,52 +7,7 @@ import json
 import sys
 import time
 
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """Engine flags, named as vLLM names them."""
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    p.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped pages")
-    p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
-    p.add_argument("--attention-backend", default=None, choices=["reference", "pallas", "mosaic"])
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="split the model over this many devices (all processes' devices together)")
-    g = p.add_argument_group("multi-host", "run one model over several processes (jax.distributed); "
-                             "start every process with the same flags but its own --process-id")
-    g.add_argument("--distributed-coordinator", default=None, metavar="HOST:PORT",
-                   help="address of process 0's coordinator service, e.g. 127.0.0.1:1234")
-    g.add_argument("--num-processes", type=int, default=1)
-    g.add_argument("--process-id", type=int, default=0,
-                   help="0 schedules and serves; the others only run the model's steps")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    kw = dict(dtype=args.dtype, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-              kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-              gpu_memory_utilization=args.gpu_memory_utilization,
-              num_gpu_blocks_override=args.num_gpu_blocks_override, seed=args.seed,
-              attention_backend=args.attention_backend,
-              tensor_parallel_size=args.tensor_parallel_size,
-              distributed_coordinator=args.distributed_coordinator,
-              num_processes=args.num_processes, process_id=args.process_id,
-              preemption_mode=args.preemption_mode, swap_space=args.swap_space,
-              scheduling_policy=args.scheduling_policy)
-    if args.enable_prefix_caching is not None:
-        kw["enable_prefix_caching"] = args.enable_prefix_caching
-    if args.async_scheduling is not None:
-        kw["async_scheduling"] = args.async_scheduling
-    return kw
+from jaxllm.engine.arg_utils import add_engine_args, engine_kwargs
 
 
 def _generate(args: argparse.Namespace) -> int:

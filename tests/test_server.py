@@ -358,7 +358,7 @@ def test_failed_step_fails_requests_not_the_server(srv):
 def test_serve_cli_flags():
     import argparse
 
-    from jaxllm.cli import add_engine_args, engine_kwargs
+    from jaxllm.engine.arg_utils import add_engine_args, engine_kwargs
     from jaxllm.server.args import add_serve_args, served_names
 
     p = argparse.ArgumentParser()

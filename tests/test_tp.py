@@ -92,7 +92,7 @@ def test_engine_rejects_bad_tp_before_touching_devices():
 def test_cli_flags():
     import argparse
 
-    from jaxllm.cli import add_engine_args, engine_kwargs
+    from jaxllm.engine.arg_utils import add_engine_args, engine_kwargs
 
     p = argparse.ArgumentParser()
     add_engine_args(p)

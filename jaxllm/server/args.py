@@ -1,6 +1,6 @@
 """`jaxllm serve [MODEL]`: flags (named as vLLM's) and the uvicorn launch.
 
-Engine flags come from `jaxllm.cli.add_engine_args`; this module adds the
+Engine flags come from `jaxllm.engine.arg_utils.add_engine_args`; this module adds the
 server's own. The engine is built (and every bucket compiled) before the port
 opens, so the first request never pays for compilation.
 """
@@ -40,7 +40,7 @@ def served_names(args: argparse.Namespace) -> list[str]:
 
 def build_server_app(args: argparse.Namespace):
     """Build the engine and the app from parsed `jaxllm serve` arguments."""
-    from jaxllm.cli import engine_kwargs
+    from jaxllm.engine.arg_utils import engine_kwargs
     from jaxllm.engine.async_engine import AsyncLLM
     from jaxllm.server.app import build_app
 
