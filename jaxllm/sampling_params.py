@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import copy
 import enum
-from dataclasses import dataclass
+import json as _json
+from dataclasses import dataclass, fields
 
 # Temperatures below this are treated as greedy: dividing logits by a
 # near-zero number overflows float32 and is meaningless anyway (vLLM uses 1e-5).
@@ -26,6 +27,71 @@ class SamplingType(enum.IntEnum):
     GREEDY = 0
     RANDOM = 1
     RANDOM_SEED = 2
+
+
+# The constraint kinds of ``StructuredOutputsParams``: exactly one is set per request.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's ``StructuredOutputsParams`` names).
+
+    Exactly one kind is set: ``json`` (a JSON schema, as text or dict), ``regex``, ``choice``
+    (the output is one of these strings), ``grammar`` (Lark or GBNF/EBNF, as llguidance takes it),
+    ``json_object`` (any JSON object) or ``structural_tag`` (vLLM's JSON text
+    ``{"structures": [{"begin", "schema", "end"}], "triggers": [...]}``).
+    ``whitespace_pattern`` / ``disable_any_whitespace`` shape the whitespace JSON may use.
+
+    ``reasoning_end_ids``: for reasoning models, the token sequence that ends the reasoning
+    section (e.g. the ids of ``</think>``). When set, generated tokens are free until the output
+    contains that sequence, and the constraint applies to the tokens after it.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    structural_tag: str | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+    reasoning_end_ids: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            self.choice = [str(c) for c in self.choice]
+            if not self.choice:
+                raise ValueError("structured_outputs.choice must be a non-empty list of strings.")
+        if self.reasoning_end_ids is not None:
+            self.reasoning_end_ids = [int(t) for t in self.reasoning_end_ids]
+            if not self.reasoning_end_ids:
+                raise ValueError("structured_outputs.reasoning_end_ids must not be empty when set.")
+        chosen = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(chosen) != 1:
+            raise ValueError("structured_outputs must set exactly one of "
+                             f"{', '.join(STRUCTURED_KINDS)}; got {chosen or 'none'}.")
+        for name in ("regex", "grammar", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string.")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a str or dict, got {type(self.json).__name__}.")
+
+    @property
+    def kind(self) -> str:
+        """The one constraint kind that is set (a name from ``STRUCTURED_KINDS``)."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple:
+        """A hashable key naming the compiled grammar (reasoning_end_ids does not change it)."""
+        parts = []
+        for f in fields(self):
+            if f.name == "reasoning_end_ids":
+                continue
+            value = getattr(self, f.name)
+            parts.append(_json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else value)
+        return tuple(parts)
 
 
 @dataclass
@@ -59,6 +125,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -115,6 +182,9 @@ class SamplingParams:
             raise ValueError(f"seed must be an int, got {self.seed!r}.")
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string.")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, "
+                             f"got {type(self.structured_outputs).__name__}.")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
 
