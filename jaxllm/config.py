@@ -11,6 +11,9 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # HF folder, .gguf file, converted folder; None = embedded SmolLM2
+    # "auto": the model's weights; "dummy": config.json only, random weights drawn on the device
+    load_format: str = "auto"
+    random_shape: str | None = None  # a named shape (jaxllm.models.shapes) with dummy weights
     dtype: str = "auto"  # "auto" (float32 on CPU, bfloat16 on accelerators), "float32", "bfloat16"
     max_model_len: int | None = None  # None: min(model's max positions, 2048)
     max_num_seqs: int = 64
@@ -57,6 +60,13 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.random_shape is not None:
+            from jaxllm.models.shapes import get_shape
+            get_shape(self.random_shape)  # ValueError naming the known shapes
+            if self.model is not None:
+                raise ValueError(f"random_shape {self.random_shape!r} and model {self.model!r}: give one")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -129,7 +129,9 @@ def hf_decode(cfg: dict, batch: int, ctx: int, new_tokens: tuple[int, int] = (8,
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
-    p.add_argument("--random-shape", default="llama3-8b")
+    p.add_argument("--random-shape", default="llama3-8b", help="used when --model is not given")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: --model is a folder with config.json only, weights drawn on the device")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 8, 64])
     p.add_argument("--input-len", type=int, default=2048)
     p.add_argument("--num-iters", type=int, default=30)
@@ -162,7 +164,8 @@ def main() -> None:
     seqs = tuple(sorted({max(b, args.min_bucket) for b in args.batch_size}))  # one bucket a batch
     min_t = args.min_token_bucket or 1
     max_len = args.input_len + args.num_iters + 8
-    llm = LLM(args.model, hf_config=None if args.model else SHAPES[args.random_shape], dtype=args.dtype,
+    llm = LLM(args.model, random_shape=None if args.model else args.random_shape,
+              load_format=args.load_format, dtype=args.dtype,
               max_model_len=max_len, max_num_seqs=max_b,
               num_gpu_blocks_override=max_b * -(-max_len // 16) + 16,
               max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,

@@ -27,7 +27,8 @@ def run(args, prompts: list[list[int]], caching: bool) -> tuple[dict, list[list[
     from jaxllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(args.model, enable_prefix_caching=caching, dtype=args.dtype,
+    llm = LLM(args.model, enable_prefix_caching=caching, dtype=args.dtype, load_format=args.load_format,
+              random_shape=args.random_shape,
               max_model_len=args.prefix_len + args.suffix_max + args.output_len,
               max_num_seqs=args.max_num_seqs)
     init_s = time.perf_counter() - t0
@@ -54,6 +55,9 @@ def run(args, prompts: list[list[int]], caching: bool) -> tuple[dict, list[list[
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None)
+    ap.add_argument("--random-shape", default=None, help="random weights of a known shape, e.g. llama3-8b")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                    help="dummy: --model is a folder with config.json only, weights drawn on the device")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--prefix-len", type=int, default=1000)
     ap.add_argument("--suffix-min", type=int, default=8)

@@ -24,14 +24,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 def run_jaxllm(args, prompts):
     from jaxllm import LLM, SamplingParams
 
-    kw = dict(dtype=args.dtype, max_model_len=args.input_len + args.output_len,
+    kw = dict(load_format=args.load_format, random_shape=args.random_shape, dtype=args.dtype, max_model_len=args.input_len + args.output_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               attention_backend=args.attention_backend,
               token_buckets=tuple(args.token_buckets) if args.token_buckets else None,
               seq_buckets=tuple(args.seq_buckets) if args.seq_buckets else None)
-    if args.random_shape:
-        from shapes import SHAPES
-        kw["hf_config"] = SHAPES[args.random_shape]
     t0 = time.perf_counter()
     llm = LLM(args.model, **kw)
     init_s = time.perf_counter() - t0
@@ -115,6 +112,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
     p.add_argument("--random-shape", default=None, help="random weights of a known shape, e.g. llama3-8b")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: --model is a folder with config.json only, weights drawn on the device")
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)

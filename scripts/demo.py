@@ -1,5 +1,6 @@
 """Offline generation with the embedded SmolLM2-135M-Instruct: text and tokens/s."""
 
+import argparse
 import time
 
 from jaxllm import LLM, SamplingParams
@@ -13,8 +14,14 @@ QUESTIONS = [
 
 
 def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default=None)
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"])
+    p.add_argument("--random-shape", default=None)
+    args = p.parse_args()
     t0 = time.perf_counter()
-    llm = LLM(max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256)
+    llm = LLM(args.model, load_format=args.load_format, random_shape=args.random_shape,
+              max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=256)
     print(f"engine ready in {time.perf_counter() - t0:.1f}s")
     params = SamplingParams(temperature=0.0, max_tokens=96)
     t0 = time.perf_counter()

@@ -1,20 +1,7 @@
-"""HF-style configs of well-known shapes, for random-weight benchmarks (no download)."""
+"""Shapes for random-weight benchmarks: the table lives in `jaxllm.models.shapes`."""
 
-LLAMA3_8B = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                 num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                 rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=8192,
-                 tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001)
-LLAMA3_70B = dict(LLAMA3_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                  num_attention_heads=64)
-SHAPES = {"llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B}
-TINY = dict(LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-SHAPES["tiny"] = TINY
-SMOLLM2_135M = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
-                    rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
-                    tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-SHAPES["smollm2-135m"] = SMOLLM2_135M
+from jaxllm.models.shapes import (LLAMA3_8B, LLAMA3_70B, SHAPES, SMOLLM2_135M,  # noqa: F401
+                                  TINY, get_shape)
 
 
 def seeded_weights(cfg: dict, seed: int = 0) -> dict:

@@ -29,6 +29,10 @@ def json_arg(text: str) -> dict:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags, named as vLLM names them."""
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights drawn on the device, only config.json is read")
+    p.add_argument("--random-shape", default=None, metavar="NAME",
+                   help="serve/run a named model shape with dummy weights (llama3-8b, qwen3-8b, ...)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)

@@ -40,7 +40,11 @@ class LLMEngine:
                  tokenizer=None):
         from jaxllm.parallel.multihost import init_distributed  # before anything touches jax
         init_distributed(cfg.distributed_coordinator, cfg.num_processes, cfg.process_id)
-        if hf_config is None:
+        if hf_config is None and (cfg.load_format == "dummy" or cfg.random_shape):
+            from jaxllm.models.dummy import dummy_model
+            hf_config, loaded_tok = dummy_model(cfg.model, cfg.random_shape)
+            tokenizer = tokenizer or loaded_tok
+        elif hf_config is None:
             from jaxllm.models.loader import load_model_files
             hf_config, weights, loaded_tok = load_model_files(cfg.model, cfg.cache_dir)
             tokenizer = tokenizer or loaded_tok

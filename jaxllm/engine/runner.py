@@ -121,8 +121,9 @@ class ModelRunner:
                                          embed_fn=embed_fn)
         if self.tp is not None:
             self.graphdef, self.params = self.tp.build_params(make, lambda: make(ckpt_cfg), state)
-        elif state is None:
-            self.graphdef, self.params = nnx.split(make())  # random weights (tests, benchmarks)
+        elif state is None:  # random weights (load_format="dummy", tests): drawn on the device
+            self.graphdef, _ = nnx.split(nnx.eval_shape(make))
+            self.params = jax.jit(lambda: nnx.state(make()))()
         else:
             model = nnx.eval_shape(make)
             load_state(model, state)

@@ -35,7 +35,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 def served_names(args: argparse.Namespace) -> list[str]:
     model = args.model_tag or args.model
-    return args.served_model_name or [model or EMBEDDED_MODEL_NAME]
+    return args.served_model_name or [model or getattr(args, "random_shape", None) or EMBEDDED_MODEL_NAME]
 
 
 def build_server_app(args: argparse.Namespace):
