@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxllm.quantization.methods import check_kv_cache_dtype, check_method
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -29,6 +31,10 @@ class EngineConfig:
     # Schedule and dispatch step k+1 while step k runs; its sampled ids feed k+1 on the device.
     async_scheduling: bool = True
     seed: int = 0
+    # KV pages: "auto" (model dtype), "fp8"/"fp8_e4m3"/"fp8_e5m2", "int8", "int4" (kernels/kv_quant.py)
+    kv_cache_dtype: str = "auto"
+    # Weights: None, "fp8" (W8A8 dynamic), "int8" (W8A16), "int4" (W4A16 g128); see quantization/
+    quantization: str | None = None
     attention_backend: str | None = None  # None: by platform; "reference", "pallas", "mosaic"
     token_buckets: tuple[int, ...] | None = None  # padded token counts compiled at start-up
     seq_buckets: tuple[int, ...] | None = None  # padded request counts compiled at start-up
@@ -58,6 +64,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        check_method(self.quantization)
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.load_format not in ("auto", "dummy"):

@@ -6,6 +6,7 @@ their own interpreter and report JSON on the last line of stdout:
 
     python tests/tp_worker.py tiny      parity / shardings / compiles on random tiny models
     python tests/tp_worker.py smollm2   parity at tp=3 on the embedded SmolLM2 (9 heads, 3 KV)
+    python tests/tp_worker.py kv_quant  parity tp=2 vs tp=1 on quantized KV pages
 """
 
 from __future__ import annotations
@@ -173,9 +174,31 @@ def run_smollm2() -> dict:
     return result
 
 
+def run_kv_quant() -> dict:
+    """Quantized KV pages split by KV head over 2 devices: greedy tokens equal tp=1's."""
+    from jaxllm import LLM, SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 384, size=n).tolist() for n in (3, 29, 70)]
+    cfg, weights = tiny_model("qwen2", 8, 2)
+    result = {}
+    for name in ("int8", "int4", "fp8"):
+        for tp in (1, 2):
+            llm = LLM(hf_config=cfg, weights=weights, dtype="float32", max_model_len=128,
+                      max_num_seqs=4, max_num_batched_tokens=32, token_buckets=(32,),
+                      seq_buckets=(4,), tensor_parallel_size=tp, skip_warmup=True,
+                      kv_cache_dtype=name)
+            toks = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            kv = llm.engine.runner.kv_pages
+            result[f"{name}_tp{tp}"] = {
+                "tokens": toks, "kv_shape": list(kv.shape), "kv_shards": [list(s.data.shape) for s in kv.addressable_shards]}
+    return result
+
+
 if __name__ == "__main__":
     # Only here: importing this module (for tiny_model) must not change the importer's devices.
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     which = sys.argv[1]
-    res = {"tiny": run_tiny, "smollm2": run_smollm2}[which]()
+    res = {"tiny": run_tiny, "smollm2": run_smollm2, "kv_quant": run_kv_quant}[which]()
     print(json.dumps(res))

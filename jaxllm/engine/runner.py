@@ -26,6 +26,7 @@ from flax import nnx
 from jaxllm.config import EngineConfig
 from jaxllm.engine.batch import HostBatch, pick_bucket
 from jaxllm.engine.sampler import pad_ids
+from jaxllm.kernels import kv_quant
 from jaxllm.kernels.metadata import AttentionMetadata
 from jaxllm.models.config import ModelConfig
 from jaxllm.models.llama import Llama, load_state, split_layers
@@ -129,9 +130,16 @@ class ModelRunner:
             load_state(model, state)
             self.graphdef, self.params = nnx.split(model)
         self.weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
+        # Quantized KV caches store rows of W (not D) elements of kv_dtype (kernels/kv_quant.py).
+        self.kv_dtype, self.kv_width = kv_quant.page_layout(cfg.kv_cache_dtype, self.dtype,
+                                                            model_cfg.head_dim)
         self.num_blocks = self._num_blocks(max_model_len)
-        L, K, D = model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim
-        shape = (L, 2, K, self.num_blocks, self.block_size, D)
+        L, K = model_cfg.num_layers, model_cfg.num_kv_heads
+        shape = (L, 2, K, self.num_blocks, self.block_size, self.kv_width)
+        log.info("KV cache %s (%s pages): %d blocks of %d tokens (%d tokens), maximum concurrency "
+                 "for %d-token requests: %.2fx", cfg.kv_cache_dtype, jnp.dtype(self.kv_dtype).name,
+                 self.num_blocks, self.block_size, self.num_blocks * self.block_size, max_model_len,
+                 self.num_blocks / self.max_blocks)
         self.num_traces = 0
         # Accelerators: one array per layer, unrolled (see Llama.__call__); CPU: a scan over
         # stacked weights, which compiles far faster.
@@ -146,11 +154,11 @@ class ModelRunner:
         self.flat_params, self._params_def = jax.tree.flatten(self.step_params)
         self.no_ids = jnp.zeros(self.max_rows, jnp.int32)  # `prev_ids` when every token is known
         if self.tp is None:
-            self.kv_pages = jnp.zeros(shape, self.dtype)
+            self.kv_pages = jnp.zeros(shape, self.kv_dtype)
             self._step = jax.jit(self._step_flat, donate_argnums=(1,))
             self.device_bytes = {"weight_bytes": self.weight_bytes, "kv_bytes": self.kv_pages.nbytes}
         else:
-            self.kv_pages = self.tp.zeros(shape, self.dtype)
+            self.kv_pages = self.tp.zeros(shape, self.kv_dtype)
             self.no_ids = jax.device_put(self.no_ids, self.tp.replicated)
             self._step = self.tp.jit_step(self._step_flat, self.flat_params)
             self.device_bytes = self.tp.report(self.step_params, self.kv_pages, self.num_blocks)
@@ -159,7 +167,8 @@ class ModelRunner:
         """Bytes one block takes on each device (its share of the KV heads)."""
         m = self.model_cfg
         heads = self.tp.layout.kv_heads_per_device if self.tp else m.num_kv_heads
-        return m.num_layers * 2 * heads * self.block_size * m.head_dim * jnp.dtype(self.dtype).itemsize
+        row = self.kv_width * jnp.dtype(self.kv_dtype).itemsize
+        return m.num_layers * 2 * heads * self.block_size * row
 
     def _num_blocks(self, max_model_len: int) -> int:
         cfg = self.cfg

@@ -51,7 +51,11 @@ def _prefill_fn(platform: str) -> AttentionFn:
 def mosaic_attention(q, kv_pages, layer, md, *, sm_scale: float,
                      prefill_fn: AttentionFn = ref.ragged_paged_attention) -> jax.Array:
     """Decode kernel when T <= R (shapes are static under jit), else `prefill_fn`."""
-    from jaxllm.kernels import mosaic_decode
+    from jaxllm.kernels import kv_quant, mosaic_decode
+    if kv_quant.is_quantized(kv_pages, q.shape[-1]):
+        # The decode kernel's TMA/wgmma path takes bf16 pages only; quantized pages go to
+        # the prefill/mixed kernel, which dequantizes them in registers (kv_quant.py).
+        return prefill_fn(q, kv_pages, layer, md, sm_scale=sm_scale)
     group = q.shape[1] // kv_pages.shape[2]
     if group & (group - 1) or q.shape[2] & (q.shape[2] - 1):
         # Triton lowering needs power-of-two blocks and the decode kernel was only

@@ -253,6 +253,9 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     num_tokens, num_heads, head_dim = q.shape
     num_layers, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
     group = num_heads // num_kv_heads
+    if kv_pages.dtype != q.dtype or kv_pages.shape[-1] != head_dim:
+        raise ValueError(f"quantized or mixed-dtype pages ({kv_pages.dtype}, rows of {kv_pages.shape[-1]}) "
+                         f"are not supported by the Mosaic decode kernel; use the Pallas kernel")
     if group > _ROWS or page_size % 8 or head_dim % 64 or block_keys % page_size:
         raise ValueError(f"unsupported shape: G={group}, S={page_size}, D={head_dim}")
     if block_keys != 64:  # 32: wgmma wants K % 64 == 0; 128 failed the check (docs/kernels.md)

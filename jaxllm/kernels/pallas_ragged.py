@@ -16,6 +16,10 @@ integer-array indexing, so the wrapper never transposes q or the output. The
 page loop walks `ppb` pages per step (a [ppb * S, D] key tile gathered row-wise
 through the block table), with an online softmax in float32. The loop's trip
 count is the block's own last position, so decode rows read only their context.
+
+Quantized pages (kv_quant.py: fp8, int8, int4 rows with their scales) are read as
+stored and dequantized in registers per tile (`_load_rows`); nothing of the cache is
+converted outside the kernel.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from jaxllm.kernels import kv_quant
 from jaxllm.kernels.metadata import AttentionMetadata
 
 _NEG = -1e30
@@ -55,8 +60,29 @@ def block_schedule(query_start_loc: jax.Array, num_tokens: int, bq: int) -> jax.
     return jnp.stack([req, jnp.where(active, t0, 0), jnp.where(active, t1, 0)]).astype(jnp.int32)
 
 
+def _load_rows(kv_ref, layer, which: int, kvh, slot, fmt: str, dtype):
+    """A [BK] row tile of keys (which=0) or values (1): (chunks [BK, D/n] in `dtype`, scale).
+
+    Quantized rows are dequantized here, in registers: integer values become `dtype`
+    exactly and the per-row scale ([BK] float32, None for plain/fp8 pages) is applied to
+    the scores (keys) or the probabilities (values), a [M, BK] product instead of [BK, D].
+    """
+    if fmt in ("plain", "fp8"):
+        return [kv_ref[layer, which, kvh, slot, :].astype(dtype)], None
+    nval = kv_ref.shape[-1] - kv_quant.SCALE_BYTES
+    c = jnp.arange(nval, dtype=jnp.int32)
+    raw = kv_ref[layer, which, kvh, slot[:, None], c[None, :]]  # [BK, nval] uint8
+    scale = kv_quant.scale_from_bytes(kv_ref[layer, which, kvh, slot, nval],
+                                      kv_ref[layer, which, kvh, slot, nval + 1])
+    if fmt == "int8":
+        return [jax.lax.bitcast_convert_type(raw, jnp.int8).astype(dtype)], scale
+    lo = ((raw & 15).astype(jnp.int32) - 8).astype(dtype)  # int4: elements d and d + D/2
+    hi = ((raw >> 4).astype(jnp.int32) - 8).astype(dtype)
+    return [lo, hi], scale
+
+
 def _kernel(sched_ref, pos_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, *,
-            sm_scale: float, group: int, bq: int, ppb: int, page_size: int):
+            sm_scale: float, group: int, bq: int, ppb: int, page_size: int, fmt: str):
     """One (query block, kv head) program: rows = bq tokens x G heads."""
     blk, kvh = pl.program_id(0), pl.program_id(1)
     num_tokens, head_dim = q_ref.shape[0], q_ref.shape[2]
@@ -69,36 +95,49 @@ def _kernel(sched_ref, pos_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, *,
     # index only has to be in bounds and not collide with a valid row.
     tok = jnp.where(tok < num_tokens, tok, tok - num_tokens)
     head = kvh * group + r % group
-    q = q_ref[tok, head, :]  # [M, D]
+    # int4 rows hold D/2 bytes of (d, d + D/2) pairs: q, keys, values and the output
+    # then go in two D/2-wide chunks, so no nibbles are ever interleaved.
+    n_chunks = 2 if fmt == "int4" else 1
+    width = head_dim // n_chunks
+    dims = [c * width + jnp.arange(width, dtype=jnp.int32) for c in range(n_chunks)]
+    if n_chunks == 1:
+        qs = [q_ref[tok, head, :]]  # [M, D]
+    else:
+        qs = [q_ref[tok[:, None], head[:, None], d[None, :]] for d in dims]
     pos = jnp.where(valid, pos_ref[tok], -1)  # [M]
     num_steps = (jnp.max(pos) + keys) // keys  # keys 0..max(pos) inclusive
     layer = layer_ref[0]
     kk = jnp.arange(keys, dtype=jnp.int32)
     max_col = bt_ref.shape[1] - 1
+    cdt = q_ref.dtype if fmt != "plain" else kv_ref.dtype  # dot operand dtype
 
     def body(j, carry):
         m, l, acc = carry
         col = jnp.minimum(j * ppb + kk // page_size, max_col)
         slot = bt_ref[req, col] * page_size + kk % page_size  # [BK] rows of the flat page array
-        k = kv_ref[layer, 0, kvh, slot, :]  # [BK, D]
-        v = kv_ref[layer, 1, kvh, slot, :]
-        s = plt.dot(q, k, trans_b=True) * sm_scale  # [M, BK] float32
+        ks, k_scale = _load_rows(kv_ref, layer, 0, kvh, slot, fmt, cdt)
+        s = plt.dot(qs[0].astype(cdt), ks[0], trans_b=True)  # [M, BK] float32
+        for qc, kc in zip(qs[1:], ks[1:]):
+            s = s + plt.dot(qc.astype(cdt), kc, trans_b=True)
+        s = s * sm_scale if k_scale is None else s * (k_scale * sm_scale)[None, :]
         visible = (j * keys + kk)[None, :] <= pos[:, None]
         s = jnp.where(visible, s, _NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
         l = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + plt.dot(p.astype(v.dtype), v)
+        vs, v_scale = _load_rows(kv_ref, layer, 1, kvh, slot, fmt, cdt)
+        pv = (p if v_scale is None else p * v_scale[None, :]).astype(cdt)
+        acc = tuple(a * alpha[:, None] + plt.dot(pv, vc) for a, vc in zip(acc, vs))
         return m_new, l, acc
 
     init = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),
-            jnp.zeros((rows, head_dim), jnp.float32))
+            tuple(jnp.zeros((rows, width), jnp.float32) for _ in range(n_chunks)))
     _, l, acc = jax.lax.fori_loop(0, num_steps, body, init)
-    out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]  # rows that saw no key -> 0
-    d = jnp.arange(head_dim, dtype=jnp.int32)
-    plt.store(o_ref.at[tok[:, None], head[:, None], d[None, :]], out.astype(o_ref.dtype),
-              mask=valid[:, None])
+    inv = 1.0 / jnp.where(l == 0.0, 1.0, l)  # rows that saw no key -> 0
+    for a, d in zip(acc, dims):
+        plt.store(o_ref.at[tok[:, None], head[:, None], d[None, :]],
+                  (a * inv[:, None]).astype(o_ref.dtype), mask=valid[:, None])
 
 
 def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
@@ -112,7 +151,8 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     on GPU (Triton's dot minimum); block_keys: keys per page-loop step (whole pages).
     """
     num_tokens, num_heads, head_dim = q.shape
-    num_layers, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
+    num_layers, _, num_kv_heads, num_pages, page_size, width = kv_pages.shape
+    fmt = kv_quant.page_format(kv_pages.dtype, width, head_dim)
     group = num_heads // num_kv_heads
     bq = max(1, block_rows // group)
     ppb = max(1, block_keys // page_size)
@@ -125,9 +165,9 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         positions = jnp.pad(positions, (0, pad), constant_values=-1)
     total = num_tokens + pad
     sched = block_schedule(md.query_start_loc.astype(jnp.int32), total, bq)
-    flat_kv = kv_pages.reshape(num_layers, 2, num_kv_heads, num_pages * page_size, head_dim)
+    flat_kv = kv_pages.reshape(num_layers, 2, num_kv_heads, num_pages * page_size, width)
     kernel = functools.partial(_kernel, sm_scale=float(sm_scale), group=group, bq=bq,
-                               ppb=ppb, page_size=page_size)
+                               ppb=ppb, page_size=page_size, fmt=fmt)
     out = pl.pallas_call(
         kernel,
         grid=(sched.shape[1], num_kv_heads),

@@ -2,6 +2,7 @@
 
 KV page layout (one array for the whole model, carried through the layer scan):
     kv_pages: [L, 2, K, P, S, D]  layer, (key|value), kv head, page, slot in page, head dim
+(D becomes the stored row width W for quantized caches, see kv_quant.py.)
 Keeping the KV head ahead of the page makes one page of one head a contiguous
 S*D tile (what a GPU kernel loads in one copy) and lets tensor parallelism shard
 the array along K.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxllm.kernels import kv_quant
 from jaxllm.kernels.metadata import AttentionMetadata
 
 _NEG = -1e30
@@ -32,7 +34,8 @@ def write_kv(kv_pages: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
     _, _, _, num_pages, page_size, _ = kv_pages.shape
     slot = jnp.where(slot_mapping < 0, num_pages * page_size, slot_mapping)
     page, off = slot // page_size, slot % page_size
-    kv = jnp.stack([k, v]).astype(kv_pages.dtype)  # [2, T, K, D]
+    # Quantized caches store encoded rows (kv_quant.py): [2, T, K, W].
+    kv = kv_quant.encode(jnp.stack([k, v]), kv_pages.dtype, kv_pages.shape[-1])
     kv = jnp.swapaxes(kv, 1, 2)  # [2, K, T, D]
     return kv_pages.at[layer, :, :, page, off].set(
         jnp.moveaxis(kv, 2, 0), mode="drop")  # update shape [T, 2, K, D]
@@ -59,8 +62,9 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         page = token_pages[:, j]  # [T]
         # One gather each, straight from the whole cache: slicing out the layer first
         # would copy that layer's pages on every call.
-        k = kv_pages[layer, 0, :, page].astype(jnp.float32)  # [T, K, S, D]
-        v = kv_pages[layer, 1, :, page].astype(jnp.float32)
+        # Quantized pages are dequantized here, one gathered page column at a time.
+        k = kv_quant.decode(kv_pages[layer, 0, :, page], head_dim)  # [T, K, S, D] float32
+        v = kv_quant.decode(kv_pages[layer, 1, :, page], head_dim)
         s = jnp.einsum("tkgd,tksd->tkgs", qg, k)
         key_pos = j * page_size + jnp.arange(page_size)
         visible = key_pos[None, :] <= md.positions[:, None]  # [T, S]

@@ -1,0 +1,134 @@
+"""Quantized KV pages: storage layouts, quantize on write, dequantize on read (in registers).
+
+`kv_cache_dtype` (vLLM's names plus int8/int4) picks how one K or V row of D values is stored
+in the page array `kv_pages [L, 2, K, P, S, W]`; W and the dtype alone tell a kernel the
+format (`page_format`), so every backend keeps the one signature
+`fn(q, kv_pages, layer, md, *, sm_scale)` and the page array stays a single array:
+swap, copy-on-write, prefix caching, tensor parallelism (split on K) and the pool's byte
+count carry the scales with the pages without knowing about them.
+
+    auto       W = D, the model dtype
+    fp8/_e4m3  W = D, float8_e4m3fn; fp8_e5m2: float8_e5m2. One scale per tensor, as vLLM,
+               and that scale is 1.0 (vLLM's default when a checkpoint ships no k/v scales;
+               no calibration pass): values are clipped to the format's range and cast.
+    int8       W = D + 2 bytes (uint8): D int8 values, then the row's scale as bfloat16 bytes
+               (little-endian). Symmetric, per token and KV head: s = amax / 127.
+    int4       W = D / 2 + 2 bytes: byte d holds element d (low nibble) and d + D/2 (high
+               nibble), stored as q + 8 with q in [-8, 7]; then the bfloat16 scale, s = amax / 7.
+               Splitting halves (not neighbours) lets a kernel run two D/2-wide dots instead
+               of interleaving nibbles.
+
+The bfloat16 scale is read back with integer ops and one same-width bitcast
+(`(b0 << 16 | b1 << 24)` viewed as float32), which every lowering (XLA, Triton) has.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxllm.quantization.methods import check_kv_cache_dtype, check_fp8_device
+
+SCALE_BYTES = 2  # a bfloat16 per row
+_FP8 = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
+_QMAX = {"int8": 127.0, "int4": 7.0}
+
+
+def page_layout(kv_cache_dtype: str, model_dtype, head_dim: int) -> tuple[object, int]:
+    """(page array dtype, row width W) for `kv_cache_dtype`."""
+    check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype.startswith("fp8"):
+        check_fp8_device(f"kv_cache_dtype={kv_cache_dtype!r}")
+    if kv_cache_dtype == "auto":
+        return model_dtype, head_dim
+    if kv_cache_dtype in _FP8:
+        return _FP8[kv_cache_dtype], head_dim
+    if head_dim % 2:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} needs an even head_dim, got {head_dim}")
+    width = head_dim if kv_cache_dtype == "int8" else head_dim // 2
+    return jnp.uint8, width + SCALE_BYTES
+
+
+def page_format(dtype, width: int, head_dim: int) -> str:
+    """"plain", "fp8" (either float8 type), "int8" or "int4", from the page array alone."""
+    dtype = jnp.dtype(dtype)
+    if dtype in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
+        return "fp8"
+    if dtype == jnp.dtype(jnp.uint8):
+        if width == head_dim + SCALE_BYTES:
+            return "int8"
+        if width == head_dim // 2 + SCALE_BYTES:
+            return "int4"
+    if width != head_dim:
+        raise ValueError(f"page rows of {width} x {dtype} match no KV format for head_dim {head_dim}")
+    return "plain"
+
+
+def is_quantized(kv_pages: jax.Array, head_dim: int) -> bool:
+    return page_format(kv_pages.dtype, kv_pages.shape[-1], head_dim) != "plain"
+
+
+def bytes_per_token(kv_cache_dtype: str, model_dtype, head_dim: int) -> int:
+    """Bytes of one K or V row of one KV head."""
+    dtype, width = page_layout(kv_cache_dtype, model_dtype, head_dim)
+    return width * jnp.dtype(dtype).itemsize
+
+
+def _scale_bytes(s: jax.Array) -> jax.Array:
+    """float32 scales [...] -> their bfloat16 bytes [..., 2] (uint8, little-endian)."""
+    return lax.bitcast_convert_type(s.astype(jnp.bfloat16), jnp.uint8)
+
+
+def scale_from_bytes(b0: jax.Array, b1: jax.Array) -> jax.Array:
+    """The float32 value of bfloat16 bytes (b0 low, b1 high); integer ops + a same-width bitcast."""
+    bits = (b0.astype(jnp.uint32) << 16) | (b1.astype(jnp.uint32) << 24)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def encode(x: jax.Array, dtype, width: int) -> jax.Array:
+    """Rows x [..., D] (any float dtype) -> stored rows [..., W] of the page format."""
+    head_dim = x.shape[-1]
+    fmt = page_format(dtype, width, head_dim)
+    if fmt == "plain":
+        return x.astype(dtype)
+    xf = x.astype(jnp.float32)
+    if fmt == "fp8":
+        top = float(jnp.finfo(dtype).max)
+        return jnp.clip(xf, -top, top).astype(dtype)
+    qmax = _QMAX[fmt]
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    # Round the scale to bfloat16 first, so values are quantized by the scale that is stored.
+    s = (jnp.maximum(amax, 1e-30) / qmax).astype(jnp.bfloat16).astype(jnp.float32)
+    q = jnp.clip(jnp.round(xf / s[..., None]), -qmax, qmax).astype(jnp.int32)
+    if fmt == "int8":
+        vals = lax.bitcast_convert_type(q.astype(jnp.int8), jnp.uint8)
+    else:
+        half = head_dim // 2
+        u = (q + 8).astype(jnp.uint8)
+        vals = u[..., :half] | (u[..., half:] << 4)
+    return jnp.concatenate([vals, _scale_bytes(s)], axis=-1)
+
+
+def row_scale(rows: jax.Array, fmt: str) -> jax.Array:
+    """The float32 scale [...] of stored int rows [..., W]."""
+    return scale_from_bytes(rows[..., -2], rows[..., -1])
+
+
+def unpack_values(rows: jax.Array, fmt: str) -> list[jax.Array]:
+    """Integer values of stored rows as float32 chunks along D (int8: [D]; int4: [D/2, D/2])."""
+    vals = rows[..., :-SCALE_BYTES]
+    if fmt == "int8":
+        return [lax.bitcast_convert_type(vals, jnp.int8).astype(jnp.float32)]
+    lo = (vals & 15).astype(jnp.float32) - 8.0
+    hi = (vals >> 4).astype(jnp.float32) - 8.0
+    return [lo, hi]
+
+
+def decode(rows: jax.Array, head_dim: int, out_dtype=jnp.float32) -> jax.Array:
+    """Stored rows [..., W] -> values [..., D] (used on gathered tiles, never the whole cache)."""
+    fmt = page_format(rows.dtype, rows.shape[-1], head_dim)
+    if fmt in ("plain", "fp8"):
+        return rows.astype(out_dtype)
+    vals = jnp.concatenate(unpack_values(rows, fmt), axis=-1)
+    return (vals * row_scale(rows, fmt)[..., None]).astype(out_dtype)

@@ -1,0 +1,6 @@
+"""Weight quantization (fp8 / int8 / int4) and pre-quantized checkpoints kept quantized.
+
+`methods.py` (names and checks, no JAX), `qarray.py` (the quantized weight and its matmul),
+`quantize.py` (quantizing a float state at load), `checkpoints.py` (HF FP8 and GGUF tensors).
+KV-cache quantization lives beside the kernels that read it: `jaxllm/kernels/kv_quant.py`.
+"""

@@ -1,0 +1,123 @@
+"""Quantized KV pages (kernels/kv_quant.py): round-trip error bounds, and the kernels on
+quantized pages against the reference on the same pages (Pallas in interpret mode).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from test_kernels import dense_outputs, make_batch, rel_err
+
+from jaxllm.kernels import kv_quant, pallas_ragged, ref
+
+FORMATS = ["fp8", "fp8_e5m2", "int8", "int4"]
+
+
+def quantized_pages(kv: jax.Array, name: str) -> jax.Array:
+    dtype, width = kv_quant.page_layout(name, kv.dtype, kv.shape[-1])
+    return kv_quant.encode(kv, dtype, width)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_round_trip_error_bounds(name):
+    rng = np.random.default_rng(0)
+    D = 64
+    # Rows of very different magnitudes: per-row scales must follow each row.
+    x = rng.standard_normal((512, D)) * np.exp(rng.uniform(-4, 3, (512, 1)))
+    x = jnp.asarray(x, jnp.float32)
+    dtype, width = kv_quant.page_layout(name, jnp.float32, D)
+    rows = kv_quant.encode(x, dtype, width)
+    assert rows.shape == (512, width) and rows.dtype == dtype
+    assert kv_quant.page_format(dtype, width, D) == ("fp8" if "fp8" in name else name)
+    y = np.asarray(kv_quant.decode(rows, D))
+    x = np.asarray(x)
+    err = np.abs(y - x)
+    if name.startswith("fp8"):
+        mant = 3 if name == "fp8" else 2  # e4m3 / e5m2 mantissa bits
+        tiny = 2.0 ** (-6 if name == "fp8" else -14)  # below: subnormal, absolute error
+        bound = np.maximum(np.abs(x) * 2.0 ** -(mant + 1), tiny * 2.0 ** -mant)
+        assert (err <= bound * 1.0001).all()
+    else:
+        qmax = 127 if name == "int8" else 7
+        amax = np.abs(x).max(-1, keepdims=True)
+        step = amax / qmax * (1 + 2 ** -8)  # scale stored as bfloat16
+        assert (err <= step / 2 * 1.0001).all()
+        assert (err > 0).any()  # it is lossy: the check can fail
+    assert (np.sign(y) * np.sign(x) >= 0).all()
+
+
+def test_bytes_per_token_and_page_formats():
+    assert kv_quant.bytes_per_token("auto", jnp.bfloat16, 128) == 256
+    assert kv_quant.bytes_per_token("fp8", jnp.bfloat16, 128) == 128
+    assert kv_quant.bytes_per_token("int8", jnp.bfloat16, 128) == 130
+    assert kv_quant.bytes_per_token("int4", jnp.bfloat16, 128) == 66
+    with pytest.raises(ValueError, match="int3"):
+        kv_quant.page_layout("int3", jnp.bfloat16, 128)
+    with pytest.raises(ValueError, match="match no KV format"):
+        kv_quant.page_format(jnp.uint8, 50, 64)
+
+
+CASES = [
+    # (requests [(context, new tokens)], page size, kv heads, GQA group)
+    ([(37, 37), (20, 1), (5, 1), (50, 9)], 8, 2, 1),  # prefill + decode + chunk
+    ([(33, 1), (17, 1), (1, 1), (64, 1)], 16, 1, 4),  # decode only
+]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("reqs,page_size,num_kv_heads,group", CASES)
+def test_pallas_on_quantized_pages_matches_reference(name, reqs, page_size, num_kv_heads, group):
+    rng = np.random.default_rng(page_size + group)
+    q, kv, md = make_batch(rng, reqs, page_size=page_size, num_kv_heads=num_kv_heads, group=group)
+    pages = quantized_pages(kv, name)
+    layer, scale = jnp.int32(1), 0.25
+    want = jax.jit(ref.ragged_paged_attention, static_argnames="sm_scale")(
+        q, pages, layer, md, sm_scale=scale)
+    got = jax.jit(lambda q, kv, layer, md: pallas_ragged.ragged_paged_attention(
+        q, kv, layer, md, sm_scale=scale, block_rows=16, block_keys=16))(q, pages, layer, md)
+    assert np.isfinite(np.asarray(got)).all()
+    assert rel_err(got, want) < 1e-5
+    # The reference on quantized pages is textbook attention over the dequantized cache.
+    dense = dense_outputs(q, kv_quant.decode(pages, kv.shape[-1]), 1, md, reqs, page_size, scale)
+    assert rel_err(want, dense) < 1e-5
+    # ... and close to attention over the unquantized cache, as the format allows.
+    exact = dense_outputs(q, kv, 1, md, reqs, page_size, scale)
+    assert rel_err(want, exact) < {"fp8": 0.06, "fp8_e5m2": 0.12, "int8": 0.01, "int4": 0.2}[name]
+    n_real = int(md.query_start_loc[len(reqs)])
+    assert not np.asarray(got[n_real:]).any()
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_pallas_quantized_pages_bf16_queries(name):
+    rng = np.random.default_rng(5)
+    reqs = [(45, 6), (30, 1), (12, 1)]
+    q, kv, md = make_batch(rng, reqs, page_size=8, num_kv_heads=2, group=4, dtype=jnp.bfloat16)
+    pages = quantized_pages(kv, name)
+    want = ref.ragged_paged_attention(q, pages, jnp.int32(0), md, sm_scale=0.25)
+    got = pallas_ragged.ragged_paged_attention(q, pages, jnp.int32(0), md, sm_scale=0.25,
+                                               block_rows=16, block_keys=16)
+    assert rel_err(got.astype(jnp.float32), want.astype(jnp.float32)) < 1e-2
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_write_kv_encodes_new_rows(name):
+    rng = np.random.default_rng(3)
+    reqs = [(13, 5), (9, 1)]
+    _, kv, md = make_batch(rng, reqs, page_size=4, num_kv_heads=2, group=1, num_layers=2)
+    pages = quantized_pages(kv, name)
+    T = md.positions.shape[0]
+    k = jnp.asarray(rng.standard_normal((T, 2, 16)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((T, 2, 16)), jnp.float32)
+    new = np.asarray(jax.jit(ref.write_kv)(pages, jnp.int32(1), k, v, md.slot_mapping))
+    old = np.asarray(pages)
+    want_k = np.asarray(kv_quant.encode(k, pages.dtype, pages.shape[-1]))
+    touched = np.zeros(old.shape[:-1], bool)
+    for t, slot in enumerate(np.asarray(md.slot_mapping)):
+        if slot >= 0:
+            page, off = divmod(int(slot), 4)
+            np.testing.assert_array_equal(new[1, 0, :, page, off], want_k[t])
+            touched[1, :, :, page, off] = True
+    np.testing.assert_array_equal(new[~touched], old[~touched])
