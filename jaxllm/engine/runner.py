@@ -107,6 +107,9 @@ class ModelRunner:
         self.dtype = dtype or resolve_dtype(cfg.dtype, self.platform)
         self.block_size = cfg.block_size
         self.max_blocks = -(-max_model_len // cfg.block_size)
+        if cfg.quantization is not None:
+            raise NotImplementedError(f"quantization={cfg.quantization!r}: weight quantization is not "
+                                      f"wired into the runner yet")
         attn = pick_attention(cfg.attention_backend, self.platform)
         self.tp = self.channel = None
         if cfg.tensor_parallel_size > 1 or jax.process_count() > 1:
