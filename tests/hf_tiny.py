@@ -28,6 +28,23 @@ def make(arch: str, seed: int = 0):
     elif arch == "qwen3":
         cfg = tf.Qwen3Config(**TINY, head_dim=32)
         model = tf.Qwen3ForCausalLM(cfg)
+    elif arch == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(**TINY, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=32, norm_topk_prob=True)
+        model = tf.Qwen3MoeForCausalLM(cfg)
+    elif arch == "qwen3_moe_mixed":  # dense and MoE layers: layer 0 dense (mlp_only), 2 dense (step)
+        cfg = tf.Qwen3MoeConfig(**(TINY | dict(num_hidden_layers=5)), head_dim=16, num_experts=8,
+                                num_experts_per_tok=3, moe_intermediate_size=32, norm_topk_prob=False,
+                                decoder_sparse_step=2, mlp_only_layers=[3])
+        model = tf.Qwen3MoeForCausalLM(cfg)
+    elif arch == "qwen2_moe":
+        cfg = tf.Qwen2MoeConfig(**TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                shared_expert_intermediate_size=48, norm_topk_prob=False)
+        model = tf.Qwen2MoeForCausalLM(cfg)
+    elif arch == "mixtral":
+        cfg = tf.MixtralConfig(**(TINY | dict(intermediate_size=48)), num_local_experts=4,
+                               num_experts_per_tok=2)
+        model = tf.MixtralForCausalLM(cfg)
     else:
         raise ValueError(arch)
     model = model.float().eval()
@@ -36,19 +53,27 @@ def make(arch: str, seed: int = 0):
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith(("mlp.gate.weight", "experts.gate_up_proj", "experts.down_proj")):
+                p.normal_(0.0, 0.3)  # spread router logits and experts, so routing matters
     sd = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-    return model, cfg.to_dict(), sd
+    hf = cfg.to_dict()
+    hf["architectures"] = [type(model).__name__]
+    return model, hf, sd
 
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     """n greedy tokens with no EOS handling (HF's own cached forward, argmax each step)."""
     import torch
 
+    import inspect
+
+    # transformers 5.x renames past_key_values to cache (MoE models warn on the old name).
+    new = "cache" in inspect.signature(model.forward).parameters
     out, past, ids = [], None, torch.tensor([prompt])
     with torch.no_grad():
         for _ in range(n):
-            res = model(ids, past_key_values=past, use_cache=True)
-            past = res.past_key_values
+            res = model(ids, use_cache=True, **{"cache" if new else "past_key_values": past})
+            past = res["cache"] if new else res.past_key_values
             nxt = int(res.logits[0, -1].argmax())
             out.append(nxt)
             ids = torch.tensor([[nxt]])

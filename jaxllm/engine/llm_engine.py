@@ -25,7 +25,7 @@ from jaxllm.engine.kv_ops import KVOps
 from jaxllm.engine.outputs_builder import ParentRequest, Sequence, make_output
 from jaxllm.engine.runner import ModelRunner
 from jaxllm.engine.sampler import SampleRow, Sampler
-from jaxllm.models.config import ModelConfig
+from jaxllm.models import registry
 from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.runtime.kv_cache_manager import KVCacheManager
 from jaxllm.runtime.request import Request, RequestStatus, StopRule
@@ -40,6 +40,7 @@ class LLMEngine:
                  tokenizer=None):
         from jaxllm.parallel.multihost import init_distributed  # before anything touches jax
         init_distributed(cfg.distributed_coordinator, cfg.num_processes, cfg.process_id)
+        owned = hf_config is None  # weights we loaded ourselves are consumed while stacking
         if hf_config is None and (cfg.load_format == "dummy" or cfg.random_shape):
             from jaxllm.models.dummy import dummy_model
             hf_config, loaded_tok = dummy_model(cfg.model, cfg.random_shape)
@@ -50,7 +51,8 @@ class LLMEngine:
             tokenizer = tokenizer or loaded_tok
         self.cfg = cfg
         self.tokenizer = tokenizer
-        self.model_cfg = ModelConfig.from_hf(hf_config)
+        self.model_entry = registry.resolve(hf_config)
+        self.model_cfg = self.model_entry.config(hf_config)
         self.max_model_len = cfg.max_model_len or min(self.model_cfg.max_position_embeddings, 2048)
         window = self.model_cfg.sliding_window
         if window and self.max_model_len > window:
@@ -71,10 +73,10 @@ class LLMEngine:
         state = None
         if weights is not None:
             from jaxllm.engine.runner import resolve_dtype
-            from jaxllm.models.llama import hf_to_state
             import jax
             dtype = resolve_dtype(cfg.dtype, jax.devices()[0].platform)
-            state = hf_to_state(self.model_cfg, weights, dtype)
+            state = self.model_entry.to_state(self.model_cfg, weights, dtype, consume=owned)
+            del weights
         self.runner = ModelRunner(self.model_cfg, cfg, self.max_model_len, state,
                                   max_rows=self.seq_buckets[-1])
         if cfg.preemption_mode == "swap" and self.runner.channel is not None:

@@ -29,7 +29,8 @@ from jaxllm.engine.sampler import pad_ids
 from jaxllm.kernels import kv_quant
 from jaxllm.kernels.metadata import AttentionMetadata
 from jaxllm.models.config import ModelConfig
-from jaxllm.models.llama import Llama, load_state, split_layers
+from jaxllm.models import registry
+from jaxllm.models.llama import load_state
 
 log = logging.getLogger("jaxllm")
 
@@ -121,8 +122,10 @@ class ModelRunner:
         ckpt_cfg, model_cfg = model_cfg, (self.tp.model_cfg if self.tp else model_cfg)
         self.model_cfg = model_cfg  # with tp > K: the stored (repeated) KV head count
         embed_fn = self.tp.embedding() if self.tp else None
-        make = lambda c=model_cfg: Llama(c, self.dtype, rngs=nnx.Rngs(cfg.seed), attention_fn=attn,
-                                         embed_fn=embed_fn)
+        self.model_entry = registry.get(model_cfg.architecture)
+        model_cls = self.model_entry.model_cls
+        make = lambda c=model_cfg: model_cls(c, self.dtype, rngs=nnx.Rngs(cfg.seed), attention_fn=attn,
+                                             embed_fn=embed_fn)
         if self.tp is not None:
             self.graphdef, self.params = self.tp.build_params(make, lambda: make(ckpt_cfg), state)
         elif state is None:  # random weights (load_format="dummy", tests): drawn on the device
@@ -148,7 +151,7 @@ class ModelRunner:
         # stacked weights, which compiles far faster.
         if unroll_layers is None:
             unroll_layers = self.platform != "cpu"
-        self.layer_params = split_layers(self.params, L) if unroll_layers else None
+        self.layer_params = self.model_entry.split_layers(self.params, model_cfg) if unroll_layers else None
         if self.tp is not None and self.layer_params is not None:
             self.layer_params = self.tp.place_layers(self.params, self.layer_params)
         # The step takes its weights as a flat list of arrays, so a call does not walk the

@@ -10,6 +10,8 @@ import math
 from typing import Any
 
 SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
+# MoE model types whose attention is that of a dense type (models/moe_model.py adds the experts).
+ATTENTION_OF = {"qwen2_moe": "qwen2", "qwen3_moe": "qwen3", "mixtral": "mistral"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +37,13 @@ class ModelConfig:
     sliding_window: int | None = None  # Mistral; attention here is full, so max_model_len is capped
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "LlamaForCausalLM"  # the models/registry.py entry that builds it
+    moe: Any = None  # models.moe_config.MoEConfig for mixture-of-experts models
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         model_type = cfg.get("model_type", "llama")
+        model_type = ATTENTION_OF.get(model_type, model_type)
         if model_type not in SUPPORTED:
             raise ValueError(f"unsupported model_type {model_type!r}; supported: {sorted(SUPPORTED)}")
         heads = cfg["num_attention_heads"]
@@ -64,7 +69,7 @@ class ModelConfig:
             model_type=model_type,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size") or 0,
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,

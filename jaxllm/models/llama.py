@@ -69,9 +69,13 @@ def _param(shape: tuple[int, ...], dtype, rngs: nnx.Rngs, scale: float | None = 
 
 
 class LayerStack(nnx.Module):
-    """All decoder layers' weights, each with a leading [L] axis."""
+    """All decoder layers' weights, each with a leading [L] axis.
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+    `mlp_layers` (default L) is how many layers have a dense MLP: MoE models
+    (moe_model.py) keep dense MLPs only for their non-expert layers.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, mlp_layers: int | None = None):
         L, E, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
         H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.ln_attn = _param((L, E), dtype, rngs, None)
@@ -80,9 +84,11 @@ class LayerStack(nnx.Module):
         self.wk = _param((L, E, K * D), dtype, rngs)
         self.wv = _param((L, E, K * D), dtype, rngs)
         self.wo = _param((L, H * D, E), dtype, rngs)
-        self.w_gate = _param((L, E, F), dtype, rngs)
-        self.w_up = _param((L, E, F), dtype, rngs)
-        self.w_down = _param((L, F, E), dtype, rngs)
+        Lf = L if mlp_layers is None else mlp_layers
+        if Lf:
+            self.w_gate = _param((Lf, E, F), dtype, rngs)
+            self.w_up = _param((Lf, E, F), dtype, rngs)
+            self.w_down = _param((Lf, F, E), dtype, rngs)
         if cfg.qkv_bias:
             self.bq = _param((L, H * D), dtype, rngs)
             self.bk = _param((L, K * D), dtype, rngs)
@@ -114,8 +120,9 @@ class Llama(nnx.Module):
         if not cfg.tie_word_embeddings:
             self.lm_head = _param((cfg.hidden_size, cfg.vocab_size), dtype, rngs)
 
-    def _layer(self, x: jax.Array, w: dict[str, jax.Array], kv_pages: jax.Array,
-               layer: jax.Array, md: AttentionMetadata, inv_freq: np.ndarray):
+    def _attention(self, x: jax.Array, w: dict[str, jax.Array], kv_pages: jax.Array,
+                   layer: jax.Array, md: AttentionMetadata, inv_freq: np.ndarray):
+        """x + self-attention(x): the first half of a decoder layer."""
         cfg = self.cfg
         T = x.shape[0]
         H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -134,9 +141,32 @@ class Llama(nnx.Module):
         o = attn.reshape(T, H * D) @ w["wo"]
         if cfg.o_bias:
             o = o + w["bo"]
-        x = x + o
-        h = rms_norm(x, w["ln_mlp"], cfg.rms_norm_eps)
-        x = x + (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+        return x + o, kv_pages
+
+    def _mlp(self, h: jax.Array, w: dict[str, jax.Array], md: AttentionMetadata) -> jax.Array:
+        return (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+
+    def _layer(self, x: jax.Array, w: dict[str, jax.Array], kv_pages: jax.Array,
+               layer: jax.Array, md: AttentionMetadata, inv_freq: np.ndarray):
+        x, kv_pages = self._attention(x, w, kv_pages, layer, md, inv_freq)
+        h = rms_norm(x, w["ln_mlp"], self.cfg.rms_norm_eps)
+        return x + self._mlp(h, w, md), kv_pages
+
+    def _layers(self, x: jax.Array, kv_pages: jax.Array, md: AttentionMetadata,
+                inv_freq: np.ndarray, layer_weights: list[dict[str, jax.Array]] | None):
+        """Every decoder layer: unrolled over `layer_weights`, else a scan over the stack."""
+        def body(carry, xs):
+            x, kv = carry
+            w, layer = xs
+            x, kv = self._layer(x, w, kv, layer, md, inv_freq)
+            return (x, kv), None
+
+        if layer_weights is not None:
+            for i, w in enumerate(layer_weights):
+                x, kv_pages = self._layer(x, w, kv_pages, jnp.int32(i), md, inv_freq)
+        else:
+            xs = (self.layers.weights(), jnp.arange(self.cfg.num_layers, dtype=jnp.int32))
+            (x, kv_pages), _ = jax.lax.scan(body, (x, kv_pages), xs)
         return x, kv_pages
 
     def __call__(self, kv_pages: jax.Array, tokens: jax.Array, md: AttentionMetadata,
@@ -153,19 +183,7 @@ class Llama(nnx.Module):
         inv_freq = rope_inv_freq(cfg)
         embed = value(self.embed)
         x = embed[tokens] if self.embed_fn is None else self.embed_fn(embed, tokens)
-
-        def body(carry, xs):
-            x, kv = carry
-            w, layer = xs
-            x, kv = self._layer(x, w, kv, layer, md, inv_freq)
-            return (x, kv), None
-
-        if layer_weights is not None:
-            for i, w in enumerate(layer_weights):
-                x, kv_pages = self._layer(x, w, kv_pages, jnp.int32(i), md, inv_freq)
-        else:
-            xs = (self.layers.weights(), jnp.arange(cfg.num_layers, dtype=jnp.int32))
-            (x, kv_pages), _ = jax.lax.scan(body, (x, kv_pages), xs)
+        x, kv_pages = self._layers(x, kv_pages, md, inv_freq, layer_weights)
         h = rms_norm(x[logits_indices], value(self.norm), cfg.rms_norm_eps)
         head = embed.T if cfg.tie_word_embeddings else value(self.lm_head)
         logits = jnp.dot(h, head, preferred_element_type=jnp.float32)
@@ -194,22 +212,45 @@ def split_layers(params, num_layers: int) -> list[dict[str, jax.Array]]:
     return out
 
 
-def hf_to_state(cfg: ModelConfig, weights: dict[str, np.ndarray], dtype) -> dict[str, np.ndarray]:
-    """Map HF-named numpy weights ([out, in] linears) to this module's stacked layout."""
+def stack_layers(weights: dict[str, np.ndarray], layers, name: str, dtype, transpose: bool = True,
+                 consume: bool = False) -> np.ndarray:
+    """`model.layers.{i}.{name}` for i in `layers`, stacked (transposed: [in, out]) as `dtype`.
+
+    `consume` pops each tensor as it is copied, so a layer's weights are never held twice.
+    """
+    layers = list(layers)
+    first = weights[f"model.layers.{layers[0]}.{name}"]
+    shape = first.T.shape if transpose else first.shape
+    out = np.empty((len(layers), *shape), dtype)
+    for j, i in enumerate(layers):
+        key = f"model.layers.{i}.{name}"
+        w = weights.pop(key) if consume else weights[key]
+        out[j] = w.T if transpose else w
+    return out
+
+
+def hf_to_state(cfg: ModelConfig, weights: dict[str, np.ndarray], dtype,
+                consume: bool = False, mlp_layers=None) -> dict[str, np.ndarray]:
+    """Map HF-named numpy weights ([out, in] linears) to this module's stacked layout.
+
+    `mlp_layers`: the layers with a dense MLP (default: all); `consume`: see `stack_layers`.
+    """
     L = cfg.num_layers
 
-    def stack(name: str, transpose: bool = True) -> np.ndarray:
-        ws = [weights[f"model.layers.{i}.{name}"] for i in range(L)]
-        return np.stack([w.T if transpose else w for w in ws]).astype(dtype)
+    def stack(name: str, transpose: bool = True, layers=range(L)) -> np.ndarray:
+        return stack_layers(weights, layers, name, dtype, transpose, consume)
 
     layers = {
         "ln_attn": stack("input_layernorm.weight", False),
         "ln_mlp": stack("post_attention_layernorm.weight", False),
         "wq": stack("self_attn.q_proj.weight"), "wk": stack("self_attn.k_proj.weight"),
         "wv": stack("self_attn.v_proj.weight"), "wo": stack("self_attn.o_proj.weight"),
-        "w_gate": stack("mlp.gate_proj.weight"), "w_up": stack("mlp.up_proj.weight"),
-        "w_down": stack("mlp.down_proj.weight"),
     }
+    mlp = list(range(L)) if mlp_layers is None else list(mlp_layers)
+    if mlp:
+        layers |= {"w_gate": stack("mlp.gate_proj.weight", layers=mlp),
+                   "w_up": stack("mlp.up_proj.weight", layers=mlp),
+                   "w_down": stack("mlp.down_proj.weight", layers=mlp)}
     if cfg.qkv_bias:
         for n in "qkv":
             layers[f"b{n}"] = stack(f"self_attn.{n}_proj.bias", False)
@@ -218,10 +259,11 @@ def hf_to_state(cfg: ModelConfig, weights: dict[str, np.ndarray], dtype) -> dict
     if cfg.qk_norm:
         layers["q_norm"] = stack("self_attn.q_norm.weight", False)
         layers["k_norm"] = stack("self_attn.k_norm.weight", False)
-    state = {"embed": weights["model.embed_tokens.weight"].astype(dtype),
-             "norm": weights["model.norm.weight"].astype(dtype), "layers": layers}
+    take = weights.pop if consume else weights.__getitem__
+    state = {"embed": np.asarray(take("model.embed_tokens.weight"), dtype),
+             "norm": np.asarray(take("model.norm.weight"), dtype), "layers": layers}
     if not cfg.tie_word_embeddings:
-        state["lm_head"] = weights["lm_head.weight"].T.astype(dtype)
+        state["lm_head"] = np.ascontiguousarray(take("lm_head.weight").T, dtype)
     return state
 
 

@@ -1,0 +1,103 @@
+"""The mixture-of-experts layer: route, sort rows by expert, grouped matmul, unsort, combine.
+
+Shapes are fixed by the token bucket: T tokens route to exactly T * top_k rows,
+whatever the routing, so no routing ever compiles a new shape. Nothing is
+dropped (no capacity factor): every row is computed by its expert.
+
+    logits [T, E] (float32) -> top-k weights/ids [T, k] -> rows sorted by expert [T*k]
+    -> grouped matmul over the sorted rows (`gmm`, per expert group) -> unsorted,
+    weighted by the router and summed over k -> [T, H]
+
+`jax.lax.ragged_dot` is the reference grouped matmul and the CPU path; other
+implementations plug in as `gmm` (see `GMM`). Padding tokens (`valid` False) go
+to a group past the last expert, which no group size covers: they cost nothing
+in a kernel that honours group sizes and contribute zeros.
+
+Expert parallelism calls `experts` with a slice of the experts (`first_expert`
+.. + E_local): rows routed elsewhere go to the uncovered group too, and the
+caller sums the devices' partial outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def route(logits: jax.Array, top_k: int, routing: str, norm_topk_prob: bool
+          ) -> tuple[jax.Array, jax.Array]:
+    """logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int32).
+
+    "softmax": softmax over all experts, then top-k, renormalised to sum 1 when
+    `norm_topk_prob` (Qwen2/3-MoE). "softmax_topk": softmax over the top-k
+    logits (Mixtral). Ties pick the lower expert id first (`lax.top_k`).
+    """
+    logits = logits.astype(jnp.float32)
+    if routing == "softmax_topk":
+        top, ids = jax.lax.top_k(logits, top_k)
+        return jax.nn.softmax(top, axis=-1), ids.astype(jnp.int32)
+    if routing != "softmax":
+        raise ValueError(f"unknown routing {routing!r}")
+    probs = jax.nn.softmax(logits, axis=-1)
+    top, ids = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return top, ids.astype(jnp.int32)
+
+
+def sort_rows(groups: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """groups [M] in [0, num_groups] (num_groups: skipped) -> (order, inverse, sizes [num_groups]).
+
+    `x[order]` lists the rows grouped by id (stable: ties keep row order);
+    `y_sorted[inverse]` puts results back in row order.
+    """
+    order = jnp.argsort(groups, stable=True).astype(jnp.int32)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+    sizes = jnp.zeros(num_groups + 1, jnp.int32).at[groups].add(1)[:num_groups]
+    return order, inverse, sizes
+
+
+def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """x [M, K] rows sorted by group, w [G, K, N] -> [M, N] (rows past sum(group_sizes): 0)."""
+    return jax.lax.ragged_dot(x, w, group_sizes)
+
+
+def expert_mlp(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+               group_sizes: jax.Array, gmm: GroupedMatmul = ragged_dot) -> jax.Array:
+    """SwiGLU of each sorted row by its group's expert: [M, H] -> [M, H]."""
+    g = gmm(xs, w_gate, group_sizes)
+    u = gmm(xs, w_up, group_sizes)
+    return gmm(jax.nn.silu(g) * u, w_down, group_sizes)
+
+
+def experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+            w_down: jax.Array, valid: jax.Array | None = None, first_expert: jax.Array | int = 0,
+            gmm: GroupedMatmul = ragged_dot) -> jax.Array:
+    """Weighted sum over each token's experts among w_*[0:E_local] (= experts first_expert..).
+
+    x [T, H]; weights / ids [T, k]; w_gate / w_up [E_local, H, F]; w_down [E_local, F, H].
+    """
+    T, k = ids.shape
+    E = w_gate.shape[0]
+    local = ids - first_expert
+    mine = (local >= 0) & (local < E)
+    if valid is not None:
+        mine = mine & valid[:, None]
+    groups = jnp.where(mine, local, E).reshape(T * k)
+    order, inverse, sizes = sort_rows(groups, E)
+    xs = x[order // k]  # row r = token r // k, its (r % k)-th expert
+    ys = expert_mlp(xs, w_gate, w_up, w_down, sizes, gmm)[inverse].reshape(T, k, -1)
+    wk = jnp.where(mine, weights, 0.0).astype(ys.dtype)
+    ys = jnp.where(mine[..., None], ys, 0)  # a kernel may leave uncovered rows undefined
+    return jnp.einsum("tkh,tk->th", ys, wk)
+
+
+def expert_loads(ids: jax.Array, num_experts: int, valid: jax.Array | None = None) -> jax.Array:
+    """Rows routed to each expert: ids [T, k] -> [num_experts] int32 (padding not counted)."""
+    ones = jnp.ones(ids.shape, jnp.int32) if valid is None else \
+        jnp.broadcast_to(valid[:, None], ids.shape).astype(jnp.int32)
+    return jnp.zeros(num_experts, jnp.int32).at[ids.reshape(-1)].add(ones.reshape(-1))
