@@ -11,6 +11,9 @@ import argparse
 import logging
 import os
 
+from jaxllm.server.reasoning import REASONING_PARSERS
+from jaxllm.server.tool_parsers import TOOL_PARSERS
+
 EMBEDDED_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
@@ -29,6 +32,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=256,
                    help="sequences allowed to wait beyond --max-num-seqs; more are refused with 503 "
                         "(-1: unbounded)")
+    p.add_argument("--max-request-body-bytes", type=int, default=32 * 2 ** 20,
+                   help="larger request bodies are refused with 413 (0: no limit)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto": the model decides, --tool-call-parser reads its calls')
+    p.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="how the model writes tool calls (needed by --enable-auto-tool-choice)")
+    p.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split <think>...</think> into reasoning_content; constraints apply after it")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
 
@@ -47,7 +58,9 @@ def build_server_app(args: argparse.Namespace):
     bound = None if args.max_waiting_requests < 0 else args.max_waiting_requests
     engine = AsyncLLM.from_config(args.model_tag or args.model, max_waiting_requests=bound,
                                   **engine_kwargs(args))
-    return build_app(engine, served_names(args), api_key=args.api_key)
+    return build_app(engine, served_names(args), api_key=args.api_key, tool_call_parser=args.tool_call_parser,
+                     enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser,
+                     max_request_bytes=args.max_request_body_bytes)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -2,17 +2,21 @@
 
 The field bounds are part of the published OpenAPI schema, so clients (and the
 schemathesis run in the tests) learn the limits from the schema, and anything
-outside them is a 400 before it reaches the engine. Unknown fields are ignored,
-as vLLM does, so clients that send newer OpenAI parameters keep working.
+outside them is a 400 before it reaches the engine. Every field of OpenAI's request
+schemas is declared; those the server cannot honour accept only null (see
+`fields.py`). Unknown fields are ignored and logged, as vLLM does, so clients that
+send newer parameters keep working. The chat request lives in `chat_protocol.py`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
+from jaxllm.server.constraints import ConstraintFields
+from jaxllm.server.fields import RESTRICTED, unsupported
 
 MAX_N = 128  # choices per request; each choice is a sequence in the engine
 INT64 = 2 ** 63 - 1
@@ -34,12 +38,26 @@ class APIError(Exception):
 def error_body(status: int, message: str) -> dict:
     """OpenAI error body for a plain status + message."""
     kinds = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             405: "invalid_request_error", 429: "rate_limit_error", 503: "server_overloaded"}
+             405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+             503: "server_overloaded"}
     return APIError(status, message, kinds.get(status, "server_error")).body()
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error answer."""
+
+    error: ErrorDetail
+
+
 class _Req(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
 
 class StreamOptions(_Req):
@@ -47,7 +65,7 @@ class StreamOptions(_Req):
     continuous_usage_stats: bool | None = False
 
 
-class SamplingFields(_Req):
+class SamplingFields(ConstraintFields, _Req):
     """Fields shared by completions and chat; names and defaults as OpenAI and vLLM."""
 
     model: str | None = None
@@ -69,15 +87,14 @@ class SamplingFields(_Req):
     min_tokens: int = Field(0, ge=0, le=INT64)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    logit_bias: dict[str, float] | None = Field(None, max_length=0, description=f"Not supported: "
+                                                f"{RESTRICTED['logit_bias']}; only null or {{}}.")
+    user: str | None = Field(None, description="end-user identifier; accepted, no effect on generation")
     priority: int = Field(0, ge=-INT64 - 1, le=INT64)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, structured: Any = None) -> SamplingParams:
         """SamplingParams for this request; ValueError (-> 400) on an invalid combination."""
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of different from n is not supported")
         return SamplingParams(
@@ -89,7 +106,7 @@ class SamplingFields(_Req):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, max_tokens=max_tokens,
             min_tokens=self.min_tokens, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output, **_structured_kw(structured))
 
     @property
     def include_usage(self) -> bool:
@@ -104,63 +121,25 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=0, le=INT64)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
-    suffix: str | None = None
+    suffix: None = unsupported("suffix")
 
 
-class ContentPart(_Req):
-    type: str
-    text: str | None = None
+class TokenizeCompletionRequest(_Req):
+    """POST /tokenize with a prompt (the chat form is `TokenizeChatRequest`; unknown fields are a 400,
+    so a body is one form or the other)."""
 
-
-class ChatMessage(_Req):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        """The message's text; only text content parts are supported."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        parts = []
-        for p in self.content:
-            if p.type != "text" or p.text is None:
-                raise ValueError(f"content part of type {p.type!r} is not supported (text only)")
-            parts.append(p.text)
-        return "".join(parts)
-
-
-class ChatCompletionRequest(SamplingFields):
-    """POST /v1/chat/completions."""
-
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=INT64, description="deprecated: max_completion_tokens")
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT64)
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-
-    def conversation(self) -> list[dict[str, Any]]:
-        """Messages as plain dicts for the tokenizer's chat template."""
-        out = []
-        for m in self.messages:
-            d: dict[str, Any] = {"role": m.role, "content": m.text()}
-            if m.name:
-                d["name"] = m.name
-            out.append(d)
-        return out
-
-
-class TokenizeRequest(_Req):
-    """POST /tokenize: either a prompt or chat messages."""
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    prompt: str
     add_special_tokens: bool = True
-    add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(_Req):
     model: str | None = None
     tokens: list[int]
+
+
+def _structured_kw(structured: Any) -> dict:
+    """`structured_outputs=` for SamplingParams only when a constraint is set (older builds lack the field)."""
+    return {} if structured is None else {"structured_outputs": structured}

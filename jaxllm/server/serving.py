@@ -135,6 +135,40 @@ class ServingBase:
         except ValueError as exc:
             raise bad_request(exc) from None
 
+    async def constraint(self, req: Any, think_end: str | None = None, tool_schema: dict | None = None,
+                         tool_choice: str | None = None) -> Any:
+        """The request's StructuredOutputsParams (None when unconstrained), compiled once up front so a
+        bad schema, regex or grammar is a 400 with the compiler's reason; the grammar stays cached.
+
+        `think_end`: the reasoning parser's end marker; the constraint applies after it.
+        `tool_schema`: the JSON schema tool_choice "required" / a named function imposes.
+        """
+        try:
+            found = req.constraint_kwargs()
+        except ValueError as exc:
+            raise bad_request(exc) from None
+        if tool_schema is not None:
+            if found is not None:
+                raise APIError(400, f"{found[0]} cannot be combined with tool_choice {tool_choice!r}",
+                               param=found[0])
+            found = ("tools", {"json": tool_schema})
+        if found is None:
+            return None
+        from jaxllm.sampling_params import StructuredOutputsParams
+        from jaxllm.structured import compiler_for, validate
+
+        source, kw = found
+        if think_end is not None:
+            kw["reasoning_end_ids"] = await self.engine.call(
+                lambda e: list(e.tokenizer.encode(think_end, add_special_tokens=False)))
+        try:
+            params = StructuredOutputsParams(**kw)
+            await self.engine.call(lambda e: compiler_for(e.tokenizer))  # built once, on the tokenizer's thread
+            await asyncio.to_thread(validate, params, self.engine.tokenizer)
+        except ValueError as exc:
+            raise APIError(400, f"{source}: {exc}", param=source) from None
+        return params
+
     async def decode(self, ids: list[int]) -> str:
         return await self.engine.call(lambda e: e.tokenizer.decode(ids, skip_special_tokens=False))
 

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from jaxllm.outputs import CompletionOutput, Logprob
+from jaxllm.server.fields import log_ignored
 from jaxllm.server.protocol import APIError, CompletionRequest
 from jaxllm.server.serving import ServingBase, bad_request, merge_streams, new_id, now, sse, until_disconnect, usage
 
@@ -74,8 +75,7 @@ class _Choice:
 class CompletionServing(ServingBase):
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
-        if req.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix")
+        log_ignored(req)
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens must be at least 1 (0 only with echo)", param="max_tokens")
         p = req.prompt
@@ -91,9 +91,10 @@ class CompletionServing(ServingBase):
             prompts.append(_Prompt(text, ids, first))
             self.max_tokens(len(ids), req.max_tokens)  # 400 when the prompt leaves too little room
         score_only = req.max_tokens == 0
+        structured = None if score_only else await self.constraint(req)
         try:  # max_tokens=None: each prompt may use all of its own room (the engine's default)
             params = req.sampling_params(1 if score_only else req.max_tokens, req.logprobs,
-                                         req.logprobs if req.echo else None)
+                                         req.logprobs if req.echo else None, structured=structured)
         except ValueError as exc:
             raise bad_request(exc) from None
         rid = new_id("cmpl")
