@@ -75,10 +75,8 @@ class LiveServer:
 
 
 @pytest.fixture(scope="module")
-def srv():
-    s = LiveServer()
-    yield s
-    s.close()
+def srv(live_server):
+    return live_server  # conftest.py: one server for all server test files
 
 
 @pytest.fixture(scope="module")

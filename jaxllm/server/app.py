@@ -44,8 +44,8 @@ def _validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
     for err in exc.errors()[:5]:
         loc = tuple(x for x in err.get("loc", ()) if x != "body")
         where = ".".join(str(x) for x in loc)
-        param = param or where or None
         reason = reason_for(loc)
+        param = param or (str(loc[0]) if reason and loc else where) or None
         parts.append(reason or (f"{where}: {err.get('msg')}" if where else str(err.get("msg"))))
     return "; ".join(dict.fromkeys(parts)) or "invalid request", param
 

@@ -1,0 +1,239 @@
+"""Tool calling, reasoning, output constraints and refused fields through the live server and the
+official `openai` client (the server of tests/test_server.py, shared through conftest.py).
+
+Where a test needs the model to write a given text (a hermes tool call, a think block), the
+engine's streams are replaced by canned ones for that request: the server's whole path from
+request to response (template, constraint, parser, SSE, client parsing) still runs.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+
+from jaxllm.outputs import CompletionOutput
+from jaxllm.server.reasoning import get_reasoning_parser
+from jaxllm.server.tool_parsers import get_tool_parser
+from test_server import MODEL
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+TOOLS = [WEATHER, TIME]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def srv(live_server):
+    return live_server
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+class _Canned:
+    """Stands in for one engine stream: the 'model' writes `text` in small pieces, then stops."""
+
+    def __init__(self, text: str) -> None:
+        self.pieces = [text[i:i + 5] for i in range(0, len(text), 5)] or [""]
+
+    async def outputs(self, delta: bool):
+        if not delta:
+            yield SimpleNamespace(outputs=[CompletionOutput(0, "".join(self.pieces), [0] * len(self.pieces),
+                                                            finish_reason="stop")])
+            return
+        for i, p in enumerate(self.pieces):
+            last = i == len(self.pieces) - 1
+            yield SimpleNamespace(outputs=[CompletionOutput(0, p, [0], finish_reason="stop" if last else None)])
+
+    def abort(self) -> None:
+        pass
+
+
+@contextmanager
+def canned(srv, text: str, tool_parser: str | None = None, reasoning: str | None = None):
+    """Requests in this block get `text` as the model's answer; yields what the server admitted."""
+    chat = srv.app.state.chat
+    saved = chat.admit, chat.tool_parser, chat.auto_tools, chat.reasoning_parser
+    seen: dict = {}
+
+    def admit(rid, prompts, params, priority=0):
+        seen["params"], seen["prompt_ids"] = params, prompts[0][1]
+        return [_Canned(text)]
+    chat.admit = admit
+    chat.tool_parser = get_tool_parser(tool_parser) if tool_parser else None
+    chat.auto_tools = tool_parser is not None
+    chat.reasoning_parser = get_reasoning_parser(reasoning) if reasoning else None
+    try:
+        yield seen
+    finally:
+        chat.admit, chat.tool_parser, chat.auto_tools, chat.reasoning_parser = saved
+
+
+def _reassemble(chunks) -> tuple[dict, str | None]:
+    """A streamed choice put back together as a client does: content, reasoning, tool calls, finish."""
+    msg: dict = {"content": "", "reasoning_content": "", "tool_calls": []}
+    finish = None
+    for ch in chunks:
+        for c in ch.choices:
+            d = c.delta
+            msg["content"] += d.content or ""
+            msg["reasoning_content"] += getattr(d, "reasoning_content", None) or ""
+            for tc in d.tool_calls or []:
+                if tc.index == len(msg["tool_calls"]):
+                    msg["tool_calls"].append({"id": tc.id, "name": tc.function.name, "arguments": ""})
+                msg["tool_calls"][tc.index]["arguments"] += tc.function.arguments or ""
+            finish = c.finish_reason or finish
+    return msg, finish
+
+
+HERMES = ('I will look it up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+          '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+
+
+def test_auto_hermes_tool_calls_whole_and_streamed(srv, client):
+    with canned(srv, HERMES, tool_parser="hermes"):
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="auto")
+        streamed, finish = _reassemble(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                                                      stream=True))
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content == "I will look it up.\n"
+    calls = c.message.tool_calls
+    assert [t.function.name for t in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"} and calls[0].id and calls[0].type == "function"
+    assert finish == "tool_calls" and streamed["content"] == c.message.content
+    assert [(t["name"], json.loads(t["arguments"])) for t in streamed["tool_calls"]] == \
+        [(t.function.name, json.loads(t.function.arguments)) for t in calls]
+    with canned(srv, HERMES, tool_parser="hermes"):  # parallel_tool_calls=false: the first call only
+        one = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, parallel_tool_calls=False)
+    assert [t.function.name for t in one.choices[0].message.tool_calls] == ["get_weather"]
+
+
+def test_required_and_named_constrain_with_the_tools_schema(srv, client):
+    text = '[{"name": "get_weather", "parameters": {"city": "Rome", "unit": "celsius"}}]'
+    with canned(srv, text) as seen:
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required")
+    schema = seen["params"].structured_outputs.json
+    assert schema["type"] == "array" and schema["minItems"] == 1
+    assert [o["properties"]["name"]["enum"] for o in schema["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
+    assert schema["items"]["anyOf"][0]["properties"]["parameters"] == WEATHER["function"]["parameters"]
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    assert json.loads(c.message.tool_calls[0].function.arguments) == {"city": "Rome", "unit": "celsius"}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with canned(srv, '{"city": "Oslo"}') as seen:
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named)
+        streamed, finish = _reassemble(client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS,
+                                                                      tool_choice=named, stream=True))
+    assert seen["params"].structured_outputs.json == WEATHER["function"]["parameters"]
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
+    assert r.choices[0].finish_reason == "stop"  # as OpenAI and vLLM answer a named tool choice
+    assert streamed["tool_calls"][0]["arguments"] == call.function.arguments and finish == "stop"
+
+
+def test_tool_choice_none_and_a_tool_result_turn(srv, client):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=4)
+    assert r.choices[0].message.tool_calls is None and isinstance(r.choices[0].message.content, str)
+    turn = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
+    r = client.chat.completions.create(model=MODEL, messages=turn, tools=TOOLS, tool_choice="none", max_tokens=4)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
+    ids = httpx.post(f"{srv.url}/tokenize", json={"messages": turn}).json()["tokens"]
+    prompt = httpx.post(f"{srv.url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert "18 degrees and sunny" in prompt and prompt.index("Weather in Paris?") < prompt.index("18 degrees")
+
+
+def test_reasoning_parser_splits_think_and_constraints_wait_for_it(srv, client):
+    text = "<think>Paris is in France.</think>The capital is Paris."
+    with canned(srv, text, reasoning="qwen3"):
+        r = client.chat.completions.create(model=MODEL, messages=ASK)
+        streamed, _ = _reassemble(client.chat.completions.create(model=MODEL, messages=ASK, stream=True))
+    m = r.choices[0].message
+    assert m.reasoning_content == "Paris is in France." and m.content == "The capital is Paris."
+    assert streamed["reasoning_content"] == m.reasoning_content and streamed["content"] == m.content
+    with canned(srv, '<think>ok</think>{"a": 1}', reasoning="deepseek_r1") as seen:
+        r = client.chat.completions.create(model=MODEL, messages=ASK, response_format={"type": "json_object"})
+    end_ids = srv.engine.tokenizer.encode("</think>", add_special_tokens=False)
+    assert seen["params"].structured_outputs.reasoning_end_ids == end_ids
+    assert r.choices[0].message.content == '{"a": 1}'
+
+
+def test_request_fields_map_onto_structured_outputs(srv):
+    cases = [
+        ({"response_format": {"type": "json_object"}}, {"json_object": True}),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {"type": "object"}}}},
+         {"json": {"type": "object"}}),
+        ({"structured_outputs": {"regex": "[ab]+"}}, {"regex": "[ab]+"}),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, {"choice": ["yes", "no"]}),
+        ({"guided_json": {"type": "array"}}, {"json": {"type": "array"}}),
+        ({"guided_regex": "x+"}, {"regex": "x+"}),
+        ({"guided_choice": ["a", "b"]}, {"choice": ["a", "b"]}),
+        ({"guided_grammar": 'start: "hi"'}, {"grammar": 'start: "hi"'}),
+        ({"response_format": {"type": "text"}}, None),
+    ]
+    for fields, want in cases:
+        with canned(srv, "x") as seen:
+            r = httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": ASK, **fields}, timeout=30)
+        assert r.status_code == 200, (fields, r.text)
+        so = seen["params"].structured_outputs
+        assert (so is None) if want is None else all(getattr(so, k) == v for k, v in want.items()), fields
+
+
+BAD = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "object", "properties": {"a": {"type": "no-such-type"}}}}}}, "response_format"),
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": "start: ( "}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "choice"),
+    ({"guided_choice": []}, "choice"),
+    ({"guided_grammar": "start: " + " | ".join(f'"w{i}"' for i in range(40000))}, "limit"),  # over the size limit
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "not_there"}}}, "not_there"),
+    ({"tools": TOOLS}, "enable-auto-tool-choice"),  # tools default to "auto", which this server has not enabled
+    ({"tool_choice": "required"}, "tools"),
+    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"reasoning_effort": "high"}, "reasoning_effort"),  # SmolLM2's template does not take it
+]
+
+
+@pytest.mark.parametrize("fields,needle", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_constraints_and_tool_choices_are_400_and_leak_nothing(srv, fields, needle):
+    r = httpx.post(f"{srv.url}/v1/chat/completions", json={"model": MODEL, "messages": ASK, "max_tokens": 4, **fields},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] or needle == err["param"], err
+    ok = httpx.post(f"{srv.url}/v1/chat/completions", json={"messages": ASK, "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200
+    srv.wait_idle()  # every KV block back in the pool
+
+
+def test_completions_constraint_errors_and_body_limit(srv):
+    r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "guided_regex": "(("}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex"
+    big = httpx.post(f"{srv.url}/v1/completions", content=b'{"prompt": "' + b"x" * (33 * 2 ** 20) + b'"}',
+                     headers={"content-type": "application/json"}, timeout=60)
+    assert big.status_code == 413 and "bytes" in big.json()["error"]["message"]
+    assert httpx.get(f"{srv.url}/health").status_code == 200
+
+
+def test_unknown_fields_are_logged_as_ignored(srv, caplog):
+    with caplog.at_level("WARNING", logger="jaxllm"):
+        r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=30, json={
+            "messages": [{"role": "user", "content": "hi", "mood": "happy"}], "max_tokens": 2, "frobnicate": 1})
+    assert r.status_code == 200
+    line = next(rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage())
+    assert "frobnicate" in line and "messages[0].mood" in line
