@@ -46,6 +46,12 @@ class EngineConfig:
     distributed_coordinator: str | None = None  # "host:port" of process 0's coordinator service
     num_processes: int = 1
     process_id: int = 0
+    # KV connector (jaxllm/kv_transfer/): vLLM's --kv-transfer-config, offload tiers, KV events.
+    kv_transfer_config: dict | None = None  # {"kv_connector", "kv_role", "kv_connector_extra_config"}
+    kv_offload_cpu_gib: float = 0.0  # host-memory tier for evicted / finished blocks (GiB)
+    kv_offload_disk_dir: str | None = None  # disk tier (an fsspec URL or path), written through
+    kv_offload_disk_gib: float | None = None  # bound of the disk tier; None: unbounded
+    kv_events_config: dict | None = None  # {"enable_kv_cache_events", "publisher", "endpoint"}
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -75,6 +81,15 @@ class EngineConfig:
             get_shape(self.random_shape)  # ValueError naming the known shapes
             if self.model is not None:
                 raise ValueError(f"random_shape {self.random_shape!r} and model {self.model!r}: give one")
+        if self.kv_offload_cpu_gib < 0:
+            raise ValueError(f"kv_offload_cpu_gib must be >= 0, got {self.kv_offload_cpu_gib}")
+        if self.kv_offload_disk_gib is not None and self.kv_offload_disk_gib < 0:
+            raise ValueError(f"kv_offload_disk_gib must be >= 0, got {self.kv_offload_disk_gib}")
+        from jaxllm.kv_transfer.config import KVEventsConfig, KVTransferConfig
+        if self.kv_transfer_config is not None:
+            KVTransferConfig.from_dict(self.kv_transfer_config)
+        if self.kv_events_config is not None:
+            KVEventsConfig.from_dict(self.kv_events_config)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -55,6 +55,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default=None, choices=["reference", "pallas", "mosaic"])
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many devices (all processes' devices together)")
+    k = p.add_argument_group("KV transfer", "KV connectors, offload tiers and KV events (vLLM's flags)")
+    k.add_argument("--kv-transfer-config", type=json_arg, default=None,
+                   help='JSON: {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", '
+                        '"kv_connector_extra_config": {}}')
+    k.add_argument("--kv-offload-cpu-gib", type=float, default=None,
+                   help="GiB of host memory holding KV blocks evicted from the device")
+    k.add_argument("--kv-offload-disk-dir", default=None,
+                   help="directory or fsspec URL (s3://...) of the disk tier, written through")
+    k.add_argument("--kv-offload-disk-gib", type=float, default=None, help="bound of the disk tier")
+    k.add_argument("--kv-events-config", type=json_arg, default=None,
+                   help='JSON: {"enable_kv_cache_events": true, "publisher": "zmq", '
+                        '"endpoint": "tcp://*:5557"}')
     g = p.add_argument_group("multi-host", "run one model over several processes (jax.distributed); "
                              "start every process with the same flags but its own --process-id")
     g.add_argument("--distributed-coordinator", default=None, metavar="HOST:PORT",

@@ -48,8 +48,9 @@ def resolved(sample: Future | PendingSample) -> PendingSample:
 
 
 class Dispatcher:
-    def __init__(self, runner, kv_ops, sampler, threaded: bool):
+    def __init__(self, runner, kv_ops, sampler, threaded: bool, connector=None):
         self.runner, self.kv_ops, self.sampler = runner, kv_ops, sampler
+        self.connector = connector  # worker side of the KV connector, or None
         self._pool = None
         self.threaded = threaded
 
@@ -64,6 +65,11 @@ class Dispatcher:
         elif not on and self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+    def drain(self) -> None:
+        """Wait for the work submitted so far."""
+        if self._pool is not None:
+            self._pool.submit(lambda: None).result()
 
     def submit(self, out: SchedulerOutput, hb=None, sbatch=None,
                prev: Future | PendingSample | None = None) -> Future | PendingSample | None:
@@ -84,13 +90,21 @@ class Dispatcher:
         return self.sampler.launch(logits, sbatch, greedy_ids)
 
     def _kv_ops(self, out: SchedulerOutput) -> None:
-        """Swap-outs, copy-on-write copies, swap-ins: before the forward, in this order."""
+        """Connector saves, swap-outs, copy-on-write copies, swap-ins, connector loads:
+        before the forward, in this order (reads of the pages as they were, then writes)."""
         if not out.has_kv_ops:
             return
-        runner = self.runner
+        runner, conn, meta = self.runner, self.connector, out.kv_connector_metadata
         if out.copies and runner.channel is not None:
             runner.channel.send_copies(out.copies)  # followers hold the other KV heads
         pages = runner.kv_pages
+        if meta is not None:
+            conn.save_kv_layer(None, pages, meta)
         self.kv_ops.swap_out(pages, out.swap_out)
         pages = self.kv_ops.copy(pages, out.copies)
-        runner.kv_pages = self.kv_ops.swap_in(pages, out.swap_in)
+        pages = self.kv_ops.swap_in(pages, out.swap_in)
+        if meta is not None:
+            pages = conn.start_load_kv(pages, meta)
+            conn.wait_for_layer_load(None)
+            conn.wait_for_save()
+        runner.kv_pages = pages

@@ -9,6 +9,9 @@ moves them in `kv_pages [L, 2, K, P, S, D]`:
   a block freed this step is another copy's destination.
 * `swap_out` / `swap_in`: pages of a preempted request to and from a bounded
   host pool `[H, L, 2, K, S, D]` (numpy; H from `swap_space`).
+* `read_blocks` / `write_blocks`: blocks to and from separate host arrays `[L, 2, K, S, D]`
+  for KV connectors (`jaxllm/kv_transfer/`). A write sends each block as it is (no host
+  copy into a staging buffer) and stacks them on the device.
 
 Every function has fixed shapes (copies padded to `max_copies`, swaps moved in
 chunks of `SWAP_CHUNK` blocks; padding writes go to block index P and are
@@ -39,12 +42,17 @@ def _scatter(pages: jax.Array, blocks: jax.Array, dst: jax.Array) -> jax.Array:
     return pages.at[:, :, :, dst].set(jnp.moveaxis(blocks, 0, 3), mode="drop")
 
 
+def _scatter_list(pages: jax.Array, blocks: list[jax.Array], dst: jax.Array) -> jax.Array:
+    return pages.at[:, :, :, dst].set(jnp.stack(blocks, axis=3), mode="drop")
+
+
 class KVOps:
     def __init__(self, num_blocks: int, max_copies: int, num_host_blocks: int,
-                 pages: jax.Array) -> None:
+                 pages: jax.Array, block_io: bool = False) -> None:
         self.num_blocks = num_blocks
         self.max_copies = max_copies
         self.num_host_blocks = num_host_blocks
+        self.block_io = block_io
         L, two, K, _, S, D = pages.shape
         self.block_shape = (L, two, K, S, D)
         # np.empty is lazy: the host pool costs memory only as swaps touch it.
@@ -58,9 +66,11 @@ class KVOps:
         self._copy = jax.jit(functools.partial(_copy), **keep)
         self._gather = jax.jit(functools.partial(_gather))
         self._scatter = jax.jit(functools.partial(_scatter), **keep)
+        self._scatter_list = jax.jit(functools.partial(_scatter_list), **keep)
+        self._zero_block = None  # padding of write_blocks, on the device
 
     def num_compiled(self) -> int:
-        return sum(f._cache_size() for f in (self._copy, self._gather, self._scatter))
+        return sum(f._cache_size() for f in (self._copy, self._gather, self._scatter, self._scatter_list))
 
     def _pad(self, ids: list[int], n: int, fill: int) -> np.ndarray:
         out = np.full(n, fill, np.int32)
@@ -93,12 +103,37 @@ class KVOps:
             pages = self._scatter(pages, blocks, self._pad(dev, SWAP_CHUNK, self.num_blocks))
         return pages
 
+    def read_blocks(self, pages: jax.Array, ids: list[int]) -> list[np.ndarray]:
+        """Device blocks -> one host array each (waits for the copies)."""
+        out = []
+        for i in range(0, len(ids), SWAP_CHUNK):
+            chunk = ids[i:i + SWAP_CHUNK]
+            blocks = np.asarray(self._gather(pages, self._pad(chunk, SWAP_CHUNK, 0)))
+            out.extend(np.array(blocks[j]) for j in range(len(chunk)))
+        return out
+
+    def write_blocks(self, pages: jax.Array, blocks: list[np.ndarray], ids: list[int]) -> jax.Array:
+        """Host arrays [L, 2, K, S, D] -> device blocks `ids`."""
+        if self._zero_block is None:
+            self._zero_block = jax.device_put(np.zeros(self.block_shape, pages.dtype))
+        for i in range(0, len(ids), SWAP_CHUNK):
+            chunk = ids[i:i + SWAP_CHUNK]
+            dev = jax.device_put(blocks[i:i + SWAP_CHUNK])
+            dev += [self._zero_block] * (SWAP_CHUNK - len(chunk))
+            pages = self._scatter_list(pages, dev, self._pad(chunk, SWAP_CHUNK, self.num_blocks))
+        return pages
+
     def warmup(self, pages: jax.Array) -> jax.Array:
         """Compile every variant; the padded calls write nothing."""
         pages = self._copy(pages, self._pad([], self.max_copies, 0),
                            self._pad([], self.max_copies, self.num_blocks))
-        if self.num_host_blocks:
+        if self.num_host_blocks or self.block_io:
             idx = self._pad([], SWAP_CHUNK, 0)
             blocks = np.asarray(self._gather(pages, idx))
-            pages = self._scatter(pages, blocks, self._pad([], SWAP_CHUNK, self.num_blocks))
+            if self.num_host_blocks:
+                pages = self._scatter(pages, blocks, self._pad([], SWAP_CHUNK, self.num_blocks))
+            if self.block_io:
+                pages = self.write_blocks(pages, [], [])
+                pages = self._scatter_list(pages, [self._zero_block] * SWAP_CHUNK,
+                                           self._pad([], SWAP_CHUNK, self.num_blocks))
         return pages

@@ -26,6 +26,7 @@ from jaxllm.engine.outputs_builder import ParentRequest, Sequence, make_output
 from jaxllm.engine.runner import ModelRunner
 from jaxllm.engine.sampler import SampleRow, Sampler
 from jaxllm.models import registry
+from jaxllm.kv_transfer.factory import build_for_engine, transfer_config
 from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.runtime.kv_cache_manager import KVCacheManager
 from jaxllm.runtime.request import Request, RequestStatus, StopRule
@@ -86,18 +87,22 @@ class LLMEngine:
         host_blocks = 0
         if cfg.preemption_mode == "swap":
             host_blocks = int(cfg.swap_space * (1 << 30)) // (pages.nbytes // self.runner.num_blocks)
-        self.kv_ops = KVOps(self.runner.num_blocks, cfg.max_num_seqs, host_blocks, pages)
+        block_io = transfer_config(cfg) is not None
+        self.kv_ops = KVOps(self.runner.num_blocks, cfg.max_num_seqs, host_blocks, pages, block_io)
         self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                  num_host_blocks=host_blocks)
+        self.connector = build_for_engine(cfg, self.model_cfg, self.kv, self.kv_ops, pages.dtype,
+                                          random_weights=state is None)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max_tokens,
             max_model_len=self.max_model_len, policy=cfg.scheduling_policy,
-            preemption_mode=cfg.preemption_mode), self.kv)
+            preemption_mode=cfg.preemption_mode), self.kv, self.connector)
         self.beam = None  # the running jaxllm.beam_search.BeamSearch, if any
         self.sampler = Sampler(self.model_cfg.vocab_size, self.max_model_len,
                                pad_to=self.runner.max_rows)
         self.dispatcher = Dispatcher(self.runner, self.kv_ops, self.sampler,
-                                     threaded=cfg.async_scheduling and self.runner.channel is None)
+                                     threaded=cfg.async_scheduling and self.runner.channel is None,
+                                     connector=self.connector)
         self._inflight: Launched | None = None
         self.parents: dict[str, ParentRequest] = {}
         self.seqs: dict[str, Sequence] = {}
@@ -235,8 +240,24 @@ class LLMEngine:
                 self._inflight = launched
             else:
                 outputs += self._process(launched)
+        if self.connector is not None and not self.scheduler.has_unfinished():
+            self._flush_connector()
         merged = {o.request_id: o for o in outputs}  # a request's later output supersedes
         return list(merged.values())
+
+    def _flush_connector(self) -> None:
+        """Idle: run the saves finished requests queued now, not at some later step."""
+        meta = self.connector.build_connector_meta()
+        if meta is not None:
+            self.dispatcher.submit(SchedulerOutput(kv_connector_metadata=meta))
+
+    def flush_kv(self) -> None:
+        """Wait until the KV connector's queued saves, disk writes included, are done."""
+        self.flush()
+        if self.connector is not None:
+            self._flush_connector()
+            self.dispatcher.drain()
+            getattr(self.connector, "flush", lambda: None)()
 
     @property
     def async_scheduling(self) -> bool:
@@ -260,6 +281,8 @@ class LLMEngine:
         if out.empty:
             if out.has_kv_ops:
                 self.dispatcher.submit(out)
+            elif self.scheduler.loading:  # only background KV fetches left: do not spin hot
+                time.sleep(0.001)
             return None
         now = time.time()
         hb = build_batch(out, self.token_buckets, self.seq_buckets, self.cfg.block_size,
@@ -322,4 +345,5 @@ class LLMEngine:
             "num_cow_copies": self.kv.num_cow_copies,
             "num_host_blocks": self.kv.host.num_blocks,
             "num_free_host_blocks": self.kv.host.num_free + self.kv.host.num_pending,
+            **(self.connector.stats() if self.connector is not None else {}),
         }

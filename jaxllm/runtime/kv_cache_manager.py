@@ -111,6 +111,8 @@ class KVCacheManager:
             hashes.append(block_hash(parent, req.token_slice(i * S, (i + 1) * S), req.cache_salt))
         return hashes[:num_blocks]
 
+    block_hashes = _full_block_hashes  # (req, n): hashes of its first n full blocks (KV connectors)
+
     def get_computed_blocks(self, req: Request) -> list[Block]:
         """Longest run of cached full blocks matching a new request's prefix.
 

@@ -70,6 +70,8 @@ class Request:
     data: object = None  # engine-side payload (sampling params, detokenizer, ...)
     pending_forks: list["Request"] = field(default_factory=list)  # n > 1: siblings to fork
     seq_no: int = 0  # admission tie-breaker, set by the scheduler
+    kv_transfer_params: dict | None = None  # from the client (P/D: where the prefilled KV is)
+    kv_transfer_params_out: dict | None = None  # from the KV connector when it finished
 
     @property
     def seats(self) -> int:

@@ -18,6 +18,12 @@ samples but is handed no token is *parked*: out of the running set, blocks
 kept, until its owner forks or finishes it; parked blocks are the first to go
 when the pool runs dry.
 
+A KV connector (`jaxllm.kv_transfer`), if any, is asked on admission for tokens past the
+device prefix hits it can load (they count as computed; its worker loads them before the
+forward pass); a request whose KV it is still fetching steps aside into `loading`, off the
+waiting queue, until the connector names it ready. Finished requests are handed to it
+(it may save their blocks, or hold them until sent).
+
 The output is plain data (`SchedulerOutput`): which tokens of which request to
 run, where their K/V go, which rows produce sampled tokens, and the page copies
 and swaps the engine must run before the step.
@@ -39,9 +45,12 @@ __all__ = ["PLACEHOLDER", "Scheduler", "SchedulerConfig", "SchedulerOutput", "Sc
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, connector=None):
         self.config = config
         self.kv = kv
+        self.connector = connector  # a jaxllm.kv_transfer connector (scheduler side), or None
+        self.loading: dict[str, Request] = {}  # waiting for the connector to fetch their KV
+        self.delayed: dict[str, Request] = {}  # finished; blocks held until the connector sent them
         self.waiting = make_queue(config.policy)
         self.running: list[Request] = []  # the last one is the next to preempt
         self.parked: dict[str, Request] = {}
@@ -73,6 +82,8 @@ class Scheduler:
         leader = self._leader_of.pop(request_id, None)
         if leader is not None:
             leader.pending_forks.remove(req)
+        elif self.loading.pop(request_id, None) is not None:
+            pass
         elif self.parked.pop(request_id, None) is None:
             if req in self.running:
                 self.running.remove(req)
@@ -88,6 +99,12 @@ class Scheduler:
         if not req.finished:
             req.status = status
         req.finished_time = time.time()
+        if self.connector is not None:
+            delay, req.kv_transfer_params_out = self.connector.request_finished(
+                req, self.kv.block_ids(request_id))
+            if delay:
+                self.delayed[request_id] = req
+                return req
         self.kv.free(req)
         return req
 
@@ -126,7 +143,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self.loading)
 
     # -- helpers -------------------------------------------------------------
     def _insert_running(self, req: Request) -> None:
@@ -146,6 +163,8 @@ class Scheduler:
         if self.config.preemption_mode == "swap" and self.kv.swap_out(victim):
             self.num_swapped_out += 1
         else:
+            if self.connector is not None:
+                self.connector.request_preempted(victim, self.kv.block_ids(victim.request_id))
             self.kv.free(victim)
             victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
@@ -162,11 +181,28 @@ class Scheduler:
                 return True
         return False
 
-    def _admission(self, req: Request, budget: int) -> tuple[list, int]:
-        """(prefix-cache hits, tokens to schedule) if req were admitted now."""
+    def _admission(self, req: Request, budget: int) -> tuple[list, int | None, int]:
+        """(prefix-cache hits, tokens the connector loads (None: not known yet), tokens to
+        schedule) if req were admitted now."""
         hits = self.kv.get_computed_blocks(req)
-        left = req.num_tokens - req.num_computed_tokens - len(hits) * self.kv.block_size
-        return hits, self._chunk(left, budget)
+        done = req.num_computed_tokens + len(hits) * self.kv.block_size
+        ext = 0
+        if (self.connector is not None and req.request_id not in self.kv.tables
+                and not self.kv.is_swapped(req)):
+            ext, _ = self.connector.get_num_new_matched_tokens(req, done)
+        return hits, ext, self._chunk(req.num_tokens - done - (ext or 0), budget)
+
+    def _poll_connector(self) -> None:
+        """Requests whose KV the connector fetched rejoin the queue; sent ones free blocks."""
+        sent, ready = self.connector.get_finished()
+        for rid in ready:
+            req = self.loading.pop(rid, None)
+            if req is not None:
+                self.waiting.add_preempted(req)
+        for rid in sent:
+            req = self.delayed.pop(rid, None)
+            if req is not None:
+                self.kv.free(req)
 
     def _preempt_for_priority(self, out: SchedulerOutput, budget: int) -> None:
         """Make room for a waiting request that outranks the lowest running one."""
@@ -174,7 +210,8 @@ class Scheduler:
             head, victim = self.waiting.peek(), self.running[-1]
             if head.priority >= victim.priority:
                 return
-            hits, n = self._admission(head, budget)
+            hits, ext, n = self._admission(head, budget)
+            n += ext or 0
             seats = sum(r.seats for r in self.running) + head.seats
             if (seats <= self.config.max_num_seqs
                     and self.kv.num_blocks_needed(head, n, hits) <= self.kv.num_free_blocks):
@@ -188,6 +225,8 @@ class Scheduler:
         out = SchedulerOutput()
         cfg = self.config
         self.kv.begin_step()
+        if self.connector is not None:
+            self._poll_connector()
         budget = cfg.max_num_batched_tokens
         if cfg.policy == "priority":
             self._preempt_for_priority(out, budget)
@@ -223,16 +262,22 @@ class Scheduler:
                 req = self.waiting.peek()
                 if seats + req.seats > cfg.max_num_seqs or req.request_id in out.preempted:
                     break  # (a request preempted for priority this step waits at least one)
-                hits, n = self._admission(req, budget)
-                if self.kv.allocate_slots(req, n, hits) is None:
+                hits, ext, n = self._admission(req, budget)
+                if ext is None:  # the connector is still fetching its KV: step aside
+                    self.loading[self.waiting.pop().request_id] = req
+                    continue
+                if self.kv.allocate_slots(req, ext + n, hits) is None:
                     if self._evict_parked():
                         continue
                     break
                 self.waiting.pop()
                 num_hit = len(hits) * self.kv.block_size
                 req.num_computed_tokens += num_hit
+                if self.connector is not None:
+                    self.connector.update_state_after_alloc(req, self.kv.block_ids(req.request_id), ext)
+                    req.num_computed_tokens += ext
                 if req.num_preemptions == 0:
-                    req.num_cached_tokens = num_hit
+                    req.num_cached_tokens = num_hit + ext
                 req.status = RequestStatus.RUNNING
                 self._insert_running(req)
                 seats += req.seats
@@ -258,6 +303,8 @@ class Scheduler:
             req.num_computed_tokens = end
             req.num_pending += sample
         out.swap_out, out.copies, out.swap_in = self.kv.take_ops()
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta()
         return out
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:

@@ -47,6 +47,7 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
     copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+    kv_connector_metadata: object = None  # the KV connector's loads and saves for this step
 
     @property
     def empty(self) -> bool:
@@ -54,4 +55,4 @@ class SchedulerOutput:
 
     @property
     def has_kv_ops(self) -> bool:
-        return bool(self.swap_out or self.copies or self.swap_in)
+        return bool(self.swap_out or self.copies or self.swap_in) or self.kv_connector_metadata is not None

@@ -1,0 +1,234 @@
+"""OffloadingConnector: device blocks offloaded to a host LRU and, written through, to disk.
+
+Saves: when a request finishes, its full blocks that the host tier lacks are queued; the
+worker copies them out before the next step's page writes (so a block freed and reused
+that step is read first), puts them in the host tier and queues them for the disk tier.
+Every block a device eviction drops has been offered this way, since a cached block is
+evictable only once its owner finished or was preempted (preemption finishes its use too:
+`request_finished` is called then as well).
+
+Loads: on admission, the blocks past the device prefix hits are looked up by key in the
+host tier and pinned; they load into the request's fresh blocks before the step's forward
+pass, so the same step computes the rest of the prompt. Blocks only the disk holds are
+first read (checksums verified) into the host tier on a background thread while the
+request steps aside (`get_num_new_matched_tokens` returns None), then it is admitted from
+the host tier. Keys are the prefix-cache hashes (SHA-256 over parent, salt and tokens),
+stable across processes, so a restarted engine finds its disk blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from jaxllm.kv_transfer.base import ConnectorContext, KVConnectorBase
+from jaxllm.kv_transfer.config import KVTransferConfig
+from jaxllm.kv_transfer.disk_store import DiskStore
+from jaxllm.kv_transfer.host_store import HostStore
+
+log = logging.getLogger("jaxllm")
+GIB = 1 << 30
+
+
+@dataclasses.dataclass
+class OffloadMeta:
+    loads: list[tuple[int, int]]  # (key, device block) host tier -> device
+    saves: list[tuple[int, int | None, int]]  # (key, parent key, device block) device -> tiers
+
+
+class OffloadingConnector(KVConnectorBase):
+    def __init__(self, cfg: KVTransferConfig, ctx: ConnectorContext):
+        super().__init__(cfg, ctx)
+        extra = cfg.kv_connector_extra_config
+        cpu_gib = float(extra.get("cpu_gib", ctx.offload_cpu_gib or 0.0))
+        disk_dir = extra.get("disk_dir", ctx.offload_disk_dir)
+        disk_gib = extra.get("disk_gib", ctx.offload_disk_gib)
+        if cpu_gib < 0:
+            raise ValueError(f"kv_offload_cpu_gib must be >= 0, got {cpu_gib}")
+        if not cpu_gib and not disk_dir:
+            raise ValueError("OffloadingConnector needs kv_offload_cpu_gib > 0 or kv_offload_disk_dir")
+        self.host = HostStore(int(cpu_gib * GIB))
+        self.disk = None
+        if disk_dir:
+            cap = None if disk_gib is None else int(float(disk_gib) * GIB)
+            self.disk = DiskStore(disk_dir, cap, ctx.fingerprint, ctx.block_bytes, ctx.block_shape, ctx.dtype)
+        self._lock = threading.Lock()
+        self._loads: list[tuple[int, int]] = []
+        self._saves: list[tuple[int, int | None, int]] = []
+        self._queued: set[int] = set()  # keys in _saves or with the worker, not yet in the host tier
+        self._lookup_pins: dict[str, list[int]] = {}  # request -> host keys its last lookup pinned
+        self._promo_pins: dict[str, list[int]] = {}  # request -> keys its disk promotion pinned
+        self._promoting: set[str] = set()
+        self._promoted: set[str] = set()  # promoted once: never made to wait again
+        self._ready: set[str] = set()
+        self._gone: set[str] = set()  # finished while promoting
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-kv-read") if self.disk is not None else None
+        self.queries = self.hits = 0
+        self.io = {f"kv_offload_{t}_{d}_{u}": 0 for t in ("cpu", "disk") for d in ("load", "save")
+                   for u in ("bytes", "seconds")}
+
+    # -- scheduler side -----------------------------------------------------
+    def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self.cfg.is_consumer:
+            return 0, False
+        S, rid = self.ctx.block_size, req.request_id
+        start, limit = num_computed_tokens // S, (req.num_tokens - 1) // S
+        with self._lock:
+            if rid in self._promoting:
+                return None, False
+        self.host.unpin(self._lookup_pins.pop(rid, []))
+        if start >= limit:
+            return 0, False
+        keys = self.ctx.block_hashes(req, limit)[start:]
+        pinned = self.host.pin(keys)
+        self.host.unpin(self._promo_pins.pop(rid, []))  # the lookup's pins take over
+        if len(pinned) < len(keys) and self.disk is not None and rid not in self._promoted:
+            run = []
+            for k in keys[len(pinned):]:
+                if k not in self.disk and k not in self.host:
+                    break
+                run.append(k)
+            if any(k not in self.host for k in run):
+                self.host.unpin(pinned)
+                with self._lock:
+                    self._promoting.add(rid)
+                self._reader.submit(self._promote, rid, keys[:len(pinned)] + run)
+                return None, False
+        self._lookup_pins[rid] = pinned
+        return len(pinned) * S, False
+
+    def _promote(self, rid: str, keys: list[int]) -> None:
+        """Background: bring a request's disk blocks into the host tier, pinned for it."""
+        pins: list[int] = []
+        try:
+            for k in keys:
+                if self.host.pin([k]):
+                    pins.append(k)
+                    continue
+                t0 = time.perf_counter()
+                block = self.disk.read(k)
+                if block is None:
+                    break
+                self.io["kv_offload_disk_load_bytes"] += block.nbytes
+                self.io["kv_offload_disk_load_seconds"] += time.perf_counter() - t0
+                self.host.put(k, block, pin=True)
+                pins.append(k)
+        except Exception:
+            log.exception("KV disk tier: promotion failed; the prompt is recomputed")
+        with self._lock:
+            self._promoting.discard(rid)
+            if rid in self._gone:
+                self._gone.discard(rid)
+                self.host.unpin(pins)
+                return
+            self._promoted.add(rid)
+            self._ready.add(rid)
+            self._promo_pins[rid] = pins
+
+    def update_state_after_alloc(self, req, block_ids: list[int], num_external_tokens: int) -> None:
+        rid, S = req.request_id, self.ctx.block_size
+        pins = self._lookup_pins.pop(rid, [])
+        n = num_external_tokens // S
+        start = req.num_computed_tokens // S
+        self.host.unpin(pins[n:])
+        self._loads.extend(zip(pins[:n], block_ids[start:start + n]))
+        if req.num_preemptions == 0:
+            self.queries += req.num_tokens
+            self.hits += num_external_tokens
+
+    def build_connector_meta(self) -> OffloadMeta | None:
+        if not self._loads and not self._saves:
+            return None
+        meta = OffloadMeta(self._loads, self._saves)
+        self._loads, self._saves = [], []
+        return meta
+
+    def request_preempted(self, req, block_ids: list[int]) -> None:
+        self.request_finished(req, block_ids)
+
+    def request_finished(self, req, block_ids: list[int]) -> tuple[bool, dict | None]:
+        rid = req.request_id
+        self.host.unpin(self._lookup_pins.pop(rid, []))
+        with self._lock:
+            self._ready.discard(rid)
+            self._promoted.discard(rid)
+            if rid in self._promoting:
+                self._gone.add(rid)
+            self.host.unpin(self._promo_pins.pop(rid, []))
+        if not self.cfg.is_producer:
+            return False, None
+        S = self.ctx.block_size
+        n = min(min(req.num_computed_tokens, req.num_tokens) // S, len(block_ids))
+        if n:
+            hashes = self.ctx.block_hashes(req, n)
+            with self._lock:
+                for i in range(n):
+                    k = hashes[i]
+                    if k not in self.host and k not in self._queued:
+                        self._queued.add(k)
+                        self._saves.append((k, hashes[i - 1] if i else None, block_ids[i]))
+        return False, None
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        with self._lock:
+            ready, self._ready = self._ready, set()
+        return set(), ready
+
+    # -- worker side --------------------------------------------------------
+    def save_kv_layer(self, layer_name, pages, meta: OffloadMeta | None) -> None:
+        if not meta or not meta.saves:
+            return
+        t0 = time.perf_counter()
+        blocks = self.ctx.mover.read_blocks(pages, [b for _, _, b in meta.saves])
+        self.io["kv_offload_cpu_save_seconds"] += time.perf_counter() - t0
+        for (key, parent, _), block in zip(meta.saves, blocks):
+            self.host.put(key, block)
+            self.io["kv_offload_cpu_save_bytes"] += block.nbytes
+            if self.disk is not None:
+                self.disk.write_async(key, parent, block)
+        with self._lock:
+            self._queued.difference_update(k for k, _, _ in meta.saves)
+
+    def start_load_kv(self, pages, meta: OffloadMeta | None):
+        if not meta or not meta.loads:
+            return pages
+        t0 = time.perf_counter()
+        keys = [k for k, _ in meta.loads]
+        blocks = [self.host.get(k) for k in keys]
+        if any(b is None for b in blocks):  # pinned since the lookup: cannot happen
+            raise RuntimeError("a pinned host KV block went missing")
+        pages = self.ctx.mover.write_blocks(pages, blocks, [b for _, b in meta.loads])
+        self.host.unpin(keys)
+        self.io["kv_offload_cpu_load_bytes"] += sum(b.nbytes for b in blocks)
+        self.io["kv_offload_cpu_load_seconds"] += time.perf_counter() - t0
+        return pages
+
+    def wait_for_save(self) -> None:
+        pass  # saves to the host tier are done in save_kv_layer; disk writes go on behind
+
+    # -- both ---------------------------------------------------------------
+    def flush(self) -> None:
+        """Wait for the disk writes queued so far (tests, shutdown)."""
+        if self.disk is not None:
+            self.disk.flush()
+
+    def stats(self) -> dict:
+        d = self.disk
+        out = {"external_prefix_cache_queries": self.queries, "external_prefix_cache_hits": self.hits,
+               "kv_offload_cpu_bytes": self.host.nbytes, "kv_offload_cpu_blocks": len(self.host),
+               "kv_offload_cpu_capacity_bytes": self.host.capacity,
+               "kv_offload_disk_bytes": d.nbytes if d is not None else 0, "kv_offload_disk_blocks": len(d) if d is not None else 0,
+               "kv_offload_disk_corrupt_blocks": d.num_corrupt if d is not None else 0,
+               "kv_offload_disk_failed": bool(d is not None and d.failed), **self.io}
+        if d is not None:
+            out["kv_offload_disk_save_bytes"] = d.bytes_written
+            out["kv_offload_disk_save_seconds"] = d.seconds_written
+        return out
+
+    def shutdown(self) -> None:
+        self.flush()
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)

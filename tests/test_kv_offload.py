@@ -1,0 +1,209 @@
+"""Offload tiers end to end on a tiny model: host tier, disk tier, restart, corruption, full disk.
+
+The device pool holds one long sequence, so each new 300-token prompt evicts the one
+before; a prompt that comes back must be served from the host tier, or from disk once
+the host tier is full, with the greedy tokens of an engine without offload.
+"""
+
+import logging
+import os
+
+import fsspec
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+
+from kv_tiny import GREEDY, gib, make, rand, run1
+
+from jaxllm.kv_transfer.disk_store import HEADER_BYTES, DiskStore
+from jaxllm.runtime.kv_cache_manager import block_hash
+
+A, B, C, D = (rand(300, s) for s in (1, 2, 3, 4))
+
+
+@pytest.fixture(scope="module")
+def want():
+    ref = make(enable_prefix_caching=False)
+    return {k: run1(ref, p).outputs[0].token_ids for k, p in dict(A=A, B=B, C=C, D=D).items()}
+
+
+@pytest.fixture(scope="module")
+def disk_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("kvdisk"))
+
+
+@pytest.fixture(scope="module")
+def tiered(disk_dir):
+    # Host tier of 48 blocks: A and B fit (19 full blocks each), A, B, C and D do not.
+    return make(kv_offload_cpu_gib=gib(48), kv_offload_disk_dir=disk_dir)
+
+
+def conn(llm):
+    return llm.engine.connector
+
+
+def test_host_then_disk_tier(tiered, want):
+    st = tiered.stats
+    assert run1(tiered, A).outputs[0].token_ids == want["A"]
+    assert run1(tiered, B).outputs[0].token_ids == want["B"]  # evicts A from the device
+    s0 = st()
+    out = run1(tiered, A)  # from the host tier
+    s1 = st()
+    assert out.outputs[0].token_ids == want["A"]
+    assert out.num_cached_tokens == 288  # 18 full blocks short of the prompt's last token
+    ext = lambda a, b: b["external_prefix_cache_hits"] - a["external_prefix_cache_hits"]
+    dev = lambda a, b: b["prefix_cache_hits"] - a["prefix_cache_hits"]
+    assert ext(s0, s1) >= 160 and ext(s0, s1) + dev(s0, s1) == 288  # B left A's head on the device
+    assert s1["external_prefix_cache_queries"] - s0["external_prefix_cache_queries"] == 300
+    assert s1["kv_offload_cpu_load_bytes"] > s0["kv_offload_cpu_load_bytes"]
+    assert s1["kv_offload_disk_load_bytes"] == 0
+    for p in (C, D):  # the host tier overflows: A leaves it, the disk keeps it
+        run1(tiered, p)
+    tiered.engine.flush_kv()
+    keys = keys_of(A, 18)
+    assert not all(k in conn(tiered).host for k in keys) and all(k in conn(tiered).disk for k in keys)
+    out = run1(tiered, A)  # from disk, through the host tier
+    s2 = st()
+    assert out.outputs[0].token_ids == want["A"] and out.num_cached_tokens == 288
+    assert s2["kv_offload_disk_load_bytes"] >= conn(tiered).ctx.block_bytes
+    assert ext(s1, s2) >= 160 and ext(s1, s2) + dev(s1, s2) == 288
+    assert s2["kv_offload_cpu_blocks"] <= 48 and s2["kv_offload_disk_blocks"] >= 4 * 19
+    assert tiered.engine.kv.host.num_blocks == 0 and not conn(tiered).host.num_pinned
+    assert tiered.engine.kv_ops.num_compiled() == 3  # copy, gather, block writes: no new variant
+    assert tiered.engine.kv.num_free_blocks == tiered.engine.runner.num_blocks  # nothing leaked
+
+
+def keys_of(prompt, n):
+    """The block keys of a prompt's first n full blocks (the prefix-cache hashes)."""
+    out = []
+    for i in range(n):
+        out.append(block_hash(out[-1] if out else None, prompt[i * 16:(i + 1) * 16], None))
+    return out
+
+
+def _block_files(d):
+    (sub,) = [os.path.join(d, x) for x in os.listdir(d)]
+    return sub, sorted(os.path.join(sub, f) for f in os.listdir(sub))
+
+
+def test_restart_serves_from_disk_and_corruption_recomputes(tiered, disk_dir, want):
+    tiered.engine.flush_kv()
+    fresh = make(kv_offload_cpu_gib=gib(48), kv_offload_disk_dir=disk_dir)
+    out = run1(fresh, C)  # a new engine: only the files can hold C
+    assert out.outputs[0].token_ids == want["C"] and out.num_cached_tokens == 288
+    assert fresh.stats()["kv_offload_disk_load_bytes"] > 0
+    # Corrupt B's first block (flipped bytes), D's first (truncated) and A's third (empty).
+    disk = conn(fresh).disk
+    probe = keys_of
+    kb, kd, ka = probe(B, 1)[0], probe(D, 1)[0], probe(A, 3)[2]
+    with open(disk._path(kb), "r+b") as f:
+        f.seek(HEADER_BYTES + 100)
+        byte = f.read(1)
+        f.seek(HEADER_BYTES + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with open(disk._path(kd), "r+b") as f:
+        f.truncate(HEADER_BYTES + 10)
+    open(disk._path(ka), "wb").close()
+    for name, p, hit in (("B", B, 0), ("D", D, 0), ("A", A, 32)):
+        out = run1(fresh, p)
+        assert out.outputs[0].token_ids == want[name], name
+        assert out.num_cached_tokens == hit, name  # the prefix before the bad block still loads
+    st = fresh.stats()
+    assert st["kv_offload_disk_corrupt_blocks"] == 3
+    # Each bad block went with its descendants; the recompute wrote them again, whole.
+    fresh.engine.flush_kv()
+    assert all(disk.read(k) is not None for k in [kb, kd, ka] + probe(B, 18))
+    assert disk.num_corrupt == 3
+
+
+def test_index_rebuilt_at_start_drops_bad_files(tmp_path):
+    shape, dtype = (2, 2, 2, 16, 16), "float32"
+    nbytes = 2 * 2 * 2 * 16 * 16 * 4
+    import numpy as np
+    s = DiskStore(str(tmp_path), None, "fp", nbytes, shape, dtype)
+    blocks = {k: np.full(shape, k, np.float32) for k in (1, 2, 3, 4)}
+    for k, b in blocks.items():
+        s.write_async(k, k - 1 if k > 1 else None, b)
+    s.flush()
+    with open(s._path(2), "r+b") as f:
+        f.truncate(50)
+    open(s._path(3), "wb").close()
+    open(f"{s.root}/.tmp-dead", "wb").write(b"partial")
+    s2 = DiskStore(str(tmp_path), None, "fp", nbytes, shape, dtype)
+    assert 1 in s2 and 4 in s2 and 2 not in s2 and 3 not in s2
+    assert s2.num_dropped_at_start == 2 and not os.path.exists(f"{s.root}/.tmp-dead")
+    assert (s2.read(4) == 4).all()
+    other = DiskStore(str(tmp_path), None, "another-model", nbytes, shape, dtype)
+    assert len(other) == 0  # blocks of another model or layout are never seen
+    for k, parent in ((10, None), (11, 10), (12, 11), (13, 10), (14, None)):
+        s2.write_async(k, parent, blocks[1])
+    s2.flush()
+    s2.drop_tree(10)  # its descendants (11, 12, 13) go too
+    assert [k for k in (1, 4, 10, 11, 12, 13, 14) if k in s2] == [1, 4, 14]
+    assert not os.path.exists(s2._path(12))
+
+
+class FullFS(MemoryFileSystem):
+    """A memory filesystem that runs out of space after a few files."""
+
+    protocol = "fullfs"
+    budget = 5
+
+    def _open(self, path, mode="rb", **kw):
+        if "w" in mode:
+            if FullFS.budget <= 0:
+                raise OSError(28, "No space left on device")
+            FullFS.budget -= 1
+        return super()._open(path, mode, **kw)
+
+
+def test_full_disk_and_unwritable_dir_keep_serving(tmp_path, want, caplog):
+    fsspec.register_implementation("fullfs", FullFS, clobber=True)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with caplog.at_level(logging.WARNING, logger="jaxllm"):
+        full = make(kv_offload_cpu_gib=gib(24), kv_offload_disk_dir="fullfs://kv")
+        bad = make(kv_offload_cpu_gib=gib(24), kv_offload_disk_dir=str(blocker / "kv"))
+        for llm in (full, bad):
+            for name, p in (("A", A), ("B", B), ("A", A)):
+                assert run1(llm, p).outputs[0].token_ids == want[name]
+            llm.engine.flush_kv()
+            st = llm.stats()
+            assert st["kv_offload_disk_failed"] and st["external_prefix_cache_hits"] > 0  # host tier
+    stops = [r for r in caplog.records if "stopped" in r.getMessage()]
+    assert len(stops) == 2  # one line per tier that stopped
+    assert len(conn(full).disk) == 5
+
+
+def test_multi_connector_two_tiers_and_producer(want):
+    """A host tier that loads and saves, plus a save-only (producer) disk tier on fsspec's
+    memory filesystem; a second engine reads that disk tier back as a consumer."""
+    fs = fsspec.filesystem("memory")
+    fs.rm("/kvmulti", recursive=True) if fs.exists("/kvmulti") else None
+    tier = lambda role, extra: {"kv_connector": "OffloadingConnector", "kv_role": role,
+                                "kv_connector_extra_config": extra}
+    cfg = {"kv_connector": "MultiConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+        "connectors": [tier("kv_both", {"cpu_gib": gib(24)}),
+                       tier("kv_producer", {"disk_dir": "memory://kvmulti"})]}}
+    multi = make(kv_transfer_config=cfg)
+    for name, p in (("A", A), ("B", B), ("A", A), ("C", C), ("D", D)):
+        assert run1(multi, p).outputs[0].token_ids == want[name]
+    st = multi.stats()
+    assert st["external_prefix_cache_hits"] > 0  # A, from the host tier
+    multi.engine.flush_kv()
+    assert st["kv_offload_disk_load_bytes"] == 0  # the producer tier never loads
+    consumer = make(kv_transfer_config=tier("kv_consumer", {"disk_dir": "memory://kvmulti"}))
+    out = run1(consumer, B)
+    assert out.outputs[0].token_ids == want["B"] and out.num_cached_tokens == 288
+    assert len(consumer.engine.connector.disk) >= 4 * 19  # consumers store nothing themselves
+
+
+def test_config_errors():
+    from jaxllm.config import EngineConfig
+    with pytest.raises(ValueError, match="kv_role"):
+        EngineConfig(kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "x"})
+    with pytest.raises(ValueError, match="kv_offload_cpu_gib"):
+        EngineConfig(kv_offload_cpu_gib=-1)
+    with pytest.raises(ValueError, match="kv_events_config"):
+        EngineConfig(kv_events_config={"publisher": "kafka"})
+    with pytest.raises(ValueError, match="kv_connector"):
+        make(kv_transfer_config={"kv_connector": "NoSuchConnector"})
