@@ -70,6 +70,10 @@ def test_host_then_disk_tier(tiered, want):
     assert tiered.engine.kv.host.num_blocks == 0 and not conn(tiered).host.num_pinned
     assert tiered.engine.kv_ops.num_compiled() == 3  # copy, gather, block writes: no new variant
     assert tiered.engine.kv.num_free_blocks == tiered.engine.runner.num_blocks  # nothing leaked
+    from jaxllm.server.metrics import ServerMetrics
+    text = ServerMetrics("m").render(tiered.stats()).decode()
+    assert f'jaxllm:external_prefix_cache_hits{{model_name="m"}} {float(s2["external_prefix_cache_hits"])}' in text
+    assert 'jaxllm:kv_offload_bytes{direction="load",model_name="m",tier="disk"} 0.0' not in text
 
 
 def keys_of(prompt, n):

@@ -26,6 +26,7 @@ from jaxllm.engine.outputs_builder import ParentRequest, Sequence, make_output
 from jaxllm.engine.runner import ModelRunner
 from jaxllm.engine.sampler import SampleRow, Sampler
 from jaxllm.models import registry
+from jaxllm.kv_transfer.events import make_publisher, to_vllm
 from jaxllm.kv_transfer.factory import build_for_engine, transfer_config
 from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.runtime.kv_cache_manager import KVCacheManager
@@ -97,6 +98,9 @@ class LLMEngine:
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max_tokens,
             max_model_len=self.max_model_len, policy=cfg.scheduling_policy,
             preemption_mode=cfg.preemption_mode), self.kv, self.connector)
+        self.kv_events = make_publisher(cfg.kv_events_config)  # KV-cache events for routers
+        if self.kv_events is not None:
+            self.kv.pool.events = []
         self.beam = None  # the running jaxllm.beam_search.BeamSearch, if any
         self.sampler = Sampler(self.model_cfg.vocab_size, self.max_model_len,
                                pad_to=self.runner.max_rows)
@@ -242,6 +246,8 @@ class LLMEngine:
                 outputs += self._process(launched)
         if self.connector is not None and not self.scheduler.has_unfinished():
             self._flush_connector()
+        if self.kv_events is not None:
+            self.kv_events.publish(to_vllm(self.kv.take_events(), self.cfg.block_size))
         merged = {o.request_id: o for o in outputs}  # a request's later output supersedes
         return list(merged.values())
 

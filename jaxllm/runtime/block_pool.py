@@ -69,6 +69,9 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free = FreeQueue(self.blocks)
         self.cached: dict[int, Block] = {}  # block hash -> block (prefix cache)
+        # KV events (jaxllm.kv_transfer.events) in the order they happen, when enabled: the
+        # KV manager adds BlockStored entries, evictions here add BlockRemoved ones.
+        self.events: list | None = None
 
     @property
     def num_free(self) -> int:
@@ -84,6 +87,8 @@ class BlockPool:
             if b.block_hash is not None:  # evict the least recently used cached block
                 if self.cached.get(b.block_hash) is b:
                     del self.cached[b.block_hash]
+                    if self.events is not None:
+                        self.events.append(("removed", b.block_hash))
                 b.block_hash = None
             b.ref_cnt = 1
             out.append(b)
@@ -108,11 +113,13 @@ class BlockPool:
             if b.ref_cnt == 0:
                 self.free.append(b)
 
-    def cache(self, block: Block, block_hash: int) -> None:
-        """Register a full block under its prefix hash (first writer wins)."""
+    def cache(self, block: Block, block_hash: int) -> bool:
+        """Register a full block under its prefix hash (first writer wins); True if it was."""
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            return True
+        return False
 
     def lookup(self, block_hash: int) -> Block | None:
         return self.cached.get(block_hash)

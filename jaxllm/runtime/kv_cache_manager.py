@@ -153,7 +153,9 @@ class KVCacheManager:
             return
         hashes = self._full_block_hashes(req, n)
         for i in range(start, n):
-            self.pool.cache(table[i], hashes[i])
+            if self.pool.cache(table[i], hashes[i]) and self.pool.events is not None:
+                self.pool.events.append(("stored", hashes[i], hashes[i - 1] if i else None,
+                                         req.token_slice(i * self.block_size, (i + 1) * self.block_size)))
         self._num_cached[req.request_id] = n
 
     def reset_prefix_cache(self) -> None:
@@ -162,6 +164,17 @@ class KVCacheManager:
             b.block_hash = None
         self.pool.cached.clear()
         self._num_cached.clear()
+        if self.pool.events is not None:
+            self.pool.events.append(("cleared",))
+
+    def take_events(self) -> list[tuple]:
+        """Prefix-cache events since the last call (KV events): ("stored", hash, parent,
+        tokens), ("removed", hash), ("cleared",), in the order they happened."""
+        events = self.pool.events
+        if not events:
+            return []
+        self.pool.events = []
+        return events
 
     # -- allocation -------------------------------------------------------------
     def _needs_cow(self, table: list[Block], num_computed: int, num_new: int) -> bool:

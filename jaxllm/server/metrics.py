@@ -50,6 +50,22 @@ class ServerMetrics:
                                     labels, registry=r).labels(model_name)
         self.prefix_hits = Gauge("jaxllm:prefix_cache_hits", "Prefix-cache block hits (cumulative).",
                                  labels, registry=r).labels(model_name)
+        self.ext_queries = Gauge("jaxllm:external_prefix_cache_queries",
+                                 "Prompt tokens looked up in the KV connector's tiers (cumulative).",
+                                 labels, registry=r).labels(model_name)
+        self.ext_hits = Gauge("jaxllm:external_prefix_cache_hits",
+                              "Prompt tokens loaded from the KV connector's tiers (cumulative).",
+                              labels, registry=r).labels(model_name)
+        io = labels + ["tier", "direction"]
+        self.offload_bytes = Gauge("jaxllm:kv_offload_bytes", "KV bytes moved per offload tier and "
+                                   "direction (load: into the engine; save: out of it; cumulative).",
+                                   io, registry=r)
+        self.offload_seconds = Gauge("jaxllm:kv_offload_seconds", "Seconds spent moving KV per offload "
+                                     "tier and direction (cumulative).", io, registry=r)
+        self.offload_used = Gauge("jaxllm:kv_offload_store_bytes", "Bytes held by each offload tier.",
+                                  labels + ["tier"], registry=r)
+        self.offload_blocks = Gauge("jaxllm:kv_offload_store_blocks", "Blocks held by each offload tier.",
+                                    labels + ["tier"], registry=r)
         self.rejected = Counter("jaxllm:request_rejected", "Requests refused because the server was overloaded.",
                                 labels, registry=r).labels(model_name)
         self.model_name = model_name
@@ -70,6 +86,17 @@ class ServerMetrics:
         self._success.labels(self.model_name, finish_reason or "unknown").inc()
 
     # -- scrape ------------------------------------------------------------
+    def _render_offload(self, stats: dict) -> None:
+        m = self.model_name
+        self.ext_queries.set(stats["external_prefix_cache_queries"])
+        self.ext_hits.set(stats["external_prefix_cache_hits"])
+        for tier in ("cpu", "disk"):
+            for d in ("load", "save"):
+                self.offload_bytes.labels(m, tier, d).set(stats.get(f"kv_offload_{tier}_{d}_bytes", 0))
+                self.offload_seconds.labels(m, tier, d).set(stats.get(f"kv_offload_{tier}_{d}_seconds", 0))
+            self.offload_used.labels(m, tier).set(stats.get(f"kv_offload_{tier}_bytes", 0))
+            self.offload_blocks.labels(m, tier).set(stats.get(f"kv_offload_{tier}_blocks", 0))
+
     def render(self, stats: dict) -> bytes:
         """Refresh the gauges from engine stats and return the exposition text."""
         self.running.set(stats.get("num_running", 0))
@@ -78,4 +105,6 @@ class ServerMetrics:
         self.preemptions.set(stats.get("num_preemptions", 0))
         self.prefix_queries.set(stats.get("prefix_cache_queries", 0))
         self.prefix_hits.set(stats.get("prefix_cache_hits", 0))
+        if "external_prefix_cache_queries" in stats:
+            self._render_offload(stats)
         return generate_latest(self.registry)
