@@ -70,6 +70,8 @@ class LLM:
         # Validate everything before queueing anything: a bad prompt fails the call cleanly.
         for p, sp, pr in zip(prompts, params, priority):
             self.engine.validate(self.engine.tokenize(p)[1], sp, pr)
+            if sp.structured_outputs is not None:  # offline: wait for the compile, raise its reason
+                self.engine.structured.compiler.compile_now(sp.structured_outputs)
         ids = []
         for p, sp, pr in zip(prompts, params, priority):
             rid = str(self._next_id)

@@ -28,6 +28,8 @@ class Launched:
     rows: list[SampleRow]  # one per logits row; PAD_ROW where the row samples nothing
     row_of: dict[str, int]  # sequence id -> its row in the step's sampled ids
     sample: Future | PendingSample | None  # a Future while the dispatch thread owns it
+    mask: Future | None = None  # structured outputs: the draw's bitmask, set by the host later
+    num_rows: int = 0  # the draw's padded row count
 
     @property
     def overlappable(self) -> bool:
@@ -72,14 +74,17 @@ class Dispatcher:
             self._pool.submit(lambda: None).result()
 
     def submit(self, out: SchedulerOutput, hb=None, sbatch=None,
-               prev: Future | PendingSample | None = None) -> Future | PendingSample | None:
-        """Queue the step's device work; `prev` is the step before's draw (placeholders)."""
+               prev: Future | PendingSample | None = None,
+               mask: Future | None = None) -> Future | PendingSample | None:
+        """Queue the step's device work; `prev` is the step before's draw (placeholders);
+        `mask` the structured-outputs bitmask, which the draw waits for (inline: already set)."""
         if self._pool is None:
-            return self._run(out, hb, sbatch, prev)
-        return self._pool.submit(self._run, out, hb, sbatch, prev)
+            return self._run(out, hb, sbatch, prev, mask)
+        return self._pool.submit(self._run, out, hb, sbatch, prev, mask)
 
-    def _run(self, out, hb, sbatch, prev) -> PendingSample | None:
-        """In order: page moves, forward pass, draw. Nothing here waits for the device."""
+    def _run(self, out, hb, sbatch, prev, mask=None) -> PendingSample | None:
+        """In order: page moves, forward pass, draw. Nothing here waits for the device; a
+        constrained draw waits for its mask, which the host fills while the forward pass runs."""
         self._kv_ops(out)
         if hb is None:
             return None
@@ -87,6 +92,8 @@ class Dispatcher:
         if hb.prev_index is not None and (hb.prev_index >= 0).any():
             prev_ids = resolved(prev).token_ids  # submitted earlier on this thread: done
         logits, greedy_ids = self.runner.execute(hb, prev_ids)
+        if mask is not None:
+            sbatch.bitmask = mask.result()
         return self.sampler.launch(logits, sbatch, greedy_ids)
 
     def _kv_ops(self, out: SchedulerOutput) -> None:

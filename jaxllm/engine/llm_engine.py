@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-
+from concurrent.futures import Future
 
 from jaxllm.config import EngineConfig, default_buckets
 from jaxllm.engine.batch import build_batch, with_fork_rows
@@ -112,6 +112,10 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self._counter = itertools.count()
         self.eos_ids = self._eos_ids()
+        self._structured = None  # jaxllm.structured.manager.StructuredManager, made on first use
+        if self.tokenizer is not None:
+            from jaxllm.structured import register_eos
+            register_eos(self.tokenizer, self.eos_ids)
         self.warmup_seconds = 0.0
         if not cfg.skip_warmup:
             self.warmup()
@@ -164,6 +168,8 @@ class LLMEngine:
             raise ValueError(f"logprobs {params.logprobs} > max {self.sampler.max_logprobs}")
         if params.n > self.cfg.max_num_seqs:  # the n sequences run side by side after the fork
             raise ValueError(f"n={params.n} is larger than max_num_seqs={self.cfg.max_num_seqs}")
+        if params.structured_outputs is not None and self.tokenizer is None:
+            raise ValueError("structured_outputs needs a tokenizer (this engine has none)")
         if priority != 0 and self.cfg.scheduling_policy != "priority":
             raise ValueError(f"got priority {priority} but priority scheduling is not enabled "
                              "(scheduling_policy='priority')")
@@ -186,6 +192,7 @@ class LLMEngine:
                         eos_token_ids=self.eos_ids, stop_token_ids=tuple(params.stop_token_ids or ()),
                         ignore_eos=params.ignore_eos)
         parent = ParentRequest(request_id, text, ids, params, [], RequestMetrics(arrival))
+        grammar = self.structured.submit(params.structured_outputs) if params.structured_outputs else None
         n = params.n
         for i in range(n):
             sid = request_id if n == 1 else f"{i}_{request_id}"
@@ -194,6 +201,9 @@ class LLMEngine:
             seq = Sequence(req, parent.request_id, i, seed, self.tokenizer, params)
             parent.seqs.append(seq)
             self.seqs[sid] = seq
+            if grammar is not None:  # the leader waits in the queue until its grammar compiled
+                self.structured.add(sid, params.structured_outputs, grammar)
+                req.admit_check = self.structured.ready(grammar) if i == 0 else None
         self.parents[request_id] = parent
         self.scheduler.add(parent.seqs[0].req, [seq.req for seq in parent.seqs[1:]])
 
@@ -204,7 +214,20 @@ class LLMEngine:
                 continue
             for seq in reversed(parent.seqs):  # siblings first: no heir takes over the prompt
                 self.scheduler.finish(seq.req.request_id, RequestStatus.FINISHED_ABORTED)
-                self.seqs.pop(seq.req.request_id, None)
+                self._drop_seq(seq.req.request_id)
+
+    def _drop_seq(self, seq_id: str) -> None:
+        self.seqs.pop(seq_id, None)
+        if self._structured is not None:
+            self._structured.remove(seq_id)
+
+    @property
+    def structured(self):
+        """Constrained decoding state (grammars, matchers, bitmasks); built on first use."""
+        if self._structured is None:
+            from jaxllm.structured.manager import StructuredManager
+            self._structured = StructuredManager(self.tokenizer, self.model_cfg.vocab_size)
+        return self._structured
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
@@ -232,13 +255,17 @@ class LLMEngine:
         beam search are read before the next is scheduled.
         """
         prev, self._inflight = self._inflight, None
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput] = self._fail_grammars() if self._structured is not None else []
         if prev is not None and (not prev.overlappable or self.beam is not None):
-            outputs, prev = self._process(prev), None
+            outputs, prev = outputs + self._process(prev), None
         out = self.scheduler.schedule()
         launched = self._launch(out, prev)
-        if prev is not None:
-            outputs += self._process(prev)
+        try:
+            if prev is not None:
+                outputs += self._process(prev)
+        finally:  # the draw of `launched` waits for its mask, which needs prev's tokens
+            if launched is not None and launched.mask is not None and not launched.mask.done():
+                self._fill_mask(launched)
         if launched is not None:
             if self.dispatcher.threaded and self.beam is None:
                 self._inflight = launched
@@ -307,8 +334,36 @@ class LLMEngine:
         if fork_src:
             hb = with_fork_rows(hb, fork_src, self.token_buckets, self.seq_buckets)
         sbatch = self.sampler.prepare(rows, hb.block_tables.shape[0])
-        sample = self.dispatcher.submit(out, hb, sbatch, prev.sample if prev else None)
-        return Launched(out, rows, row_of, sample)
+        launched = Launched(out, rows, row_of, None, Future() if sbatch.masked else None, sbatch.num_rows)
+        if launched.mask is not None and prev is None:  # every earlier token is known: fill now
+            self._fill_mask(launched)
+        launched.sample = self.dispatcher.submit(out, hb, sbatch, prev.sample if prev else None, launched.mask)
+        return launched
+
+    def _fill_mask(self, launched: Launched) -> None:
+        """Set the step's bitmask from the matchers (which have seen every earlier token)."""
+        rows = [(sid, i) for sid, i in launched.row_of.items() if sid in self.structured]
+        try:
+            launched.mask.set_result(self.structured.fill(rows, launched.num_rows))
+        except BaseException as exc:  # the dispatch thread must not wait forever
+            launched.mask.set_exception(exc)
+            raise
+
+    def _fail_grammars(self) -> list[RequestOutput]:
+        """Finish (aborted) the requests whose grammar failed to compile."""
+        outputs = []
+        for sid, reason in self._structured.failed():
+            seq = self.seqs.get(sid)
+            parent = self.parents.pop(seq.parent_id, None) if seq is not None else None
+            if parent is None:
+                self._structured.remove(sid)
+                continue
+            log.error("request %s: structured_outputs failed to compile: %s", parent.request_id, reason)
+            for s in reversed(parent.seqs):
+                self.scheduler.finish(s.req.request_id, RequestStatus.FINISHED_ABORTED)
+                self._drop_seq(s.req.request_id)
+            outputs.append(make_output(parent, True))
+        return outputs
 
     def _process(self, launched: Launched) -> list[RequestOutput]:
         """Read a step's sampled tokens (the one device sync) and advance its requests."""
@@ -324,10 +379,13 @@ class LLMEngine:
         outputs: dict[str, RequestOutput] = {}
         for req in touched:
             seq = self.seqs[req.request_id]
+            if (self._structured is not None and self._structured.advance(req.request_id, req.output_token_ids)
+                    and not req.finished):  # the grammar is complete: finish_reason "stop"
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
             if seq.on_token(sout, row_of[req.request_id]) and not req.finished:  # a stop string
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
             if req.finished:
-                del self.seqs[req.request_id]
+                self._drop_seq(req.request_id)
             parent = self.parents[seq.parent_id]
             if parent.record(req):
                 del self.parents[parent.request_id]
@@ -352,4 +410,5 @@ class LLMEngine:
             "num_host_blocks": self.kv.host.num_blocks,
             "num_free_host_blocks": self.kv.host.num_free + self.kv.host.num_pending,
             **(self.connector.stats() if self.connector is not None else {}),
+            **(self._structured.stats() if self._structured is not None else {}),
         }

@@ -75,6 +75,7 @@ class SamplingTensors:
     history: jax.Array  # [R, H] i32 prompt+output ids, -1 padded; H = max_model_len, or 1 if no penalties
     suppress_ids: jax.Array  # [R, S] i32 ids forced to -inf (min_tokens not reached); -1 padded
     num_logprobs: jax.Array  # [R] i32 requested top-n logprobs; -1 = none
+    bitmask: jax.Array  # [R, ceil(V/32)] i32 allowed-token bits (structured outputs), or [R, 0]: none
 
 
 @dataclass
@@ -86,6 +87,8 @@ class SamplingBatch:
     greedy_only: bool  # take the argmax-only variant
     want_logprobs: bool  # some row asked for logprobs
     tensors: SamplingTensors | None  # None on the greedy-only path
+    masked: bool = False  # some row is constrained: `bitmask` must be set before the launch
+    bitmask: np.ndarray | None = None  # host [R, ceil(V/32)] int32, filled while the forward runs
 
 
 @dataclass
@@ -149,6 +152,14 @@ def _draw(seed: jax.Array, step: jax.Array, logits: jax.Array) -> jax.Array:
     return jax.random.categorical(jax.random.fold_in(key, step), logits)
 
 
+def apply_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf where the packed mask's bit is 0 (bit i % 32 of word i // 32: token i allowed)."""
+    num_rows, vocab = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+    allowed = bits.reshape(num_rows, -1)[:, :vocab] != 0
+    return jnp.where(allowed, logits, _NEG_INF)
+
+
 def _full_sample(
     logits: jax.Array, t: SamplingTensors, max_logprobs: int, pad_to: int = 0
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -159,6 +170,8 @@ def _full_sample(
         x = _apply_penalties(x, t)
     sup = jnp.where(t.suppress_ids >= 0, t.suppress_ids, vocab)
     x = x.at[jnp.arange(num_rows)[:, None], sup].set(_NEG_INF, mode="drop")
+    if t.bitmask.shape[1]:  # static: the structured-outputs variant
+        x = apply_bitmask(x, t.bitmask)
     greedy_tok = jnp.argmax(x, axis=-1)
 
     x = x / t.temperature[:, None]
@@ -218,6 +231,7 @@ class Sampler:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.max_logprobs = max_logprobs
+        self.mask_words = (vocab_size + 31) // 32  # packed structured-outputs bitmask width
         self._sharding = sharding  # where the per-row tensors live (default device if None)
         # Sampled ids come out [max(pad_to, R)] (see `pad_ids`).
         self._greedy_fn = jax.jit(functools.partial(_greedy_sample, pad_to=pad_to))
@@ -243,6 +257,8 @@ class Sampler:
         any_penalty = any(r.params.has_penalties for r in rows)
         greedy_only = not want_logprobs and not any_penalty and not any(stop_ids)
         greedy_only = greedy_only and all(r.params.is_greedy for r in rows)
+        masked = any(r.params.structured_outputs is not None for r in rows)
+        greedy_only = greedy_only and not masked
         if greedy_only:
             return SamplingBatch(num_rows, n, True, False, None)
 
@@ -290,10 +306,10 @@ class Sampler:
 
         host = SamplingTensors(
             temperature, greedy, top_k, top_p, min_p, penalties[0], penalties[1], penalties[2],
-            seed, step, prompt_len, history, suppress, num_logprobs,
+            seed, step, prompt_len, history, suppress, num_logprobs, np.zeros((num_rows, 0), np.int32),
         )  # fmt: skip
         tensors = jax.device_put(host, self._sharding)
-        return SamplingBatch(num_rows, n, False, want_logprobs, tensors)
+        return SamplingBatch(num_rows, n, False, want_logprobs, tensors, masked)
 
     def _suppressed_ids(self, row: SampleRow) -> list[int]:
         """Stop ids (and EOS) to mask while the request is below min_tokens."""
@@ -318,16 +334,29 @@ class Sampler:
             raise ValueError(f"logits shape {logits.shape} != ({batch.num_rows}, {self.vocab_size}).")
         if batch.greedy_only:
             return PendingSample(self._greedy_fn(logits) if greedy_ids is None else greedy_ids)
-        tokens, tok_lp, top_ids, top_lp = self._full_fn(logits, batch.tensors)
+        tensors = batch.tensors
+        if batch.masked:
+            if batch.bitmask is None or batch.bitmask.shape != (batch.num_rows, self.mask_words):
+                raise ValueError(f"a constrained batch needs a [{batch.num_rows}, {self.mask_words}] bitmask")
+            tensors = dataclasses.replace(tensors, bitmask=jax.device_put(batch.bitmask, self._sharding))
+        tokens, tok_lp, top_ids, top_lp = self._full_fn(logits, tensors)
         return PendingSample(tokens, (tok_lp, top_ids, top_lp) if batch.want_logprobs else None)
 
     def warmup(self, num_rows: int) -> None:
-        """Compile the greedy and both full variants for this padded row count."""
+        """Compile the greedy and the four full variants (history, bitmask) for this row count."""
+        from jaxllm.sampling_params import StructuredOutputsParams
+
         logits = jnp.zeros((num_rows, self.vocab_size), jnp.float32)
+        regex = StructuredOutputsParams(regex="a")
         variants = [
             [],  # greedy-only
             [SampleRow(SamplingParams(), [0], [], 0, None)],  # full, no penalties
             [SampleRow(SamplingParams(repetition_penalty=1.1), [0], [], 0, None)],  # full with history
+            [SampleRow(SamplingParams(structured_outputs=regex), [0], [], 0, None)],  # + bitmask
+            [SampleRow(SamplingParams(repetition_penalty=1.1, structured_outputs=regex), [0], [], 0, None)],
         ]
         for rows in variants:
-            self.sample(logits, self.prepare(rows, num_rows))
+            batch = self.prepare(rows, num_rows)
+            if batch.masked:
+                batch.bitmask = np.full((num_rows, self.mask_words), -1, np.int32)
+            self.sample(logits, batch)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 class RequestStatus(enum.Enum):
@@ -72,6 +73,9 @@ class Request:
     seq_no: int = 0  # admission tie-breaker, set by the scheduler
     kv_transfer_params: dict | None = None  # from the client (P/D: where the prefilled KV is)
     kv_transfer_params_out: dict | None = None  # from the KV connector when it finished
+    # Admission gate (e.g. its grammar still compiling): the scheduler passes over a waiting
+    # request while this returns False, admitting those behind it.
+    admit_check: Callable[[], bool] | None = None
 
     @property
     def seats(self) -> int:

@@ -173,6 +173,13 @@ class Scheduler:
         self.waiting.add_preempted(victim)
         out.preempted.append(victim.request_id)
 
+    def _next_waiting(self) -> Request | None:
+        """The first waiting request that may be admitted (see `Request.admit_check`)."""
+        for req in self.waiting:
+            if req.admit_check is None or req.admit_check():
+                return req
+        return None
+
     def _evict_parked(self) -> bool:
         """Free the blocks of the oldest parked request that still has some."""
         for req in self.parked.values():
@@ -207,7 +214,9 @@ class Scheduler:
     def _preempt_for_priority(self, out: SchedulerOutput, budget: int) -> None:
         """Make room for a waiting request that outranks the lowest running one."""
         while len(self.waiting) and self.running:
-            head, victim = self.waiting.peek(), self.running[-1]
+            head, victim = self._next_waiting(), self.running[-1]
+            if head is None:
+                return
             if head.priority >= victim.priority:
                 return
             hits, ext, n = self._admission(head, budget)
@@ -259,7 +268,9 @@ class Scheduler:
         if not preempted_for_room:  # no thrashing: a victim must not be readmitted at once
             seats = sum(r.seats for r in self.running)
             while len(self.waiting) and budget > 0:
-                req = self.waiting.peek()
+                req = self._next_waiting()
+                if req is None:
+                    break
                 if seats + req.seats > cfg.max_num_seqs or req.request_id in out.preempted:
                     break  # (a request preempted for priority this step waits at least one)
                 hits, ext, n = self._admission(req, budget)
@@ -270,7 +281,7 @@ class Scheduler:
                     if self._evict_parked():
                         continue
                     break
-                self.waiting.pop()
+                self.waiting.remove(req)
                 num_hit = len(hits) * self.kv.block_size
                 req.num_computed_tokens += num_hit
                 if self.connector is not None:

@@ -15,10 +15,19 @@ from jaxllm.sampling_params import StructuredOutputsParams
 from jaxllm.structured.backend import Backend, Grammar, Matcher
 from jaxllm.structured.compiler import COMPILE_TIMEOUT_S, GrammarCompiler
 
-__all__ = ["Backend", "Grammar", "Matcher", "GrammarCompiler", "compiler_for", "validate", "COMPILE_TIMEOUT_S"]
+__all__ = ["Backend", "Grammar", "Matcher", "GrammarCompiler", "compiler_for", "register_eos", "validate",
+           "COMPILE_TIMEOUT_S"]
 
 _compilers: "weakref.WeakKeyDictionary[object, GrammarCompiler]" = weakref.WeakKeyDictionary()
+_eos_of: "weakref.WeakKeyDictionary[object, tuple[int, ...]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+
+
+def register_eos(tokenizer, eos_ids: tuple[int, ...]) -> None:
+    """Tell compilers built later for ``tokenizer`` which ids end a sequence (the model's EOS
+    set, which may be wider than the tokenizer's); the engine calls this at start-up (cheap)."""
+    with _lock:
+        _eos_of[tokenizer] = tuple(eos_ids)
 
 
 def compiler_for(tokenizer, backend: str = "guidance") -> GrammarCompiler:
@@ -30,7 +39,7 @@ def compiler_for(tokenizer, backend: str = "guidance") -> GrammarCompiler:
                 raise ValueError(f"structured_outputs backend must be 'guidance', got {backend!r}")
             from jaxllm.structured.llguidance_backend import LLGuidanceBackend
 
-            compiler = GrammarCompiler(LLGuidanceBackend.for_tokenizer(tokenizer))
+            compiler = GrammarCompiler(LLGuidanceBackend.for_tokenizer(tokenizer, _eos_of.get(tokenizer, ())))
             _compilers[tokenizer] = compiler
         return compiler
 

@@ -91,8 +91,8 @@ class LLGuidanceGrammar(Grammar):
 class LLGuidanceBackend(Backend):
     name = "guidance"
 
-    def __init__(self, backend_tokenizer_json: str, eos_token_id: int | None, vocab_size: int):
-        self.tokenizer = llg.LLTokenizer(backend_tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_id)
+    def __init__(self, backend_tokenizer_json: str, eos_ids: list[int], vocab_size: int):
+        self.tokenizer = llg.LLTokenizer(backend_tokenizer_json, n_vocab=vocab_size, eos_token=eos_ids or None)
         self.vocab_size = self.tokenizer.vocab_size
         self.words = (self.vocab_size + 31) // 32
         self.limits = llg.LLParserLimits(max_grammar_size=MAX_GRAMMAR_SIZE)
@@ -100,9 +100,10 @@ class LLGuidanceBackend(Backend):
         self._scratch = np.zeros((0, self.words), np.int32)
 
     @classmethod
-    def for_tokenizer(cls, tokenizer) -> "LLGuidanceBackend":
+    def for_tokenizer(cls, tokenizer, eos_ids: tuple[int, ...] = ()) -> "LLGuidanceBackend":
         """From a ``jaxllm.models.tokenizer.Tokenizer`` (its Rust ``tokenizers`` backend)."""
-        return cls(tokenizer.backend.to_str(), tokenizer.eos_token_id, tokenizer.vocab_size)
+        ids = sorted(set(eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()))
+        return cls(tokenizer.backend.to_str(), ids, tokenizer.vocab_size)
 
     def compile(self, params: StructuredOutputsParams) -> Grammar:
         text = grammar_text(params)

@@ -1,0 +1,220 @@
+"""Structured outputs end to end on the embedded SmolLM2 (one LLM for the module), plus the
+sampler's bitmask, the scheduler's admission gate and the reasoning hook as units."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import jax.numpy as jnp
+import jsonschema
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.engine.sampler import SampleRow, Sampler
+from jaxllm.runtime.kv_cache_manager import KVCacheManager
+from jaxllm.runtime.request import Request, StopRule
+from jaxllm.runtime.scheduler import Scheduler, SchedulerConfig
+from jaxllm.sampling_params import StructuredOutputsParams as S
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 18, "maximum": 99},
+        "role": {"enum": ["admin", "user", "guest"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 1, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                     "zip": {"type": "integer", "minimum": 10000,
+                                                             "maximum": 99999}},
+                    "required": ["city", "zip"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "role", "tags", "address"],
+    "additionalProperties": False,
+}
+PROMPT = "Describe a user of our website as JSON:"
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    # A small KV pool (24 blocks of 16 tokens) so n = 8 JSON samples get preempted.
+    return LLM(dtype="float32", max_model_len=256, max_num_seqs=8, token_buckets=(16, 64),
+               seq_buckets=(8,), num_gpu_blocks_override=24)
+
+
+def _clean(llm: LLM) -> None:
+    st = llm.stats()
+    assert st["compiles_after_warmup"] == 0
+    assert st["num_free_blocks"] == st["num_total_blocks"]
+    assert not llm.engine.structured.states  # every sequence's matcher was dropped
+
+
+def test_json_schema_n8_validates_and_survives_preemption(llm) -> None:
+    before = llm.stats()["num_preemptions"]
+    sp = SamplingParams(n=8, temperature=1.0, seed=11, max_tokens=160,
+                        structured_outputs=S(json=SCHEMA, disable_any_whitespace=True))
+    out = llm.generate([PROMPT], sp, use_tqdm=False)[0]
+    assert len(out.outputs) == 8
+    for c in out.outputs:
+        jsonschema.validate(json.loads(c.text), SCHEMA)
+        assert c.finish_reason == "stop"  # the grammar reached its end
+    assert len({c.text for c in out.outputs}) > 1  # sampled, not one forced string
+    assert llm.stats()["num_preemptions"] > before
+    _clean(llm)
+
+
+def test_json_streamed_through_the_async_engine(llm) -> None:
+    from jaxllm.engine.async_engine import AsyncLLM
+
+    async def run() -> list[str]:
+        engine = AsyncLLM(llm.engine)
+        try:
+            sp = SamplingParams(temperature=1.0, seed=5, max_tokens=160,
+                                structured_outputs=S(json=SCHEMA, disable_any_whitespace=True))
+            ids = llm.engine.tokenize(PROMPT)[1]
+            texts, reasons = [""], [None]
+            async for o in engine.generate(ids, sp, delta=True):
+                for c in o.outputs:
+                    texts[c.index] += c.text
+                    reasons[c.index] = c.finish_reason or reasons[c.index]
+            assert reasons == ["stop"]
+            return texts
+        finally:
+            await engine.shutdown()
+
+    for text in asyncio.run(run()):
+        jsonschema.validate(json.loads(text), SCHEMA)
+    _clean(llm)
+
+
+LARK = r"""
+start: expr
+expr: NUM | NUM OP NUM | NUM OP NUM OP NUM
+NUM: /[1-9][0-9]?/
+OP: "+" | "-" | "*"
+"""
+
+
+def test_regex_choice_grammar_json_object_and_mixed_rows(llm) -> None:
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate(["The capital of France is"], plain, use_tqdm=False)[0].outputs[0].token_ids
+    cases = [
+        (SamplingParams(n=4, temperature=1.0, seed=1, max_tokens=20,
+                        structured_outputs=S(regex=r"[A-Z][a-z]{2,6}-[0-9]{3}")),
+         lambda t: re.fullmatch(r"[A-Z][a-z]{2,6}-[0-9]{3}", t)),
+        (SamplingParams(n=4, temperature=1.0, seed=2, max_tokens=20,
+                        structured_outputs=S(choice=["red", "green", "dark blue"])),
+         lambda t: t in ("red", "green", "dark blue")),
+        (SamplingParams(n=4, temperature=1.0, seed=3, max_tokens=20, structured_outputs=S(grammar=LARK)),
+         lambda t: re.fullmatch(r"[1-9][0-9]?([-+*][1-9][0-9]?){0,2}", t)),
+        (SamplingParams(n=2, temperature=1.0, seed=4, max_tokens=100, logprobs=2, stop=["zzz"],
+                        structured_outputs=S(json_object=True, disable_any_whitespace=True)),
+         lambda t: isinstance(json.loads(t), dict)),
+    ]
+    prompts = ["A product code:", "Pick a colour:", "An arithmetic expression:", "A JSON object:",
+               "The capital of France is"]
+    outs = llm.generate(prompts, [c[0] for c in cases] + [plain], use_tqdm=False)
+    for (sp, ok), o in zip(cases, outs):
+        for c in o.outputs:
+            assert ok(c.text) and c.finish_reason == "stop", (sp.structured_outputs.kind, c.text, c.finish_reason)
+    for c in outs[3].outputs:  # logprobs still come with constrained tokens
+        assert len(c.logprobs) == len(c.token_ids) and all(t in lp for t, lp in zip(c.token_ids, c.logprobs))
+    # An unconstrained greedy row in a batch with constrained rows is unchanged.
+    assert outs[4].outputs[0].token_ids == alone
+    _clean(llm)
+
+
+def test_invalid_constraints_raise_and_the_engine_keeps_serving(llm) -> None:
+    for bad, reason in [(S(json={"type": "object", "properties": {"a": {"type": "nope"}}}), "nope"),
+                        (S(regex="(unclosed"), "unclosed"), (S(grammar="start: missing_rule"), "missing_rule")]:
+        with pytest.raises(ValueError, match=reason):
+            llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=bad), use_tqdm=False)
+    out = llm.generate(["Yes or no?"], SamplingParams(max_tokens=5, structured_outputs=S(choice=["yes", "no"])),
+                       use_tqdm=False)
+    assert out[0].outputs[0].text in ("yes", "no")
+    _clean(llm)
+
+
+def test_sync_scheduling_gives_the_same_constrained_output(llm) -> None:
+    sp = SamplingParams(n=3, temperature=1.0, seed=21, max_tokens=24,
+                        structured_outputs=S(regex=r"[a-z]{3,8}( [a-z]{3,8}){2}\."))
+    overlapped = [c.text for c in llm.generate(["Three words:"], sp, use_tqdm=False)[0].outputs]
+    llm.engine.async_scheduling = False
+    try:
+        sync = [c.text for c in llm.generate(["Three words:"], sp, use_tqdm=False)[0].outputs]
+    finally:
+        llm.engine.async_scheduling = True
+    assert sync == overlapped  # the mask of step k+1 saw step k's token either way
+    assert all(re.fullmatch(r"[a-z]{3,8}( [a-z]{3,8}){2}\.", t) for t in sync)
+    _clean(llm)
+
+
+# -- units ----------------------------------------------------------------------------------------
+
+def test_mask_is_applied_in_the_jitted_sampler() -> None:
+    vocab = 100  # 4 words, the last one half padding
+    sampler = Sampler(vocab, 16, pad_to=4)
+    logits = np.zeros((4, vocab), np.float32)
+    logits[:, 7] = 50.0  # the forbidden top choice, by far
+    constrained = SamplingParams(temperature=1.0, structured_outputs=S(regex="a"))
+    rows = [SampleRow(constrained, [0], [], seed=s, eos_token_id=None) for s in range(3)]
+    rows.append(SampleRow(SamplingParams(temperature=0.0), [0], [], seed=0, eos_token_id=None))
+    allowed = {3, 40, 99}
+    mask = np.full((4, sampler.mask_words), -1, np.int32)
+    mask[:3] = 0
+    for t in allowed:
+        mask[:3, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+    seen, before = set(), None
+    for step in range(24):
+        batch = sampler.prepare([SampleRow(r.params, r.prompt_ids, [0] * step, r.seed, None) for r in rows], 4)
+        assert batch.masked and not batch.greedy_only
+        batch.bitmask = mask
+        out = sampler.sample(jnp.asarray(logits), batch).token_ids
+        seen |= set(out[:3].tolist())
+        assert out[3] == 7  # the unconstrained row still takes its top choice
+        before = before or sampler.num_compiled_variants()
+    assert seen <= allowed and len(seen) > 1
+    assert sampler.num_compiled_variants() == before
+    batch = sampler.prepare(rows, 4)
+    with pytest.raises(ValueError, match="bitmask"):
+        sampler.sample(jnp.asarray(logits), batch)  # a constrained draw without its mask
+
+
+def test_scheduler_admits_past_a_request_whose_grammar_compiles() -> None:
+    kv = KVCacheManager(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv)
+    ready = [False]
+    slow = Request("slow", [1, 2, 3], StopRule(max_tokens=4))
+    slow.admit_check = lambda: ready[0]
+    sched.add(slow)
+    sched.add(Request("fast", [4, 5, 6], StopRule(max_tokens=4)))
+    assert [s.request_id for s in sched.schedule().scheduled] == ["fast"]
+    ready[0] = True
+    assert "slow" in [s.request_id for s in sched.schedule().scheduled]
+
+
+def test_reasoning_end_starts_the_constraint() -> None:
+    from jaxllm.models.loader import embedded_model_path
+    from jaxllm.models.tokenizer import Tokenizer
+    from jaxllm.structured.manager import StructuredManager
+
+    tok = Tokenizer.from_gguf(embedded_model_path())
+    manager = StructuredManager(tok, tok.vocab_size + 40)  # a model vocab with padding ids
+    end = tok.encode("</think>", add_special_tokens=False)
+    params = S(choice=["yes", "no"], reasoning_end_ids=end)
+    manager.add("r", params, manager.submit(params))
+    manager.submit(params).result()
+    thinking = tok.encode("Let me think", add_special_tokens=False)
+    assert not manager.advance("r", thinking)
+    assert (manager.fill([("r", 0)], 1) == -1).all()  # still reasoning: nothing is forbidden
+    out = thinking + end
+    assert not manager.advance("r", out)
+    mask = manager.fill([("r", 0)], 2)
+    allowed = np.flatnonzero(np.unpackbits(mask[0].view(np.uint8), bitorder="little"))
+    assert 0 < len(allowed) < 50 and allowed.max() < tok.vocab_size  # padding ids are forbidden
+    assert (mask[1] == -1).all()
+    assert all(tok.decode([int(t)]) in ("y", "ye", "yes", "n", "no") for t in allowed)
+    assert manager.advance("r", out + tok.encode("yes", add_special_tokens=False))  # complete
+    manager.remove("r")
