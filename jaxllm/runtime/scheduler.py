@@ -275,7 +275,8 @@ class Scheduler:
                     break  # (a request preempted for priority this step waits at least one)
                 hits, ext, n = self._admission(req, budget)
                 if ext is None:  # the connector is still fetching its KV: step aside
-                    self.loading[self.waiting.pop().request_id] = req
+                    self.waiting.remove(req)  # (not pop: req may stand behind a gated one)
+                    self.loading[req.request_id] = req
                     continue
                 if self.kv.allocate_slots(req, ext + n, hits) is None:
                     if self._evict_parked():
