@@ -13,12 +13,12 @@ LAT="scripts/bench_latency.py --input-len 2048 --num-iters 20 --max-num-batched-
 # of memory even so (its prefill materialises logits for every position): batch 1 only.
 [ -z "${SKIP_TP1:-}" ] && echo "== 8b tp=1" && CUDA_VISIBLE_DEVICES=0 XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 timeout ${T1:-280} python3 $LAT \
   --random-shape llama3-8b --batch-size 1 8 64 --hf --hf-batch-size 1 \
-  --output-json "$OUT/latency_8b_tp1.json" 2>&1 | grep -v -i warn | tail -12
+  --output-json "$OUT/latency_8b_tp1.json" 2>&1 | tail -12
 echo "== 8b tp=2"; XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout ${T2:-120} python3 $LAT --random-shape llama3-8b \
-  --batch-size 1 64 -tp 2 --output-json "$OUT/latency_8b_tp2.json" 2>&1 | grep -v -i warn | tail -8
+  --batch-size 1 64 -tp 2 --output-json "$OUT/latency_8b_tp2.json" 2>&1 | tail -8
 echo "== 70b tp=2"; XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${T3:-170} python3 $LAT --random-shape llama3-70b \
-  --batch-size 1 64 -tp 2 --num-iters 10 --output-json "$OUT/latency_70b_tp2.json" 2>&1 | grep -v -i warn | tail -8
+  --batch-size 1 64 -tp 2 --num-iters 10 --output-json "$OUT/latency_70b_tp2.json" 2>&1 | tail -8
 if [ "${PARITY:-0}" = 1 ]; then
-  echo "== parity tp"; timeout 150 python3 scripts/gpu_tp_parity.py --tp 1 2 2>&1 | grep -v -i warn \
+  echo "== parity tp"; timeout 150 python3 scripts/gpu_tp_parity.py --tp 1 2 2>&1 \
     | tee "$OUT/tp_parity.log" | tail -5
 fi

@@ -48,7 +48,7 @@ def _scatter_list(pages: jax.Array, blocks: list[jax.Array], dst: jax.Array) -> 
 
 class KVOps:
     def __init__(self, num_blocks: int, max_copies: int, num_host_blocks: int,
-                 pages: jax.Array, block_io: bool = False) -> None:
+                 pages: jax.Array, block_io: bool = False, compiler_options: dict | None = None) -> None:
         self.num_blocks = num_blocks
         self.max_copies = max_copies
         self.num_host_blocks = num_host_blocks
@@ -59,12 +59,13 @@ class KVOps:
         self.host = np.empty((num_host_blocks, *self.block_shape), pages.dtype)
         # Over a mesh, results keep the pages' sharding; on one device no sharding is
         # pinned, so the pages stay uncommitted like the runner's (jit caches key on that).
-        keep = dict(donate_argnums=0)
+        # XLA's memory limit as the step's (`engine/memory.py`): these programs hold the whole pool too.
+        keep = dict(donate_argnums=0, compiler_options=compiler_options or None)
         if len(pages.sharding.device_set) > 1:
             keep["out_shardings"] = pages.sharding
         # partial(): a cache of our own, so num_compiled() counts this engine's variants only.
         self._copy = jax.jit(functools.partial(_copy), **keep)
-        self._gather = jax.jit(functools.partial(_gather))
+        self._gather = jax.jit(functools.partial(_gather), compiler_options=compiler_options or None)
         self._scatter = jax.jit(functools.partial(_scatter), **keep)
         self._scatter_list = jax.jit(functools.partial(_scatter_list), **keep)
         self._zero_block = None  # padding of write_blocks, on the device

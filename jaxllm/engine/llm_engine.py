@@ -80,7 +80,7 @@ class LLMEngine:
             state = self.model_entry.to_state(self.model_cfg, weights, dtype, consume=owned)
             del weights
         self.runner = ModelRunner(self.model_cfg, cfg, self.max_model_len, state,
-                                  max_rows=self.seq_buckets[-1])
+                                  max_rows=self.seq_buckets[-1], max_num_tokens=max_tokens)
         if cfg.preemption_mode == "swap" and self.runner.channel is not None:
             raise ValueError("preemption_mode='swap' needs a single process (each process would "
                              "hold its own host pages); use preemption_mode='recompute'")
@@ -89,7 +89,8 @@ class LLMEngine:
         if cfg.preemption_mode == "swap":
             host_blocks = int(cfg.swap_space * (1 << 30)) // (pages.nbytes // self.runner.num_blocks)
         block_io = transfer_config(cfg) is not None
-        self.kv_ops = KVOps(self.runner.num_blocks, cfg.max_num_seqs, host_blocks, pages, block_io)
+        self.kv_ops = KVOps(self.runner.num_blocks, cfg.max_num_seqs, host_blocks, pages, block_io,
+                            compiler_options=self.runner.compiler_options)
         self.kv = KVCacheManager(self.runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching,
                                  num_host_blocks=host_blocks)
         self.connector = build_for_engine(cfg, self.model_cfg, self.kv, self.kv_ops, pages.dtype,

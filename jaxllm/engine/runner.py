@@ -25,6 +25,8 @@ from flax import nnx
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine.batch import HostBatch, pick_bucket
+from jaxllm.engine.memory import (GiB, StepMemory, base_limit, describe, plan_pool,
+                                  xla_limit_options)
 from jaxllm.engine.sampler import pad_ids
 from jaxllm.kernels import kv_quant
 from jaxllm.kernels.metadata import AttentionMetadata
@@ -33,6 +35,8 @@ from jaxllm.models import registry
 from jaxllm.models.llama import load_state
 
 log = logging.getLogger("jaxllm")
+
+SIZING_HEADROOM = 512 << 20  # the sampler's and page moves' buffers, outside the step
 
 DTYPES = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16,
           "bf16": jnp.bfloat16, "half": jnp.bfloat16}
@@ -99,7 +103,7 @@ def pick_attention(backend: str | None, platform: str):
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int,
                  state: dict | None = None, dtype=None, unroll_layers: bool | None = None,
-                 max_rows: int | None = None):
+                 max_rows: int | None = None, max_num_tokens: int | None = None):
         self.cfg = cfg
         # Sampled ids travel between steps as one [max_rows] array (the largest request
         # bucket), so an overlapped step reads them whatever the previous bucket was.
@@ -139,14 +143,7 @@ class ModelRunner:
         # Quantized KV caches store rows of W (not D) elements of kv_dtype (kernels/kv_quant.py).
         self.kv_dtype, self.kv_width = kv_quant.page_layout(cfg.kv_cache_dtype, self.dtype,
                                                             model_cfg.head_dim)
-        self.num_blocks = self._num_blocks(max_model_len)
-        L, K = model_cfg.num_layers, model_cfg.num_kv_heads
-        shape = (L, 2, K, self.num_blocks, self.block_size, self.kv_width)
-        log.info("KV cache %s (%s pages): %d blocks of %d tokens (%d tokens), maximum concurrency "
-                 "for %d-token requests: %.2fx", cfg.kv_cache_dtype, jnp.dtype(self.kv_dtype).name,
-                 self.num_blocks, self.block_size, self.num_blocks * self.block_size, max_model_len,
-                 self.num_blocks / self.max_blocks)
-        self.num_traces = 0
+        L = model_cfg.num_layers
         # Accelerators: one array per layer, unrolled (see Llama.__call__); CPU: a scan over
         # stacked weights, which compiles far faster.
         if unroll_layers is None:
@@ -159,15 +156,73 @@ class ModelRunner:
         # call on an H200 is XLA launching the step's kernels, which this does not change).
         self.flat_params, self._params_def = jax.tree.flatten(self.step_params)
         self.no_ids = jnp.zeros(self.max_rows, jnp.int32)  # `prev_ids` when every token is known
+        self.max_num_tokens = max_num_tokens or max(512, cfg.max_num_seqs)
+        self.compiler_options: dict = {}  # set by the pool sizing (XLA's memory limit, GPU)
+        self.num_blocks = self._num_blocks(max_model_len)
+        self.num_traces = 0  # the sizing's probe compiles do not count
+        shape = self._pages_shape(self.num_blocks)
         if self.tp is None:
             self.kv_pages = jnp.zeros(shape, self.kv_dtype)
-            self._step = jax.jit(self._step_flat, donate_argnums=(1,))
+            self._step = self._jit_step(self.compiler_options)
             self.device_bytes = {"weight_bytes": self.weight_bytes, "kv_bytes": self.kv_pages.nbytes}
         else:
             self.kv_pages = self.tp.zeros(shape, self.kv_dtype)
             self.no_ids = jax.device_put(self.no_ids, self.tp.replicated)
-            self._step = self.tp.jit_step(self._step_flat, self.flat_params)
+            self._step = self._jit_step(self.compiler_options)
             self.device_bytes = self.tp.report(self.step_params, self.kv_pages, self.num_blocks)
+        log.info("%s (kv_cache_dtype %s, %s pages)", describe(
+            self.num_blocks, self.block_size, self.device_bytes["kv_bytes"], max_model_len,
+            self.tp.tp if self.tp else 1), cfg.kv_cache_dtype, jnp.dtype(self.kv_dtype).name)
+
+    def _pages_shape(self, num_blocks: int) -> tuple[int, ...]:
+        m = self.model_cfg
+        return (m.num_layers, 2, m.num_kv_heads, num_blocks, self.block_size, self.kv_width)
+
+    def _jit_step(self, options: dict):
+        if self.tp is None:
+            return jax.jit(self._step_flat, donate_argnums=(1,), compiler_options=options or None)
+        return self.tp.jit_step(self._step_flat, self.flat_params, compiler_options=options or None)
+
+    def _compile_probe(self, num_blocks: int, options: dict):
+        """The largest (tokens, rows) step compiled, not run, against a pool of `num_blocks`."""
+        T, R = self.max_num_tokens, self.max_rows
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+        pages = jax.ShapeDtypeStruct(self._pages_shape(num_blocks), self.kv_dtype)
+        batch = Batch(i32(5, T), i32(R, self.max_blocks + 3))
+        return self._jit_step(options).lower(self.flat_params, pages, batch, i32(self.max_rows)).compile()
+
+    def _memory_stats(self) -> tuple[int, int]:
+        """(bytes_limit, bytes_in_use) of the tightest local device (weights already placed)."""
+        devices = self.tp.local_devices if self.tp else jax.devices()[:1]
+        stats = [d.memory_stats() or {} for d in devices]
+        free = [s.get("bytes_limit", 16 << 30) - s.get("bytes_in_use", 0) for s in stats]
+        s = stats[free.index(min(free))]
+        return s.get("bytes_limit", 16 << 30), s.get("bytes_in_use", 0)
+
+    def _step_io(self, num_blocks: int) -> tuple[int, int]:
+        """(inputs + outputs with the pool once, outputs) of the step on one device, from shapes."""
+        dev = self.tp.local_devices[0] if self.tp else None
+        weights = sum(a.nbytes if dev is None else sum(s.data.nbytes for s in a.addressable_shards
+                                                       if s.device == dev) for a in self.flat_params)
+        pool = num_blocks * self._bytes_per_block()
+        out = pool + self.max_rows * (self.model_cfg.vocab_size + 1) * 4  # pages, logits, ids
+        return weights + pool + 4 * (5 * self.max_num_tokens + self.max_rows * (self.max_blocks + 4)) \
+            + out - pool, out
+
+    def _profiled_blocks(self, bytes_limit: int, bytes_in_use: int, min_blocks: int) -> int:
+        """Blocks that fit beside the weights and the step's own buffers (`engine/memory.py`)."""
+        options = lambda p: xla_limit_options(self.platform, bytes_limit, *self._step_io(p))
+        p1 = max(self.max_blocks, 64)
+        probes = [(p, StepMemory.of(self._compile_probe(p, options(p)).memory_analysis())) for p in (p1, 2 * p1)]
+        cap = base_limit(bytes_limit) if self.platform == "gpu" else None
+        plan = plan_pool(bytes_limit, bytes_in_use + SIZING_HEADROOM, self.cfg.gpu_memory_utilization,
+                         self._bytes_per_block(), probes, min_blocks, io_cap_bytes=cap)
+        self.compiler_options = options(plan.num_blocks)
+        log.info("KV pool sized from the compiled step (tokens %d, rows %d): %.2f GiB free of %.2f GiB at "
+                 "gpu_memory_utilization %.2f, the step's own buffers %.2f GiB; XLA options %s",
+                 self.max_num_tokens, self.max_rows, plan.free_bytes / GiB, bytes_limit / GiB,
+                 self.cfg.gpu_memory_utilization, plan.step_extra_bytes / GiB, self.compiler_options)
+        return plan.num_blocks
 
     def _bytes_per_block(self) -> int:
         """Bytes one block takes on each device (its share of the KV heads)."""
@@ -187,12 +242,9 @@ class ModelRunner:
             # CPU: enough for every sequence at full length, at most 1 GiB.
             need = cfg.max_num_seqs * self.max_blocks * per_block
             budget = min(need, 1 << 30)
-        elif self.tp is not None:
-            budget = self.tp.kv_budget(cfg.gpu_memory_utilization)
         else:
-            stats = jax.devices()[0].memory_stats() or {}
-            limit = stats.get("bytes_limit", 16 << 30)
-            budget = int(limit * cfg.gpu_memory_utilization) - stats.get("bytes_in_use", 0) - (2 << 30)
+            blocks = self._profiled_blocks(*self._memory_stats(), min_blocks=self.max_blocks)
+            return self.tp.agree(blocks) if self.tp is not None else blocks
         blocks = budget // per_block
         if self.tp is not None:
             blocks = self.tp.agree(blocks)

@@ -100,7 +100,7 @@ class TensorParallel:
         """The KV page array, allocated shard by shard (never whole on one device)."""
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.kv_sharding)()
 
-    def jit_step(self, fn: Callable, params: Any) -> Callable:
+    def jit_step(self, fn: Callable, params: Any, compiler_options: dict | None = None) -> Callable:
         """jit `fn(params, kv_pages, batch, prev_ids) -> (kv_pages, logits, greedy_ids)`, fixed shardings.
 
         Fixed in/out shardings keep the donated pages in place and make a
@@ -109,7 +109,8 @@ class TensorParallel:
         param_shardings = jax.tree.map(lambda x: x.sharding, params)
         return jax.jit(fn, donate_argnums=(1,),
                        in_shardings=(param_shardings, self.kv_sharding, self.replicated, self.replicated),
-                       out_shardings=(self.kv_sharding, self.replicated, self.replicated))
+                       out_shardings=(self.kv_sharding, self.replicated, self.replicated),
+                       compiler_options=compiler_options)
 
     def put_batch(self, batch: Any) -> Any:
         """Host batch -> replicated on every mesh device (each process fills its own)."""
@@ -119,15 +120,6 @@ class TensorParallel:
     def local_logits(logits: jax.Array) -> jax.Array:
         """A replicated output's copy on this process's first mesh device (no transfer)."""
         return logits.addressable_data(0)
-
-    def kv_budget(self, utilization: float, headroom: int = 2 << 30) -> int:
-        """Free KV bytes on the tightest local mesh device (the same count goes on every one)."""
-        budgets = []
-        for d in self.local_devices:
-            stats = d.memory_stats() or {}
-            limit = stats.get("bytes_limit", 16 << 30)
-            budgets.append(int(limit * utilization) - stats.get("bytes_in_use", 0) - headroom)
-        return min(budgets)
 
     def agree(self, value: int) -> int:
         """The minimum of `value` over processes: every process must size the same KV array."""

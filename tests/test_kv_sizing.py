@@ -1,0 +1,94 @@
+"""KV pool sizing from a compiled step's memory analysis (`jaxllm/engine/memory.py`), on CPU."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from jaxllm.engine.memory import StepMemory, base_limit, describe, plan_pool, xla_limit_options
+
+GiB = 1 << 30
+BLOCK = 2 << 20  # 2 MiB a block (Llama-3-8B, 16 tokens, bf16)
+
+
+def fake_analysis(temp: int, out: int, alias: int, args: int):
+    return types.SimpleNamespace(temp_size_in_bytes=temp, output_size_in_bytes=out,
+                                 alias_size_in_bytes=alias, argument_size_in_bytes=args)
+
+
+def probes(temp_at, p1=128, p2=256, weights=15 * GiB, logits=64 << 20):
+    """A step whose temporaries are temp_at(P); the pool (P blocks) is donated and aliased."""
+    def m(p):
+        pool = p * BLOCK
+        return StepMemory.of(fake_analysis(temp_at(p), pool + logits, pool, weights + pool))
+    return [(p1, m(p1)), (p2, m(p2))]
+
+
+@pytest.mark.parametrize("temp_at", [lambda p: 3 * GiB, lambda p: 1 * GiB + p * BLOCK,  # a copy of the pool
+                                     lambda p: 2 * GiB + p * BLOCK // 8])
+@pytest.mark.parametrize("limit,in_use,util", [(100 * GiB, 16 * GiB, 0.9), (60 * GiB, 20 * GiB, 0.9),
+                                               (140 * GiB, 15 * GiB, 0.5)])
+def test_pool_never_exceeds_free_minus_step(temp_at, limit, in_use, util):
+    pr = probes(temp_at)
+    plan = plan_pool(limit, in_use, util, BLOCK, pr)
+    free = int(limit * util) - in_use
+    logits = 64 << 20
+    need = lambda p: p * BLOCK + temp_at(p) + logits  # the pool plus what the step allocates
+    assert need(plan.num_blocks) <= free
+    assert need(plan.num_blocks + 1) > free  # and it is the largest such pool
+    assert plan.pool_bytes == plan.num_blocks * BLOCK
+    assert plan.step_extra_bytes == temp_at(plan.num_blocks) + logits
+
+
+def test_io_cap_keeps_xla_limit_positive():
+    pr = probes(lambda p: GiB)
+    cap = 60 * GiB
+    plan = plan_pool(100 * GiB, 16 * GiB, 0.9, BLOCK, pr, io_cap_bytes=cap)
+    io = 15 * GiB + plan.num_blocks * BLOCK + (64 << 20)
+    assert io <= 0.95 * cap
+    assert plan.num_blocks < plan_pool(100 * GiB, 16 * GiB, 0.9, BLOCK, pr).num_blocks
+
+
+def test_too_small_names_the_fix():
+    with pytest.raises(ValueError, match="gpu_memory_utilization.*kv_cache_memory_bytes"):
+        plan_pool(20 * GiB, 16 * GiB, 0.9, BLOCK, probes(lambda p: GiB), min_blocks=10_000)
+
+
+def test_xla_limit_options():
+    assert xla_limit_options("cpu", 100 * GiB, 90 * GiB, 80 * GiB) == {}
+    limit = 100 * GiB
+    io, out = 85 * GiB, 70 * GiB
+    opts = xla_limit_options("gpu", limit, io, out)
+    slop = opts["xla_gpu_memory_limit_slop_factor"]
+    # XLA: (base - io) * slop / 100 - outputs, the rematerialization limit, covers the allocator.
+    assert (base_limit(limit) - io) * slop / 100 - out >= 3 * limit
+    assert xla_limit_options("gpu", limit, 2 * limit, out) == {}  # no factor can help: io capped instead
+    assert base_limit(100 * GiB, client_fraction=0.75) == 100 * GiB
+    assert base_limit(90 * GiB, client_fraction=0.9) == int(0.8 * 100 * GiB)
+
+
+def test_describe():
+    line = describe(1000, 16, 1000 * BLOCK, 2048)
+    assert "1.95 GiB" in line and "1000 blocks" in line and "16000 tokens" in line and "7.81x" in line
+
+
+def test_runner_sizes_from_its_compiled_step():
+    """The runner's own probe path on CPU: real compiled steps, fake device memory."""
+    from jaxllm import LLM
+    from jaxllm.models.shapes import TINY
+
+    llm = LLM(hf_config=dict(TINY, max_position_embeddings=256), max_model_len=256, max_num_seqs=4,
+              max_num_batched_tokens=64, skip_warmup=True)
+    r = llm.engine.runner
+    per_block = r._bytes_per_block()
+    traces = r.num_traces
+    limit, in_use = 1 << 30, 8 << 20
+    blocks = r._profiled_blocks(limit, in_use, min_blocks=r.max_blocks)
+    step = StepMemory.of(r._compile_probe(blocks, {}).memory_analysis())
+    from jaxllm.engine.runner import SIZING_HEADROOM
+    free = int(limit * 0.9) - in_use - SIZING_HEADROOM
+    assert blocks >= r.max_blocks
+    assert blocks * per_block + step.extra_bytes <= free
+    assert (blocks + 8) * per_block + step.extra_bytes > free  # close to the largest fit
+    assert r.num_traces >= traces  # probes traced the step
