@@ -38,7 +38,7 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown LLM arguments: {unknown}")
         extra = {k: kwargs.pop(k) for k in ("hf_config", "weights", "tokenizer_obj") if k in kwargs}
-        self.config = EngineConfig(model=model, **kwargs)
+        self.config = EngineConfig(model=model, **{"usage_context": "llm", **kwargs})
         self.engine = LLMEngine(self.config, hf_config=extra.get("hf_config"),
                                 weights=extra.get("weights"), tokenizer=extra.get("tokenizer_obj"))
         self._next_id = 0

@@ -18,7 +18,8 @@ import logging
 import time
 from concurrent.futures import Future
 
-from jaxllm.config import EngineConfig, default_buckets
+from jaxllm.config import (EngineConfig, default_buckets, default_max_num_batched_tokens,
+                           default_token_buckets)
 from jaxllm.engine.batch import build_batch, with_fork_rows
 from jaxllm.engine.dispatch import PAD_ROW, Dispatcher, Launched
 from jaxllm.engine.kv_ops import KVOps
@@ -61,13 +62,11 @@ class LLMEngine:
             log.warning("sliding-window attention is not implemented: capping max_model_len %d to "
                         "the window %d, where full attention is exact", self.max_model_len, window)
             self.max_model_len = window
-        max_tokens = cfg.max_num_batched_tokens or max(512, cfg.max_num_seqs)
+        import jax
+        max_tokens = cfg.max_num_batched_tokens or default_max_num_batched_tokens(
+            jax.devices()[0].platform, cfg.usage_context, cfg.max_num_seqs)
         self.seq_buckets = cfg.seq_buckets or default_buckets(cfg.max_num_seqs, 8)
-        # Every request bucket is a token bucket too, so a decode-only step of n rows pads to
-        # T <= R and takes the GPU decode kernel (the prefill kernel otherwise): on an H200 the
-        # Llama-3-8B batch-1 step took 9.1 ms at T=16/R=1 and 7.1 ms at T=8/R=8 (docs/benchmarks.md).
-        self.token_buckets = cfg.token_buckets or tuple(sorted(
-            set(default_buckets(max_tokens, 16)) | {b for b in self.seq_buckets if b < max_tokens}))
+        self.token_buckets = cfg.token_buckets or default_token_buckets(max_tokens, self.seq_buckets)
         max_tokens = self.token_buckets[-1]
         if self.seq_buckets[-1] < cfg.max_num_seqs:
             raise ValueError(f"largest seq bucket {self.seq_buckets[-1]} < max_num_seqs {cfg.max_num_seqs}")
@@ -121,9 +120,9 @@ class LLMEngine:
         if not cfg.skip_warmup:
             self.warmup()
         self.traces_after_warmup = self.num_traces()
-        log.info("engine ready: %d KV blocks of %d tokens, buckets tokens=%s seqs=%s, async "
-                 "scheduling %s, warm-up %.1fs", self.runner.num_blocks, cfg.block_size,
-                 self.token_buckets, self.seq_buckets, "on" if self.async_scheduling else "off",
+        log.info("engine ready: %d KV blocks of %d tokens, max_num_batched_tokens %d (%s), buckets "
+                 "tokens=%s seqs=%s, async scheduling %s, warm-up %.1fs", self.runner.num_blocks,
+                 cfg.block_size, max_tokens, cfg.usage_context, self.token_buckets, self.seq_buckets, "on" if self.async_scheduling else "off",
                  self.warmup_seconds)
 
     def _eos_ids(self) -> tuple[int, ...]:
