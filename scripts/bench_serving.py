@@ -12,6 +12,11 @@ report (stream_options.include_usage), not from a local tokenizer.
         --num-prompts 64 --request-rate 4 --max-concurrency 16 --input-len 128 --output-len 64
 
 Prints a table and writes JSON (--result-json). Only talks to --base-url.
+
+--structured-output json runs the load twice in one run, unconstrained then with every request
+under a JSON schema (vLLM's `structured_outputs` field; the schema asks for more items than
+--output-len can hold, so both phases generate --output-len tokens), and reports the output
+throughput ratio plus the server's bitmask time per step and grammar compile time (/metrics).
 """
 
 from __future__ import annotations
@@ -60,6 +65,34 @@ def arrival_gaps(n: int, rate: float, kind: str, seed: int) -> list[float]:
     return list(np.random.default_rng(seed).exponential(1.0 / rate, n))
 
 
+# The --structured-output json schema: nested objects, bounded strings and integers, an enum and
+# arrays with min/max items; at least 1000 records, so no request finishes its JSON early.
+STRUCTURED_SCHEMA = {
+    "type": "array", "minItems": 1000,
+    "items": {"type": "object", "additionalProperties": False,
+              "required": ["id", "name", "role", "tags", "address"],
+              "properties": {
+                  "id": {"type": "integer", "minimum": 0, "maximum": 1000000},
+                  "name": {"type": "string", "maxLength": 24},
+                  "role": {"enum": ["admin", "user", "guest"]},
+                  "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1,
+                           "maxItems": 4},
+                  "address": {"type": "object", "additionalProperties": False, "required": ["city", "zip"],
+                              "properties": {"city": {"type": "string", "maxLength": 20},
+                                             "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}}},
+}
+
+
+def scrape(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Sum of each named Prometheus sample in /metrics text (0 if absent)."""
+    out = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in out:
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
 async def one(client: httpx.AsyncClient, args: argparse.Namespace, prompt: str) -> Result:
     res = Result()
     if args.endpoint == "chat":
@@ -72,6 +105,8 @@ async def one(client: httpx.AsyncClient, args: argparse.Namespace, prompt: str) 
     body.update(stream=True, stream_options={"include_usage": True}, temperature=args.temperature)
     if args.ignore_eos:
         body["ignore_eos"] = True  # vLLM / jaxllm extension: fixed output length
+    if getattr(args, "constraint", None) is not None:
+        body["structured_outputs"] = args.constraint
     start = last = time.perf_counter()
     chunks = 0
     try:
@@ -174,6 +209,41 @@ def table(s: dict) -> str:
     return "\n".join(lines)
 
 
+_STRUCTURED_METRICS = ("jaxllm:structured_mask_seconds", "jaxllm:structured_mask_steps",
+                       "jaxllm:structured_compile_seconds", "jaxllm:structured_compiles")
+
+
+def run_structured(args: argparse.Namespace) -> dict:
+    """Unconstrained, then JSON-schema constrained, same prompts and server; the throughput ratio."""
+    def metrics() -> dict[str, float]:
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        return scrape(httpx.get(args.base_url + "/metrics", headers=headers, timeout=30).text, _STRUCTURED_METRICS)
+
+    args.constraint = None
+    results, duration = asyncio.run(run(args))
+    plain = summarize(results, duration, args)
+    print("-- unconstrained\n" + table(plain))
+    before = metrics()
+    args.constraint, args.warmup = {"json": STRUCTURED_SCHEMA}, 0  # the first request compiles the schema
+    results, duration = asyncio.run(run(args))
+    after = metrics()
+    args.constraint = "json"
+    constrained = summarize(results, duration, args)
+    print("-- json schema\n" + table(constrained))
+    d = {k: after[k] - before[k] for k in _STRUCTURED_METRICS}
+    steps = d["jaxllm:structured_mask_steps"]
+    ratio = constrained["output_token_throughput"] / max(plain["output_token_throughput"], 1e-9)
+    out = {**constrained, "unconstrained": plain, "throughput_ratio": ratio,
+           "mask_ms_per_step": 1e3 * d["jaxllm:structured_mask_seconds"] / steps if steps else None,
+           "mask_steps": steps, "grammar_compiles": d["jaxllm:structured_compiles"],
+           "grammar_compile_ms": 1e3 * d["jaxllm:structured_compile_seconds"]}
+    mask = "-" if out["mask_ms_per_step"] is None else f"{out['mask_ms_per_step']:.2f}"
+    print(f"structured/unconstrained output throughput ratio {ratio:.3f}  mask {mask} ms/step over "
+          f"{steps:.0f} steps  grammar compiles {out['grammar_compiles']:.0f} "
+          f"({out['grammar_compile_ms']:.1f} ms; the other requests hit the cache)")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -192,10 +262,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-json", default=None)
+    p.add_argument("--structured-output", choices=["none", "json"], default="none",
+                   help="json: an unconstrained run, then the same load under a JSON schema; their ratio")
     args = p.parse_args(argv)
-    results, duration = asyncio.run(run(args))
-    summary = summarize(results, duration, args)
-    print(table(summary))
+    if args.structured_output == "json":
+        summary = run_structured(args)
+    else:
+        results, duration = asyncio.run(run(args))
+        summary = summarize(results, duration, args)
+        print(table(summary))
     if args.result_json:
         with open(args.result_json, "w") as f:
             json.dump(summary, f, indent=2, default=str)

@@ -66,6 +66,14 @@ class ServerMetrics:
                                   labels + ["tier"], registry=r)
         self.offload_blocks = Gauge("jaxllm:kv_offload_store_blocks", "Blocks held by each offload tier.",
                                     labels + ["tier"], registry=r)
+        self.mask_seconds = Gauge("jaxllm:structured_mask_seconds", "Host seconds spent filling "
+                                  "structured-output token bitmasks (cumulative).", labels, registry=r).labels(model_name)
+        self.mask_steps = Gauge("jaxllm:structured_mask_steps", "Steps that filled a structured-output "
+                                "bitmask (cumulative).", labels, registry=r).labels(model_name)
+        self.compile_seconds = Gauge("jaxllm:structured_compile_seconds", "Seconds spent compiling "
+                                     "grammars (cumulative).", labels, registry=r).labels(model_name)
+        self.compiles = Gauge("jaxllm:structured_compiles", "Grammars compiled (cumulative; cache hits "
+                              "not counted).", labels, registry=r).labels(model_name)
         self.rejected = Counter("jaxllm:request_rejected", "Requests refused because the server was overloaded.",
                                 labels, registry=r).labels(model_name)
         self.model_name = model_name
@@ -105,6 +113,11 @@ class ServerMetrics:
         self.preemptions.set(stats.get("num_preemptions", 0))
         self.prefix_queries.set(stats.get("prefix_cache_queries", 0))
         self.prefix_hits.set(stats.get("prefix_cache_hits", 0))
+        if "structured_mask_steps" in stats:
+            self.mask_seconds.set(stats["structured_mask_seconds"])
+            self.mask_steps.set(stats["structured_mask_steps"])
+            self.compile_seconds.set(stats["structured_compile_seconds"])
+            self.compiles.set(stats["structured_compiles"])
         if "external_prefix_cache_queries" in stats:
             self._render_offload(stats)
         return generate_latest(self.registry)

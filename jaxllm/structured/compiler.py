@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -38,6 +39,8 @@ class GrammarCompiler:
     def __init__(self, backend: Backend, num_threads: int = 2, cache_size: int = CACHE_SIZE):
         self.backend = backend
         self.cache_size = cache_size
+        self.num_compiles = 0  # successful compiles (cache hits not counted)
+        self.compile_seconds = 0.0
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         old = threading.stack_size(COMPILE_STACK_BYTES)
         try:
@@ -78,8 +81,12 @@ class GrammarCompiler:
             fut, params = job
             if not fut.set_running_or_notify_cancel():
                 continue
+            t0 = time.perf_counter()
             try:
-                fut.set_result(self.backend.compile(params))
+                grammar = self.backend.compile(params)
+                self.compile_seconds += time.perf_counter() - t0
+                self.num_compiles += 1
+                fut.set_result(grammar)
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                 fut.set_exception(exc)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import llguidance as llg
 import numpy as np
@@ -96,7 +97,8 @@ class LLGuidanceBackend(Backend):
         self.vocab_size = self.tokenizer.vocab_size
         self.words = (self.vocab_size + 31) // 32
         self.limits = llg.LLParserLimits(max_grammar_size=MAX_GRAMMAR_SIZE)
-        self.executor = llg.LLExecutor(num_threads=2)
+        # Mask threads: a few, not all cores (the step loop and the dispatch thread need theirs).
+        self.executor = llg.LLExecutor(num_threads=max(2, min(8, (os.cpu_count() or 2) // 2)))
         self._scratch = np.zeros((0, self.words), np.int32)
 
     @classmethod

@@ -134,6 +134,8 @@ class StructuredManager:
 
     def stats(self) -> dict:
         steps = max(self.mask_steps, 1)
-        return {"structured_mask_steps": self.mask_steps,
+        return {"structured_mask_steps": self.mask_steps, "structured_mask_seconds": self.mask_seconds,
                 "structured_mask_ms_per_step": 1e3 * self.mask_seconds / steps,
-                "structured_rows_per_step": self.mask_rows / steps}
+                "structured_rows_per_step": self.mask_rows / steps,
+                "structured_compiles": self.compiler.num_compiles,
+                "structured_compile_seconds": self.compiler.compile_seconds}
