@@ -92,6 +92,9 @@ class BeamSearch:
 
     def __init__(self, engine, params: BeamSearchParams):
         w = params.beam_width
+        if getattr(engine, "spec", None) is not None:
+            raise ValueError("beam search is not supported with speculative decoding "
+                             "(speculative_config is set on this engine)")
         if 2 * w > engine.sampler.max_logprobs:
             raise ValueError(f"beam_width {w} needs {2 * w} logprobs, more than the sampler's "
                              f"{engine.sampler.max_logprobs}")

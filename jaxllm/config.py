@@ -6,6 +6,10 @@ Names follow vLLM's engine arguments so flags and keyword arguments carry over.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxllm.spec.config import SpeculativeConfig
 
 from jaxllm.quantization.methods import check_kv_cache_dtype, check_method
 
@@ -62,8 +66,12 @@ class EngineConfig:
     kv_offload_disk_dir: str | None = None  # disk tier (an fsspec URL or path), written through
     kv_offload_disk_gib: float | None = None  # bound of the disk tier; None: unbounded
     kv_events_config: dict | None = None  # {"enable_kv_cache_events", "publisher", "endpoint"}
+    # Speculative decoding (jaxllm/spec): a dict of vLLM's keys, validated into a SpeculativeConfig.
+    speculative_config: SpeculativeConfig | dict | None = None
 
     def __post_init__(self):
+        from jaxllm.spec.config import as_spec_config
+        object.__setattr__(self, "speculative_config", as_spec_config(self.speculative_config))
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

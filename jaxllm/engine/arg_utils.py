@@ -67,6 +67,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     k.add_argument("--kv-events-config", type=json_arg, default=None,
                    help='JSON: {"enable_kv_cache_events": true, "publisher": "zmq", '
                         '"endpoint": "tcp://*:5557"}')
+    p.add_argument("--speculative-config", type=json_arg, default=None, metavar="JSON",
+                   help='speculative decoding, vLLM keys, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
     g = p.add_argument_group("multi-host", "run one model over several processes (jax.distributed); "
                              "start every process with the same flags but its own --process-id")
     g.add_argument("--distributed-coordinator", default=None, metavar="HOST:PORT",

@@ -87,15 +87,16 @@ def build_batch(out: SchedulerOutput, token_buckets: tuple[int, ...], seq_bucket
                      np.array([len(rows)], np.int32), logits_indices, len(rows), prev_index)
 
 
-def with_fork_rows(hb: HostBatch, src_rows: list[int], token_buckets: tuple[int, ...],
-                   seq_buckets: tuple[int, ...]) -> HostBatch:
-    """Append logits rows repeating the last token of `src_rows` (n > 1 siblings).
+def with_logit_rows(hb: HostBatch, token_indices: list[int], token_buckets: tuple[int, ...],
+                    seq_buckets: tuple[int, ...]) -> HostBatch:
+    """Append logits rows at `token_indices`: the last token of an n > 1 leader's row
+    (its siblings), or a draft position (speculative decoding).
 
     The new rows carry no tokens (attention treats them as padding), so only
     `logits_indices` changes; the batch is re-padded when the rows outgrow its
     request bucket, to a (tokens, rows) pair the runner compiled at start-up.
     """
-    n = hb.num_rows + len(src_rows)
+    n = hb.num_rows + len(token_indices)
     R0, T0 = hb.block_tables.shape[0], len(hb.tokens)
     R, T = max(R0, pick_bucket(seq_buckets, n)), T0
     while R > pick_bucket(seq_buckets, min(T, seq_buckets[-1])):
@@ -107,7 +108,7 @@ def with_fork_rows(hb: HostBatch, src_rows: list[int], token_buckets: tuple[int,
         return out
 
     li = grow(hb.logits_indices, R, 0)
-    li[hb.num_rows:n] = hb.logits_indices[src_rows]
+    li[hb.num_rows:n] = token_indices
     return HostBatch(
         tokens=grow(hb.tokens, T, 0), positions=grow(hb.positions, T, -1),
         token_req=grow(hb.token_req, T, 0), slot_mapping=grow(hb.slot_mapping, T, -1),
@@ -115,3 +116,9 @@ def with_fork_rows(hb: HostBatch, src_rows: list[int], token_buckets: tuple[int,
         query_start_loc=grow(hb.query_start_loc, R + 1, hb.query_start_loc[-1]),
         num_seqs=hb.num_seqs, logits_indices=li, num_rows=hb.num_rows,
         prev_index=None if hb.prev_index is None else grow(hb.prev_index, T, -1))
+
+
+def with_fork_rows(hb: HostBatch, src_rows: list[int], token_buckets: tuple[int, ...],
+                   seq_buckets: tuple[int, ...]) -> HostBatch:
+    """Append logits rows repeating the last token of `src_rows` (n > 1 siblings)."""
+    return with_logit_rows(hb, [int(hb.logits_indices[i]) for i in src_rows], token_buckets, seq_buckets)

@@ -11,7 +11,7 @@ order, which the page moves and the donated KV pages rely on.
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jaxllm.engine.sampler import PendingSample, SampleRow
 from jaxllm.runtime.scheduler import SchedulerOutput
@@ -30,6 +30,7 @@ class Launched:
     sample: Future | PendingSample | None  # a Future while the dispatch thread owns it
     mask: Future | None = None  # structured outputs: the draw's bitmask, set by the host later
     num_rows: int = 0  # the draw's padded row count
+    spec_rows: dict = field(default_factory=dict)  # request id -> rows verifying its drafts
 
     @property
     def overlappable(self) -> bool:
@@ -75,14 +76,15 @@ class Dispatcher:
 
     def submit(self, out: SchedulerOutput, hb=None, sbatch=None,
                prev: Future | PendingSample | None = None,
-               mask: Future | None = None) -> Future | PendingSample | None:
+               mask: Future | None = None, sampler=None) -> Future | PendingSample | None:
         """Queue the step's device work; `prev` is the step before's draw (placeholders);
-        `mask` the structured-outputs bitmask, which the draw waits for (inline: already set)."""
+        `mask` the structured-outputs bitmask, which the draw waits for (inline: already set);
+        `sampler`: draws instead of the engine's sampler (speculative verification)."""
         if self._pool is None:
-            return self._run(out, hb, sbatch, prev, mask)
-        return self._pool.submit(self._run, out, hb, sbatch, prev, mask)
+            return self._run(out, hb, sbatch, prev, mask, sampler)
+        return self._pool.submit(self._run, out, hb, sbatch, prev, mask, sampler)
 
-    def _run(self, out, hb, sbatch, prev, mask=None) -> PendingSample | None:
+    def _run(self, out, hb, sbatch, prev, mask=None, sampler=None) -> PendingSample | None:
         """In order: page moves, forward pass, draw. Nothing here waits for the device; a
         constrained draw waits for its mask, which the host fills while the forward pass runs."""
         self._kv_ops(out)
@@ -94,7 +96,7 @@ class Dispatcher:
         logits, greedy_ids = self.runner.execute(hb, prev_ids)
         if mask is not None:
             sbatch.bitmask = mask.result()
-        return self.sampler.launch(logits, sbatch, greedy_ids)
+        return (sampler or self.sampler).launch(logits, sbatch, greedy_ids)
 
     def _kv_ops(self, out: SchedulerOutput) -> None:
         """Connector saves, swap-outs, copy-on-write copies, swap-ins, connector loads:

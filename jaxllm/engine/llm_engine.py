@@ -20,7 +20,7 @@ from concurrent.futures import Future
 
 from jaxllm.config import (EngineConfig, default_buckets, default_max_num_batched_tokens,
                            default_token_buckets)
-from jaxllm.engine.batch import build_batch, with_fork_rows
+from jaxllm.engine.batch import build_batch, with_fork_rows, with_logit_rows  # noqa: F401 (re-export)
 from jaxllm.engine.dispatch import PAD_ROW, Dispatcher, Launched
 from jaxllm.engine.kv_ops import KVOps
 from jaxllm.engine.outputs_builder import ParentRequest, Sequence, make_output
@@ -66,6 +66,11 @@ class LLMEngine:
         max_tokens = cfg.max_num_batched_tokens or default_max_num_batched_tokens(
             jax.devices()[0].platform, cfg.usage_context, cfg.max_num_seqs)
         self.seq_buckets = cfg.seq_buckets or default_buckets(cfg.max_num_seqs, 8)
+        spec_cfg = cfg.speculative_config
+        if spec_cfg is not None:  # a logits row per draft position (jaxllm/spec/decoder.py)
+            from jaxllm.spec.decoder import row_buckets
+            self.seq_buckets = row_buckets(self.seq_buckets, cfg.max_num_seqs, spec_cfg,
+                                           explicit=cfg.seq_buckets is not None)
         self.token_buckets = cfg.token_buckets or default_token_buckets(max_tokens, self.seq_buckets)
         max_tokens = self.token_buckets[-1]
         if self.seq_buckets[-1] < cfg.max_num_seqs:
@@ -97,13 +102,19 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max_tokens,
             max_model_len=self.max_model_len, policy=cfg.scheduling_policy,
-            preemption_mode=cfg.preemption_mode), self.kv, self.connector)
+            preemption_mode=cfg.preemption_mode,
+            num_lookahead_tokens=spec_cfg.num_lookahead_tokens if spec_cfg else 0), self.kv, self.connector)
         self.kv_events = make_publisher(cfg.kv_events_config)  # KV-cache events for routers
         if self.kv_events is not None:
             self.kv.pool.events = []
         self.beam = None  # the running jaxllm.beam_search.BeamSearch, if any
         self.sampler = Sampler(self.model_cfg.vocab_size, self.max_model_len,
                                pad_to=self.runner.max_rows)
+        self.spec = None  # jaxllm.spec.decoder.SpecDecoder when speculative_config is set
+        if spec_cfg is not None:
+            from jaxllm.spec.decoder import SpecDecoder
+            self.spec = SpecDecoder(spec_cfg, self.model_cfg.vocab_size, self.sampler.max_logprobs,
+                                    self.runner.max_rows)
         self.dispatcher = Dispatcher(self.runner, self.kv_ops, self.sampler,
                                      threaded=cfg.async_scheduling and self.runner.channel is None,
                                      connector=self.connector)
@@ -138,13 +149,17 @@ class LLMEngine:
         for r in self.seq_buckets:
             self.runner.warmup_sampler(self.sampler, r)  # as the runner's logits are placed
         self.runner.kv_pages = self.kv_ops.warmup(self.runner.kv_pages)
+        if self.spec is not None:
+            self.spec.warmup(self.sampler, self.seq_buckets)
         channel = self.runner.channel
         if channel is not None and channel.is_leader:
             channel.send_copies([])  # compiles the copy broadcast (followers copy nothing)
         self.warmup_seconds = time.perf_counter() - t0
 
     def num_traces(self) -> int:
-        return self.runner.num_traces + self.sampler.num_compiled_variants() + self.kv_ops.num_compiled()
+        spec = self.spec.num_compiled() if self.spec is not None else 0
+        return (self.runner.num_traces + self.sampler.num_compiled_variants()
+                + self.kv_ops.num_compiled() + spec)
 
     # -- requests -----------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -252,11 +267,12 @@ class LLMEngine:
         the host reads the step before (vLLM's async scheduling): tokens still
         in flight enter the batch as placeholders the device fills from the
         previous step's sampled ids. Steps that fork siblings, use penalties or
-        beam search are read before the next is scheduled.
+        beam search are read before the next is scheduled, and so is every step
+        with speculative decoding on (the next step's drafts need its tokens).
         """
         prev, self._inflight = self._inflight, None
         outputs: list[RequestOutput] = self._fail_grammars() if self._structured is not None else []
-        if prev is not None and (not prev.overlappable or self.beam is not None):
+        if prev is not None and (not prev.overlappable or self.beam is not None or self.spec is not None):
             outputs, prev = outputs + self._process(prev), None
         out = self.scheduler.schedule()
         launched = self._launch(out, prev)
@@ -322,22 +338,30 @@ class LLMEngine:
                          self.runner.max_blocks, prev.row_of if prev is not None else None)
         rows = [self._sample_row(s.request_id, True) if s.sample else PAD_ROW for s in out.scheduled]
         row_of = {s.request_id: i for i, s in enumerate(out.scheduled)}
-        fork_src = []
+        extra = []  # token index of each logits row past the batch's own
         for i, s in enumerate(out.scheduled):
             for f in s.fork_ids:  # n > 1 siblings sample from their leader's row
                 row_of[f] = len(rows)
                 rows.append(self._sample_row(f))
-                fork_src.append(i)
+                extra.append(int(hb.logits_indices[i]))
             seq = self.seqs.get(s.request_id)
             if seq is not None and self.parents[seq.parent_id].metrics.first_scheduled_time is None:
                 self.parents[seq.parent_id].metrics.first_scheduled_time = now
-        if fork_src:
-            hb = with_fork_rows(hb, fork_src, self.token_buckets, self.seq_buckets)
+        spec_rows, verify = {}, None
+        if self.spec is not None and any(s.spec_token_ids for s in out.scheduled):
+            idx, spec_rows = self.spec.add_rows(out, hb.query_start_loc, rows)
+            extra += idx
+        if extra:
+            hb = with_logit_rows(hb, extra, self.token_buckets, self.seq_buckets)
         sbatch = self.sampler.prepare(rows, hb.block_tables.shape[0])
-        launched = Launched(out, rows, row_of, None, Future() if sbatch.masked else None, sbatch.num_rows)
+        if spec_rows:
+            verify = self.spec.verifier.bind(self.spec.draft_ids(out, spec_rows, sbatch.num_rows))
+        launched = Launched(out, rows, row_of, None, Future() if sbatch.masked else None, sbatch.num_rows,
+                            spec_rows)
         if launched.mask is not None and prev is None:  # every earlier token is known: fill now
             self._fill_mask(launched)
-        launched.sample = self.dispatcher.submit(out, hb, sbatch, prev.sample if prev else None, launched.mask)
+        launched.sample = self.dispatcher.submit(out, hb, sbatch, prev.sample if prev else None, launched.mask,
+                                                 verify)
         return launched
 
     def _fill_mask(self, launched: Launched) -> None:
@@ -372,6 +396,10 @@ class LLMEngine:
         # Beam-search rows get no token: the scheduler parks them for the beam search to fork.
         sampled = {rid: int(sout.token_ids[i]) for rid, i in row_of.items()
                    if rid in self.seqs and rows[i] is not PAD_ROW}
+        spec_rows, first = launched.spec_rows, {}
+        if spec_rows:  # accepted drafts + one token each
+            sampled.update(self.spec.accepted(out, spec_rows, sout.token_ids))
+            first = {rid: len(self.seqs[rid].req.output_token_ids) for rid in spec_rows if rid in self.seqs}
         touched = self.scheduler.update(out, sampled)
         if self.beam is not None:
             self.beam.on_step(out, sout, row_of)
@@ -382,7 +410,9 @@ class LLMEngine:
             if (self._structured is not None and self._structured.advance(req.request_id, req.output_token_ids)
                     and not req.finished):  # the grammar is complete: finish_reason "stop"
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
-            if seq.on_token(sout, row_of[req.request_id]) and not req.finished:  # a stop string
+            if req.request_id in first:
+                self._on_tokens(seq, sout, spec_rows[req.request_id], first[req.request_id])
+            elif seq.on_token(sout, row_of[req.request_id]) and not req.finished:  # a stop string
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
             if req.finished:
                 self._drop_seq(req.request_id)
@@ -390,7 +420,22 @@ class LLMEngine:
             if parent.record(req):
                 del self.parents[parent.request_id]
             outputs[parent.request_id] = make_output(parent, parent.finished)
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running, self.max_model_len)
         return list(outputs.values())
+
+    def _on_tokens(self, seq: Sequence, sout, rows: list[int], first: int) -> None:
+        """Several tokens appended in one step (accepted drafts): text, logprobs and stop
+        strings token by token; tokens after a stop string are dropped, as without drafts."""
+        req = seq.req
+        for m, idx in enumerate(range(first, len(req.output_token_ids))):
+            if seq.on_token(sout, rows[m], idx):
+                del req.output_token_ids[idx + 1:]
+                if req.finished:
+                    req.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+                return
 
     def stats(self) -> dict:
         return {
@@ -411,4 +456,5 @@ class LLMEngine:
             "num_free_host_blocks": self.kv.host.num_free + self.kv.host.num_pending,
             **(self.connector.stats() if self.connector is not None else {}),
             **(self._structured.stats() if self._structured is not None else {}),
+            **(self.spec.metrics.as_dict() if self.spec is not None else {}),
         }

@@ -35,9 +35,12 @@ class Sequence:
             return None
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def on_token(self, sout, row: int) -> bool:
-        """Record the token just appended to req; True if a stop string fired."""
-        token = self.req.output_token_ids[-1]
+    def on_token(self, sout, row: int, index: int | None = None) -> bool:
+        """Record output token `index` (default: the last) from logits row `row`;
+        True if a stop string fired. Tokens of one step (accepted drafts) come in order."""
+        out = self.req.output_token_ids
+        index = len(out) - 1 if index is None else index
+        token, last = out[index], index == len(out) - 1
         if self.logprobs is not None:
             n = self.params.logprobs
             entry = {}
@@ -52,11 +55,12 @@ class Sequence:
         if self.detok is None:
             return False
         delta = self.detok.add([token])
-        if self.req.finished:  # release bytes held back for a character still being spelled
+        done = self.req.finished and last  # (a request finished by a later token of this step)
+        if done:  # release bytes held back for a character still being spelled
             delta += self.detok.finish()
         self.text += delta
         stops = self.params.stop
-        if stops and not self.req.finished:
+        if stops and not done:
             from jaxllm.models.detokenizer import find_stop
             cut = find_stop(self.text, len(delta), stops, self.params.include_stop_str_in_output)
             if cut is not None:

@@ -229,6 +229,18 @@ class KVCacheManager:
             self.prefix_hits += hit
         return new
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Free the blocks past the first `num_tokens` slots (rejected draft tokens).
+
+        The freed blocks hold no full block of known tokens, so none has a hash.
+        """
+        table = self.tables.get(req.request_id)
+        keep = _cdiv(num_tokens, self.block_size)
+        if table is None or len(table) <= keep:
+            return
+        self.pool.release(table[keep:])
+        self._set_table(req.request_id, table[:keep])
+
     def fork(self, parent: Request, child: Request) -> None:
         """Give child a table sharing parent's blocks up to parent's computed tokens."""
         nc = parent.num_computed_tokens

@@ -15,6 +15,11 @@ a real token. Synchronous engines see it go 0 -> 1 -> 0 within one step.
 Parallel sampling (n > 1) uses one *leader* request for the prompt; the other
 n - 1 sequences wait as `pending_forks` and are forked off the leader, sharing
 its blocks, the moment its prompt is computed and n first tokens are sampled.
+
+Speculative decoding: `spec_token_ids` are draft tokens a proposer guessed to
+follow the known ones (vLLM V1's field). The scheduler feeds them after the
+last token in the same step, counted in the budget, and `Scheduler.update`
+rolls `num_computed_tokens` back over the ones the target model rejected.
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ class Request:
     # Admission gate (e.g. its grammar still compiling): the scheduler passes over a waiting
     # request while this returns False, admitting those behind it.
     admit_check: Callable[[], bool] | None = None
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts for the next step
 
     @property
     def seats(self) -> int:
@@ -103,6 +109,11 @@ class Request:
         if start >= p:
             return self.output_token_ids[start - p:stop - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[:stop - p]
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Known tokens plus the draft tokens proposed to follow them (vLLM's name)."""
+        return self.num_tokens + len(self.spec_token_ids)
 
     @property
     def num_tokens_scheduled(self) -> int:

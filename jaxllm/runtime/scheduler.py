@@ -24,6 +24,13 @@ forward pass); a request whose KV it is still fetching steps aside into `loading
 waiting queue, until the connector names it ready. Finished requests are handed to it
 (it may save their blocks, or hold them until sent).
 
+Speculative decoding: a running request's `spec_token_ids` are fed after its
+last token in the same chunk, counted in the budget (vLLM's
+`num_tokens_with_spec`), fewer when the budget, `max_tokens` or the context
+would be overshot. `update` takes the accepted drafts plus one sampled token
+as a list, sets `num_computed_tokens` back over the rejected ones and frees
+their blocks; drafts are never hashed (only known tokens are).
+
 The output is plain data (`SchedulerOutput`): which tokens of which request to
 run, where their K/V go, which rows produce sampled tokens, and the page copies
 and swaps the engine must run before the step.
@@ -158,7 +165,25 @@ class Scheduler:
             n = min(n, self.config.long_prefill_token_threshold)
         return n
 
+    def _drafts(self, req: Request) -> list[int]:
+        """Take req's drafts, cut to what max_tokens and the context leave room for."""
+        spec, req.spec_token_ids = req.spec_token_ids, []
+        if not spec:
+            return spec
+        room = min(req.stop.max_tokens - len(req.output_token_ids) - req.num_pending,
+                   self.config.max_model_len - req.num_tokens_scheduled) - 1
+        return spec[:max(0, room)]
+
+    def _allocate(self, req: Request, n: int, hits: list = ()) -> list | None:
+        """Slots for n new tokens, plus the lookahead a draft model writes into."""
+        look = self.config.num_lookahead_tokens
+        if look:
+            look = max(0, min(look, self.config.max_model_len - req.num_computed_tokens
+                              - len(hits) * self.kv.block_size - n))
+        return self.kv.allocate_slots(req, n + look, hits)
+
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        victim.spec_token_ids = []
         self.running.remove(victim)
         if self.config.preemption_mode == "swap" and self.kv.swap_out(victim):
             self.num_swapped_out += 1
@@ -240,16 +265,21 @@ class Scheduler:
         if cfg.policy == "priority":
             self._preempt_for_priority(out, budget)
         picked: list[tuple[Request, int]] = []
+        drafts: dict[str, list[int]] = {}
         preempted_for_room = False
 
         i = 0
         while i < len(self.running) and budget > 0 and len(picked) < cfg.max_num_seqs:
             req = self.running[i]
-            n = self._chunk(req.num_tokens_scheduled - req.num_computed_tokens, budget)
+            spec = self._drafts(req)
+            left = req.num_tokens_scheduled - req.num_computed_tokens
+            n = self._chunk(left + len(spec), budget)
             if n <= 0 or req.will_stop_by_length(cfg.max_model_len):
                 i += 1  # its tokens in flight end it: nothing more to run
                 continue
-            while self.kv.allocate_slots(req, n) is None:
+            if n > left:
+                drafts[req.request_id] = spec[:n - left]
+            while self._allocate(req, n) is None:
                 if self._evict_parked():
                     continue
                 victim = self.running[-1]
@@ -278,7 +308,7 @@ class Scheduler:
                     self.waiting.remove(req)  # (not pop: req may stand behind a gated one)
                     self.loading[req.request_id] = req
                     continue
-                if self.kv.allocate_slots(req, ext + n, hits) is None:
+                if self._allocate(req, ext + n, hits) is None:
                     if self._evict_parked():
                         continue
                     break
@@ -298,16 +328,20 @@ class Scheduler:
                 budget -= n
 
         for req, n in picked:
-            start, end, known = req.num_computed_tokens, req.num_computed_tokens + n, req.num_tokens
-            sample = end == req.num_tokens_scheduled
-            ids = req.token_slice(start, min(end, known)) + [PLACEHOLDER] * (end - max(start, known))
+            spec = drafts.get(req.request_id, [])
+            start, known = req.num_computed_tokens, req.num_tokens
+            end = start + n
+            sample = end - len(spec) == req.num_tokens_scheduled
+            fed = end - len(spec)
+            ids = req.token_slice(start, min(fed, known)) + [PLACEHOLDER] * (fed - max(start, known))
             out.scheduled.append(ScheduledRequest(
                 request_id=req.request_id,
-                token_ids=ids,
+                token_ids=ids + spec,
                 start_pos=start,
                 block_ids=self.kv.block_ids(req.request_id),
                 sample=sample,
                 fork_ids=[f.request_id for f in req.pending_forks] if sample else [],
+                spec_token_ids=spec,
             ))
             out.num_batched_tokens += n
             # Counted as computed now (vLLM V1 does the same): the next schedule may come
@@ -319,8 +353,11 @@ class Scheduler:
             out.kv_connector_metadata = self.connector.build_connector_meta()
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Request]:
         """After the step ran: fork pending siblings; append sampled tokens.
+
+        A row that verified drafts gets a list: the accepted drafts, then the
+        token sampled after them; the rejected drafts are rolled back here.
 
         A sampling request (or sibling) missing from `sampled` is parked.
         Returns the requests that received a token (finished ones included:
@@ -335,6 +372,8 @@ class Scheduler:
             if req is None:  # finished or aborted meanwhile
                 continue
             req.num_pending -= s.sample
+            if s.spec_token_ids:
+                self._roll_back(req, s, sampled.get(req.request_id))
             if s.sample:
                 forks, req.pending_forks = req.pending_forks, []
                 for child in forks:  # before req's own stop check can free the shared blocks
@@ -346,15 +385,31 @@ class Scheduler:
                 self.kv.cache_full_blocks(req)
         return touched
 
-    def _append(self, req: Request, token: int | None, now: float, touched: list[Request]) -> None:
+    def _roll_back(self, req: Request, s: ScheduledRequest, tokens: list[int] | None) -> None:
+        """Uncount the K/V of rejected drafts and free the blocks only they used."""
+        k = len(s.spec_token_ids)
+        tokens = [] if tokens is None else tokens if isinstance(tokens, list) else [tokens]
+        accepted = max(0, len(tokens) - 1)
+        if accepted > k or s.spec_token_ids[:accepted] != list(tokens[:accepted]):
+            raise ValueError(f"{req.request_id}: accepted tokens {tokens} do not extend the "
+                             f"drafts {s.spec_token_ids}")
+        if req.num_computed_tokens:  # (a recompute preemption since reset it to 0)
+            req.num_computed_tokens -= k - accepted
+        if req.status is RequestStatus.RUNNING:
+            self.kv.trim(req, req.num_computed_tokens + self.config.num_lookahead_tokens)
+
+    def _append(self, req: Request, token: int | list[int] | None, now: float,
+                touched: list[Request]) -> None:
         if token is None:
             self.running.remove(req)
             req.status = RequestStatus.PARKED
             self.parked[req.request_id] = req
             return
-        req.output_token_ids.append(int(token))
         if req.first_token_time is None:
             req.first_token_time = now
         touched.append(req)
-        if req.check_stop(self.config.max_model_len):
-            self.finish(req.request_id, req.status)
+        for t in token if isinstance(token, list) else (token,):
+            req.output_token_ids.append(int(t))
+            if req.check_stop(self.config.max_model_len):  # later accepted tokens are dropped
+                self.finish(req.request_id, req.status)
+                return

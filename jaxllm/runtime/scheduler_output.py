@@ -21,6 +21,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # 0: a prompt chunk may take the whole budget
     policy: str = "fcfs"  # "fcfs" | "priority"
     preemption_mode: str = "recompute"  # "recompute" | "swap"
+    # Speculative decoding: KV slots kept allocated past a request's tokens, so a draft
+    # model can write its own K/V for the positions it guesses (vLLM's num_lookahead_tokens).
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self):
         if self.policy not in ("fcfs", "priority"):
@@ -37,6 +40,9 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table
     sample: bool  # this chunk reaches the end of the known tokens: sample one
     fork_ids: list[str] = field(default_factory=list)  # siblings sampling from this row too
+    # Draft tokens: the last len(spec_token_ids) entries of token_ids. The step scores them
+    # all; `Scheduler.update` gets the accepted ones plus one more and rolls back the rest.
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

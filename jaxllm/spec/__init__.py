@@ -1,0 +1,7 @@
+"""Speculative decoding: proposers, the rejection sampler, and the engine hook.
+
+`config.py` (the validated `speculative_config`), `ngram.py` (prompt lookup, numpy only),
+`rejection.py` (exact verification on the device), `decoder.py` (the engine's one hook:
+extra logits rows for draft positions, acceptance, proposals, metrics). The scheduler
+side lives in `jaxllm/runtime` (`Request.spec_token_ids`, rollback in `Scheduler.update`).
+"""

@@ -1,0 +1,174 @@
+"""The engine's one hook for speculative decoding.
+
+Per step: `add_rows` gives each request that carries drafts one logits row per draft
+position (the positions of its last token and of every draft but the last; its own row
+is the bonus position after the last draft), each with the sampling state of that
+position (the drafts before it count as output: penalties, min_tokens and the random
+key follow). `accepted` reads the rows back into the accepted drafts plus one token.
+`propose` sets the next drafts of running requests whose tokens are all known.
+Steps that verify drafts run synchronously: the next step's positions depend on how
+many drafts were accepted, and its drafts on the accepted tokens (vLLM restricts
+async scheduling with ngram / draft-model speculation as well).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+
+from jaxllm.runtime.request import Request, RequestStatus
+from jaxllm.runtime.scheduler_output import SchedulerOutput
+from jaxllm.spec.config import SpeculativeConfig
+
+log = logging.getLogger("jaxllm")
+
+
+@dataclasses.dataclass
+class SpecMetrics:
+    """vLLM's counters: drafts verified, draft tokens, accepted tokens, accepted per position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = dataclasses.field(default_factory=list)
+
+    def observe(self, k: int, a: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += k
+        self.num_accepted_tokens += a
+        for j in range(a):
+            self.accepted_per_pos[j] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verified draft: 1 (the sampled token) + accepted drafts."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def as_dict(self) -> dict:
+        return {"spec_decode_num_drafts": self.num_drafts,
+                "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+                "spec_decode_mean_acceptance_length": self.mean_acceptance_length}
+
+
+def row_buckets(seq_buckets: tuple[int, ...], max_num_seqs: int, cfg: SpeculativeConfig,
+                explicit: bool) -> tuple[int, ...]:
+    """Request buckets that also hold one logits row per draft position of every request.
+
+    Defaults grow by doubling past max_num_seqs (a 32-row decode step with 4 drafts
+    each pads its 160 logits rows to 256, not to 4x); explicit buckets must cover it.
+    """
+    need = max_num_seqs * (cfg.num_speculative_tokens + 1)
+    if seq_buckets[-1] >= need:
+        return seq_buckets
+    if explicit:
+        raise ValueError(f"seq_buckets: the largest ({seq_buckets[-1]}) must hold max_num_seqs x "
+                         f"(num_speculative_tokens + 1) = {need} logits rows with speculative decoding")
+    out, b = list(seq_buckets), seq_buckets[-1]
+    while b < need:
+        b = min(2 * b, need)
+        out.append(b)
+    return tuple(out)
+
+
+class SpecDecoder:
+    def __init__(self, cfg: SpeculativeConfig, vocab_size: int, max_logprobs: int, pad_to: int,
+                 proposer=None):
+        from jaxllm.spec.rejection import RejectionSampler
+        self.cfg = cfg
+        self.k = cfg.num_speculative_tokens
+        self.verifier = RejectionSampler(vocab_size, max_logprobs, pad_to)
+        if proposer is None:
+            if cfg.method != "ngram":
+                raise ValueError(f"speculative_config.method {cfg.method!r} needs a draft proposer")
+            from jaxllm.spec.ngram import NgramProposer
+            proposer = NgramProposer(self.k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        self.proposer = proposer
+        self.metrics = SpecMetrics(accepted_per_pos=[0] * self.k)
+
+    def warmup(self, sampler, seq_buckets: tuple[int, ...]) -> None:
+        """Compile verification for every request bucket, with and without penalties."""
+        import jax.numpy as jnp
+        from jaxllm.engine.sampler import SampleRow
+        from jaxllm.sampling_params import SamplingParams
+        for R in seq_buckets:
+            logits = jnp.zeros((R, sampler.vocab_size), jnp.float32)
+            for params in (SamplingParams(), SamplingParams(repetition_penalty=1.1)):
+                for masked in (False, True):  # with a structured-outputs row in the batch
+                    batch = sampler.prepare([SampleRow(params, [0], [], 0, None)], R)
+                    if masked:
+                        batch.masked = True
+                        batch.bitmask = np.full((R, sampler.mask_words), -1, np.int32)
+                    self.verifier.bind(np.full(R, -1, np.int32)).launch(logits, batch).fetch()
+
+    def num_compiled(self) -> int:
+        return self.verifier.num_compiled_variants()
+
+    # -- the step's rows ---------------------------------------------------------
+    def add_rows(self, out: SchedulerOutput, qsl: np.ndarray, rows: list) -> tuple[list[int], dict]:
+        """Append a SampleRow per draft position to `rows` (in place) and make each request's
+        own row the bonus position. Returns (token index of each new row, request id ->
+        its rows in draft order, the bonus row last)."""
+        indices: list[int] = []
+        spec_rows: dict[str, list[int]] = {}
+        for i, s in enumerate(out.scheduled):
+            k = len(s.spec_token_ids)
+            if not k:
+                continue
+            base = rows[i]
+            first = int(qsl[i]) + len(s.token_ids) - 1 - k  # the request's last known token
+            mine = []
+            for j in range(k):
+                mine.append(len(rows))
+                rows.append(dataclasses.replace(
+                    base, output_ids=list(base.output_ids) + s.spec_token_ids[:j]))
+                indices.append(first + j)
+            rows[i] = dataclasses.replace(base, output_ids=list(base.output_ids) + s.spec_token_ids)
+            spec_rows[s.request_id] = mine + [i]
+        return indices, spec_rows
+
+    def draft_ids(self, out: SchedulerOutput, spec_rows: dict, num_rows: int) -> np.ndarray:
+        """[num_rows] the draft each row checks; -1 where it checks none."""
+        d = np.full(num_rows, -1, np.int32)
+        for s in out.scheduled:
+            if s.spec_token_ids:
+                d[spec_rows[s.request_id][:-1]] = s.spec_token_ids
+        return d
+
+    def accepted(self, out: SchedulerOutput, spec_rows: dict, token_ids: np.ndarray) -> dict[str, list[int]]:
+        """Request id -> accepted drafts + the token sampled after them; counts them."""
+        res = {}
+        for s in out.scheduled:
+            rows = spec_rows.get(s.request_id)
+            if rows is None:
+                continue
+            toks = token_ids[rows]
+            k = len(s.spec_token_ids)
+            miss = np.flatnonzero(toks[:k] != np.asarray(s.spec_token_ids))
+            a = int(miss[0]) if len(miss) else k
+            res[s.request_id] = toks[:a + 1].tolist()
+            self.metrics.observe(k, a)
+        return res
+
+    # -- proposals -----------------------------------------------------------------
+    def propose(self, running: list[Request], max_model_len: int) -> None:
+        """Drafts for every running request whose tokens are all known and computed but the last."""
+        ready = [r for r in running if r.status is RequestStatus.RUNNING and r.num_pending == 0
+                 and r.num_computed_tokens == r.num_tokens - 1]
+        if not ready:
+            return
+        room = np.array([min(self.k, r.stop.max_tokens - len(r.output_token_ids) - 1,
+                             max_model_len - r.num_tokens - 1) for r in ready])
+        for r, d in zip(ready, self.proposer.propose([r.all_token_ids for r in ready], np.maximum(room, 0))):
+            r.spec_token_ids = d
+
+    def log_line(self) -> str:
+        m = self.metrics
+        rate = m.num_accepted_tokens / m.num_draft_tokens if m.num_draft_tokens else 0.0
+        per_pos = ", ".join(f"{a / m.num_drafts:.2f}" if m.num_drafts else "0" for a in m.accepted_per_pos)
+        return (f"spec decode: mean acceptance length {m.mean_acceptance_length:.2f}, "
+                f"accepted {m.num_accepted_tokens}/{m.num_draft_tokens} draft tokens ({rate:.1%}), "
+                f"per position [{per_pos}]")
