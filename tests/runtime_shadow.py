@@ -52,10 +52,19 @@ class ShadowKV:
                 self.slots[(dst, o)] = v
 
     def check_and_write(self, kv: KVCacheManager, req: Request, block_ids: list[int],
-                        start: int, n: int) -> None:
-        """The table holds req's own K/V for [0, start); then write [start, start + n)."""
+                        start: int, n: int, drafts: list[int] = ()) -> None:
+        """The table holds req's own K/V for [0, start); then write [start, start + n) and
+        the draft tokens after them (K/V of the prefix the drafts extend, right or not)."""
         S = self.S
         keys = self.prefix_keys(req, start + n)
+        draft_keys = []
+        for t in drafts:
+            draft_keys.append(hash((draft_keys[-1] if draft_keys else keys[start + n - 1], t)))
+        for j, key in enumerate(draft_keys):
+            p = start + n + j
+            blk = kv.pool.blocks[block_ids[p // S]]
+            assert blk.block_hash is None and blk.ref_cnt == 1, "a draft written into a shared block"
+            self.slots[(blk.block_id, p % S)] = (req.cache_salt, key)
         for p in range(start):
             got = self.slots.get((block_ids[p // S], p % S))
             assert got == (req.cache_salt, keys[p]), f"{req.request_id}: wrong K/V at position {p}"
@@ -120,9 +129,11 @@ def check_request_state(sched: Scheduler) -> None:
         assert keys == sorted(keys), "running not in priority order"
         keys = [r.sort_key for r in sched.waiting]
         assert keys == sorted(keys), "waiting not in priority order"
+    look = sched.config.num_lookahead_tokens
     for r in sched.running:
         assert r.status is RequestStatus.RUNNING
-        assert len(kv.tables[r.request_id]) == ceil_div(r.num_computed_tokens, S)
+        assert (ceil_div(r.num_computed_tokens, S) <= len(kv.tables[r.request_id])
+                <= ceil_div(r.num_computed_tokens + look, S)), "blocks of rolled-back drafts kept"
         assert 0 < r.num_computed_tokens < r.num_tokens
     for r in sched.waiting:
         assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -136,7 +147,8 @@ def check_request_state(sched: Scheduler) -> None:
         r = sched.parked[rid]
         assert r.status is RequestStatus.PARKED and r.num_computed_tokens == r.num_tokens
         if rid in kv.tables:
-            assert len(kv.tables[rid]) == ceil_div(r.num_computed_tokens, S)
+            assert ceil_div(r.num_computed_tokens, S) <= len(kv.tables[rid]) <= ceil_div(
+                r.num_computed_tokens + look, S)
     for rid in pending:
         r, leader = sched.requests[rid], sched._leader_of[rid]
         assert r.num_computed_tokens == 0 and rid not in kv.tables

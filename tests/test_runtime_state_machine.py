@@ -6,7 +6,9 @@ priority, recompute or swap preemption with a host pool from none to roomy)
 and then interleaves arrivals (some with n > 1 siblings forked off the prompt),
 steps, aborts, and the beam-search pattern: a request that samples but gets no
 token is parked, then forked into children or finished; running requests are
-forked mid-generation too. After every rule the block accounting and the
+forked mid-generation too. With speculation drawn on, decoding requests carry
+random draft tokens each step; a random prefix of them is accepted and the rest
+rolled back (KV lookahead slots drawn too, as a draft model keeps them). After every rule the block accounting and the
 scheduling invariants are checked (`runtime_shadow`).
 
 A shadow of the KV cache (device and host slots) replays every step's writes,
@@ -77,17 +79,22 @@ class RuntimeMachine(RuleBasedStateMachine):
         host_blocks=st.sampled_from([0, 8, 40, 400]),
         park_rate=st.sampled_from([0.0, 0.05, 0.2]),
         initial=st.lists(st.fixed_dictionaries(ADD_ARGS), max_size=3),
+        spec_k=st.sampled_from([0, 0, 1, 3, 6]),
+        lookahead=st.sampled_from([0, 0, 3]),
     )
     def configure(self, block_size, extra_blocks, budget, max_num_seqs, prefix, threshold,
-                  policy, mode, host_blocks, park_rate, initial):
+                  policy, mode, host_blocks, park_rate, initial, spec_k, lookahead):
         # The pool always fits one maximal request alone (so every request can
         # finish) but only a few together, which forces preemption.
-        need_one = ceil_div(MAX_PROMPT + MAX_TOKENS, block_size)
+        self.spec_k = spec_k
+        self.spec_steps = self.rollbacks = 0
+        lookahead = lookahead if spec_k else 0
+        need_one = ceil_div(MAX_PROMPT + MAX_TOKENS + lookahead, block_size)
         kv = KVCacheManager(need_one + extra_blocks, block_size, enable_prefix_caching=prefix,
                             num_host_blocks=host_blocks if mode == "swap" else 0)
         cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                               max_model_len=10_000, long_prefill_token_threshold=threshold,
-                              policy=policy, preemption_mode=mode)
+                              policy=policy, preemption_mode=mode, num_lookahead_tokens=lookahead)
         self.sched = Scheduler(cfg, kv)
         self.shadow = ShadowKV(block_size)
         self.park_rate = park_rate
@@ -198,6 +205,11 @@ class RuntimeMachine(RuleBasedStateMachine):
     def _step(self, rnd: random.Random, abort_inflight: bool = False, park: bool = True):
         sched, kv, S = self.sched, self.kv, self.kv.block_size
         before = {rid: r.num_computed_tokens for rid, r in sched.requests.items()}
+        if self.spec_k:  # drafts for decoding requests, as a proposer would set them
+            for r in sched.running:
+                if r.num_pending == 0 and r.num_computed_tokens == r.num_tokens - 1 and rnd.random() < 0.7:
+                    pool = ALPHABET + (EOS,) if rnd.random() < 0.1 else ALPHABET
+                    r.spec_token_ids = [rnd.choice(pool) for _ in range(rnd.randint(1, self.spec_k))]
         out = sched.schedule()
         self.last_out = out
         cfg = sched.config
@@ -222,7 +234,11 @@ class RuntimeMachine(RuleBasedStateMachine):
             req = sched.requests[s.request_id]
             assert req.status is RequestStatus.RUNNING
             n = len(s.token_ids)
-            assert n >= 1
+            k = len(s.spec_token_ids)
+            assert n >= 1 and k <= self.spec_k
+            if k:  # drafts never run past max_tokens or the context
+                assert len(req.output_token_ids) + k + 1 <= req.stop.max_tokens
+                assert req.num_tokens + k + 1 <= cfg.max_model_len
             # start_pos is the old counter, or past it by whole prefix-hit blocks
             # for a newly admitted request; the counter already includes the chunk
             if before[s.request_id] > 0:
@@ -231,25 +247,46 @@ class RuntimeMachine(RuleBasedStateMachine):
                 assert s.start_pos % S == 0
             assert req.num_computed_tokens == s.start_pos + n
             assert req.num_pending == int(s.sample)
-            assert s.token_ids == req.all_token_ids[s.start_pos:s.start_pos + n]
-            assert s.sample == (s.start_pos + n == req.num_tokens)
+            assert s.token_ids == req.all_token_ids[s.start_pos:s.start_pos + n - k] + s.spec_token_ids
+            assert s.sample == (s.start_pos + n - k == req.num_tokens)
+            assert not k or s.sample
             assert s.fork_ids == ([f.request_id for f in req.pending_forks] if s.sample else [])
             assert s.block_ids == kv.block_ids(s.request_id)
-            assert len(s.block_ids) == ceil_div(s.start_pos + n, S)
-            self.shadow.check_and_write(kv, req, s.block_ids, s.start_pos, n)
+            look = cfg.num_lookahead_tokens
+            assert ceil_div(s.start_pos + n, S) <= len(s.block_ids) <= ceil_div(s.start_pos + n + look, S)
+            self.shadow.check_and_write(kv, req, s.block_ids, s.start_pos, n - k, s.spec_token_ids)
         if abort_inflight and out.scheduled:
             rid = rnd.choice(ids)
             sched.finish(rid, RequestStatus.FINISHED_ABORTED)
             self.aborted.add(rid)
-        sampled = {}
+        sampled, lens = {}, {}
         for s in out.scheduled:
             if s.sample:
                 for rid in [s.request_id, *s.fork_ids]:
                     if not park or rnd.random() >= self.park_rate:
                         sampled[rid] = EOS if rnd.random() < 0.05 else rnd.choice(ALPHABET)
+            if s.spec_token_ids and s.request_id in sampled:  # accept a random prefix
+                a = rnd.randint(0, len(s.spec_token_ids))
+                sampled[s.request_id] = s.spec_token_ids[:a] + [sampled[s.request_id]]
+                req = sched.requests.get(s.request_id)
+                if req is not None:
+                    lens[s.request_id] = (len(req.output_token_ids), s.start_pos + len(s.token_ids)
+                                          - len(s.spec_token_ids) + a)
+                self.spec_steps += 1
+                self.rollbacks += a < len(s.spec_token_ids)
         touched = sched.update(out, sampled)
         for req in touched:
-            assert req.output_token_ids[-1] == sampled[req.request_id]
+            got = sampled[req.request_id]
+            if isinstance(got, list):  # appended up to the first stop, the rest dropped
+                n0, nc = lens[req.request_id]
+                new = req.output_token_ids[n0:]
+                assert new == got[:len(new)] and new
+                assert len(new) == len(got) or req.finished
+                if not req.finished:
+                    assert req.num_computed_tokens == nc == req.num_tokens - 1
+                    assert req.output_token_ids[-1] == got[-1]
+                continue
+            assert req.output_token_ids[-1] == got
             if req.finished:
                 assert req.request_id not in sched.requests
                 assert req.request_id not in kv.tables
@@ -309,6 +346,8 @@ class RuntimeMachine(RuleBasedStateMachine):
         event(f"prefix hits: {'none' if not self.kv.prefix_hits else 'some'}")
         event(f"public forks: {'none' if not self.forks else 'some'}")
         event(f"n>1 arrivals: {'none' if not self.groups else 'some'}")
+        event(f"speculative steps: {'none' if not self.spec_steps else 'some'}")
+        event(f"draft rollbacks: {'none' if not self.rollbacks else 'some'}")
         for kind, n in self.moves.items():
             event(f"{kind}: {'none' if not n else 'some'}")
         pool = self.kv.pool

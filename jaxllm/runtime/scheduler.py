@@ -168,8 +168,8 @@ class Scheduler:
     def _drafts(self, req: Request) -> list[int]:
         """Take req's drafts, cut to what max_tokens and the context leave room for."""
         spec, req.spec_token_ids = req.spec_token_ids, []
-        if not spec:
-            return spec
+        if not spec or req.pending_forks:  # n > 1 siblings fork off the prompt's row alone
+            return []
         room = min(req.stop.max_tokens - len(req.output_token_ids) - req.num_pending,
                    self.config.max_model_len - req.num_tokens_scheduled) - 1
         return spec[:max(0, room)]

@@ -157,7 +157,7 @@ class SpecDecoder:
     def propose(self, running: list[Request], max_model_len: int) -> None:
         """Drafts for every running request whose tokens are all known and computed but the last."""
         ready = [r for r in running if r.status is RequestStatus.RUNNING and r.num_pending == 0
-                 and r.num_computed_tokens == r.num_tokens - 1]
+                 and r.num_computed_tokens == r.num_tokens - 1 and not r.pending_forks]
         if not ready:
             return
         room = np.array([min(self.k, r.stop.max_tokens - len(r.output_token_ids) - 1,
