@@ -79,7 +79,8 @@ def _tensors(n, vocab, temperature, top_k, top_p):
     return SamplingTensors(f(temperature, np.float32), f(temperature == 0, bool), f(top_k, np.int32),
                            f(top_p, np.float32), f(0.0, np.float32), f(0.0, np.float32), f(0.0, np.float32),
                            f(1.0, np.float32), seed, f(3, np.int32), f(1, np.int32),
-                           np.full((n, 1), -1, np.int32), np.full((n, 16), -1, np.int32), f(-1, np.int32))
+                           np.full((n, 1), -1, np.int32), np.full((n, 16), -1, np.int32), f(-1, np.int32),
+                           np.zeros((n, 0), np.int32))
 
 
 _VERIFY = {}  # one compiled verify for both cases

@@ -421,7 +421,7 @@ class LLMEngine:
                 del self.parents[parent.request_id]
             outputs[parent.request_id] = make_output(parent, parent.finished)
         if self.spec is not None:
-            self.spec.propose(self.scheduler.running, self.max_model_len)
+            self.spec.propose(self.scheduler.running, self.max_model_len, self._structured or ())
         return list(outputs.values())
 
     def _on_tokens(self, seq: Sequence, sout, rows: list[int], first: int) -> None:

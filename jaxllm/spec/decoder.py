@@ -154,10 +154,12 @@ class SpecDecoder:
         return res
 
     # -- proposals -----------------------------------------------------------------
-    def propose(self, running: list[Request], max_model_len: int) -> None:
-        """Drafts for every running request whose tokens are all known and computed but the last."""
+    def propose(self, running: list[Request], max_model_len: int, skip=()) -> None:
+        """Drafts for every running request whose tokens are all known and computed but the
+        last; none for ids in `skip` (structured outputs: the grammar has not seen drafts)."""
         ready = [r for r in running if r.status is RequestStatus.RUNNING and r.num_pending == 0
-                 and r.num_computed_tokens == r.num_tokens - 1 and not r.pending_forks]
+                 and r.num_computed_tokens == r.num_tokens - 1 and not r.pending_forks
+                 and r.request_id not in skip]
         if not ready:
             return
         room = np.array([min(self.k, r.stop.max_tokens - len(r.output_token_ids) - 1,
