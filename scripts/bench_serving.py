@@ -4,9 +4,18 @@
 Requests stream (SSE) so time-to-first-token and inter-token latency are seen
 as a client sees them. Arrivals are Poisson at --request-rate (or all at once
 with --request-rate inf, or evenly spaced with --arrival constant), capped at
---max-concurrency requests in flight. Prompts are synthetic (seeded random
-words) so no data set is needed; token counts come from the server's own usage
-report (stream_options.include_usage), not from a local tokenizer.
+--max-concurrency requests in flight. Workloads use vLLM's flags
+(`jaxllm/benchmarks/datasets.py`): `--dataset-name random --random-input-len N
+--random-output-len M --random-range-ratio R` sends prompts of random token ids
+(completions; lengths uniform in [N(1-R), N(1+R)]; the chat endpoint gets seeded
+random words instead) and `--dataset-name jsonl --dataset-path F` one prompt per
+line. Token counts come from the server's own usage report
+(stream_options.include_usage), not from a local tokenizer.
+
+With `--roofline-shape NAME` (jaxllm/models/shapes.py) or `--roofline-config
+config.json`, the run's roofline is printed: copy bandwidth and matmul rate measured
+in this process (jax on the local device, before the load), the server's running
+batch sampled from /metrics, and the floor from `roofline.serving_floor`.
 
     python scripts/bench_serving.py --base-url http://127.0.0.1:8000 \
         --num-prompts 64 --request-rate 4 --max-concurrency 16 --input-len 128 --output-len 64
@@ -32,6 +41,8 @@ from dataclasses import dataclass, field
 
 import httpx
 import numpy as np
+
+from jaxllm.benchmarks.datasets import Sample, add_dataset_args, load_dataset, percentiles
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work week case point "
          "government company number group problem fact water room mother area money story month lot right "
@@ -93,20 +104,30 @@ def scrape(text: str, names: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-async def one(client: httpx.AsyncClient, args: argparse.Namespace, prompt: str) -> Result:
+def make_samples(args: argparse.Namespace) -> list[Sample]:
+    samples = load_dataset(args, args.vocab_size)
+    if args.endpoint == "chat" and args.dataset_name == "random":  # chat takes text: words of ~that length
+        texts = make_prompts(len(samples), max(len(x.prompt) for x in samples), args.seed)
+        samples = [Sample(" ".join(t.split()[:max(2, int(len(x.prompt) * 0.75))]), x.output_len)
+                   for t, x in zip(texts, samples)]
+    return samples
+
+
+async def one(client: httpx.AsyncClient, args: argparse.Namespace, sample: Sample) -> Result:
     res = Result()
+    prompt = sample.prompt
     if args.endpoint == "chat":
         url = "/v1/chat/completions"
         body = {"model": args.model, "messages": [{"role": "user", "content": prompt}],
-                "max_completion_tokens": args.output_len}
+                "max_completion_tokens": sample.output_len}
     else:
         url = "/v1/completions"
-        body = {"model": args.model, "prompt": prompt, "max_tokens": args.output_len}
+        body = {"model": args.model, "prompt": prompt, "max_tokens": sample.output_len}
     body.update(stream=True, stream_options={"include_usage": True}, temperature=args.temperature)
-    if args.ignore_eos:
-        body["ignore_eos"] = True  # vLLM / jaxllm extension: fixed output length
     if getattr(args, "constraint", None) is not None:
         body["structured_outputs"] = args.constraint
+    if args.ignore_eos:
+        body["ignore_eos"] = True  # vLLM / jaxllm extension: fixed output length
     start = last = time.perf_counter()
     chunks = 0
     try:
@@ -143,9 +164,23 @@ async def one(client: httpx.AsyncClient, args: argparse.Namespace, prompt: str) 
     return res
 
 
-async def run(args: argparse.Namespace) -> tuple[list[Result], float]:
-    prompts = make_prompts(args.num_prompts, args.input_len, args.seed)
-    gaps = arrival_gaps(args.num_prompts, args.request_rate, args.arrival, args.seed)
+async def sample_running(client: httpx.AsyncClient, out: list[float], stop: asyncio.Event) -> None:
+    """The server's running-request gauge every 50 ms (jaxllm: or vllm: prefix)."""
+    while not stop.is_set():
+        try:
+            text = (await client.get("/metrics")).text
+            vals = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                    if line.startswith(("jaxllm:num_requests_running", "vllm:num_requests_running"))]
+            if vals:
+                out.append(sum(vals))
+        except Exception:  # metrics are optional: the run goes on without them
+            return
+        await asyncio.sleep(0.05)
+
+
+async def run(args: argparse.Namespace) -> tuple[list[Result], float, list[float]]:
+    prompts = make_samples(args)
+    gaps = arrival_gaps(len(prompts), args.request_rate, args.arrival, args.seed)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     limits = httpx.Limits(max_connections=args.max_concurrency + 8)
     sem = asyncio.Semaphore(args.max_concurrency)
@@ -156,25 +191,26 @@ async def run(args: argparse.Namespace) -> tuple[list[Result], float]:
         for _ in range(args.warmup):
             await one(client, args, prompts[0])
 
-        async def limited(p: str) -> Result:
+        async def limited(p: Sample) -> Result:
             async with sem:
                 return await one(client, args, p)
 
+        running: list[float] = []
+        stop = asyncio.Event()
+        sampler = asyncio.create_task(sample_running(client, running, stop))
         t0 = time.perf_counter()
         tasks = []
         for p, gap in zip(prompts, gaps):
             tasks.append(asyncio.create_task(limited(p)))
             await asyncio.sleep(gap)
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - t0
+        duration = time.perf_counter() - t0
+        stop.set()
+        await sampler
+        return results, duration, running
 
 
-def pct(values: list[float], scale: float = 1000.0) -> dict:
-    if not values:
-        return {"mean": None, "p50": None, "p90": None, "p99": None}
-    a = np.asarray(values) * scale
-    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
-            "p99": float(np.percentile(a, 99))}
+pct = percentiles
 
 
 def summarize(results: list[Result], duration: float, args: argparse.Namespace) -> dict:
@@ -193,6 +229,7 @@ def summarize(results: list[Result], duration: float, args: argparse.Namespace) 
         "total_input_tokens": in_tok, "total_output_tokens": out_tok,
         "ttft_ms": pct([r.ttft for r in ok]), "tpot_ms": pct(tpot),
         "itl_ms": pct([x for r in ok for x in r.itl]), "e2e_ms": pct([r.latency for r in ok]),
+        "prompt_lens": [r.prompt_tokens for r in ok], "output_lens": [r.output_tokens for r in ok],
     }
 
 
@@ -206,7 +243,34 @@ def table(s: dict) -> str:
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         d = s[name]
         lines.append(f"{name[:-3].upper():<12}" + "".join(f"{fmt(d[k]):>10}" for k in ("mean", "p50", "p90", "p99")))
+    if s.get("roofline"):
+        r = s["roofline"]
+        lines.append(f"roofline: {r['floor_s']:.2f} s (prefill {r['prefill_floor_s']:.2f} s + {r['decode_steps']:.0f} "
+                     f"decode steps of mean batch {r['mean_batch']:.1f} at {r['decode_step_floor_s'] * 1e3:.2f} ms) "
+                     f"at C={r['copy_bytes_per_s'] / 1e9:.0f} GB/s, {r['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s; "
+                     f"achieved {r['fraction']:.2f} of it (idle time between arrivals counts against it)")
     return "\n".join(lines)
+
+
+def roofline(args: argparse.Namespace, summary: dict, running: list[float], rates: dict) -> dict:
+    from jaxllm.benchmarks.roofline import cost_of_config, serving_floor
+
+    cost = cost_of_config(shape_config(args))
+    busy = [r for r in running if r > 0]
+    floor = serving_floor(cost, summary["prompt_lens"], summary["output_lens"],
+                          float(np.mean(busy)) if busy else 1.0, rates["copy_bytes_per_s"],
+                          rates["matmul_flops_per_s"])
+    return {**floor, "fraction": floor["floor_s"] / summary["duration_s"]}
+
+
+def shape_config(args: argparse.Namespace) -> dict | None:
+    if args.roofline_config:
+        with open(args.roofline_config) as f:
+            return json.load(f)
+    if args.roofline_shape:
+        from jaxllm.models.shapes import get_shape
+        return get_shape(args.roofline_shape)
+    return None
 
 
 _STRUCTURED_METRICS = ("jaxllm:structured_mask_seconds", "jaxllm:structured_mask_steps",
@@ -220,12 +284,12 @@ def run_structured(args: argparse.Namespace) -> dict:
         return scrape(httpx.get(args.base_url + "/metrics", headers=headers, timeout=30).text, _STRUCTURED_METRICS)
 
     args.constraint = None
-    results, duration = asyncio.run(run(args))
+    results, duration, _ = asyncio.run(run(args))
     plain = summarize(results, duration, args)
     print("-- unconstrained\n" + table(plain))
     before = metrics()
     args.constraint, args.warmup = {"json": STRUCTURED_SCHEMA}, 0  # the first request compiles the schema
-    results, duration = asyncio.run(run(args))
+    results, duration, _ = asyncio.run(run(args))
     after = metrics()
     args.constraint = "json"
     constrained = summarize(results, duration, args)
@@ -250,26 +314,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="default: the first of /v1/models")
     p.add_argument("--api-key", default=None)
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
-    p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s; inf = all at once")
     p.add_argument("--arrival", choices=["poisson", "constant", "burst"], default="poisson")
     p.add_argument("--max-concurrency", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128, help="approximate prompt tokens")
-    p.add_argument("--output-len", type=int, default=64)
+    add_dataset_args(p)
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="ids of random prompts are below this (default: the roofline shape's, else 32000)")
+    p.add_argument("--roofline-shape", default=None, help="model shape for the roofline, e.g. llama3-8b")
+    p.add_argument("--roofline-config", default=None, help="or the model's config.json")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly --output-len tokens")
     p.add_argument("--warmup", type=int, default=1, help="untimed requests before the run")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--result-json", default=None)
     p.add_argument("--structured-output", choices=["none", "json"], default="none",
                    help="json: an unconstrained run, then the same load under a JSON schema; their ratio")
+    p.add_argument("--result-json", default=None)
     args = p.parse_args(argv)
+    try:
+        cfg = shape_config(args)
+        if args.vocab_size is None:
+            args.vocab_size = cfg["vocab_size"] if cfg else 32000
+        make_samples(args)  # bad dataset flags fail before any request
+    except ValueError as e:
+        p.error(str(e))
+    rates = None
+    if cfg is not None:
+        from jaxllm.benchmarks.roofline import measure_rates
+        rates = measure_rates()
     if args.structured_output == "json":
         summary = run_structured(args)
     else:
-        results, duration = asyncio.run(run(args))
+        results, duration, running = asyncio.run(run(args))
         summary = summarize(results, duration, args)
+        if rates is not None and summary["completed"]:
+            summary["roofline"] = roofline(args, summary, running, rates)
         print(table(summary))
     if args.result_json:
         with open(args.result_json, "w") as f:

@@ -1,10 +1,18 @@
 """Offline throughput, vLLM `benchmark_throughput`-style, with HF transformers as the peer.
 
-Random prompts of exactly --input-len tokens, --output-len tokens each (EOS
-ignored), all submitted at once. With --hf, HF transformers' batched greedy
+Workloads with vLLM's flags (`jaxllm/benchmarks/datasets.py`): `--dataset-name random
+--random-input-len N --random-output-len M --random-range-ratio R` (lengths uniform in
+[N(1-R), N(1+R)]; `--input-len` / `--output-len` are aliases, R = 0 fixed lengths) or
+`--dataset-name jsonl --dataset-path F`. EOS is ignored, all prompts submitted at once.
+Prints throughput, TTFT / ITL / end-to-end percentiles (ITL offline: each request's mean
+gap between tokens) and the run's roofline (`jaxllm/benchmarks/roofline.py`: per step the
+larger of bytes / copy bandwidth and FLOPs / matmul rate, both measured in this process)
+with the fraction achieved. With --hf (fixed lengths only), HF transformers' batched greedy
 `generate` runs the same prompts in the same process, and the ratio is printed.
 
     python scripts/bench_throughput.py --num-prompts 64 --input-len 128 --output-len 64 --hf
+    python scripts/bench_throughput.py --random-shape llama3-8b --dataset-name random \
+        --random-input-len 544 --random-output-len 288 --random-range-ratio 0.88 --num-prompts 1000
 """
 
 from __future__ import annotations
@@ -16,39 +24,69 @@ import platform
 import sys
 import time
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(__file__))
 
+from jaxllm.benchmarks.datasets import add_dataset_args, load_dataset, max_lengths, percentiles  # noqa: E402
 
-def run_jaxllm(args, prompts):
-    from jaxllm import LLM, SamplingParams
 
-    kw = dict(load_format=args.load_format, random_shape=args.random_shape, dtype=args.dtype, max_model_len=args.input_len + args.output_len,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              attention_backend=args.attention_backend,
+def build_llm(args, max_model_len: int):
+    from jaxllm import LLM
+
+    kw = dict(load_format=args.load_format, random_shape=args.random_shape, dtype=args.dtype,
+              max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
               token_buckets=tuple(args.token_buckets) if args.token_buckets else None,
-              seq_buckets=tuple(args.seq_buckets) if args.seq_buckets else None)
+              seq_buckets=tuple(args.seq_buckets) if args.seq_buckets else None,
+              gpu_memory_utilization=args.gpu_memory_utilization)
     t0 = time.perf_counter()
     llm = LLM(args.model, **kw)
-    init_s = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    return llm, time.perf_counter() - t0
+
+
+def latency_stats(outs) -> dict:
+    ttft, itl, e2e = [], [], []
+    for o in outs:
+        m, n = o.metrics, len(o.outputs[0].token_ids)
+        if m.first_token_time is not None:
+            ttft.append(m.first_token_time - m.arrival_time)
+        if n > 1 and m.last_token_time is not None:
+            itl.append((m.last_token_time - m.first_token_time) / (n - 1))
+        if m.finished_time is not None:
+            e2e.append(m.finished_time - m.arrival_time)
+    return {"ttft_ms": percentiles(ttft), "itl_ms": percentiles(itl), "e2e_ms": percentiles(e2e)}
+
+
+def run_jaxllm(args, llm, init_s, samples, rates):
+    from jaxllm import SamplingParams
+    from jaxllm.benchmarks.roofline import ModelCost, StepRecorder, run_floor
+
+    params = [SamplingParams(temperature=0.0, max_tokens=s.output_len, ignore_eos=True) for s in samples]
+    prompts = [{"prompt_token_ids": s.prompt} if isinstance(s.prompt, list) else s.prompt for s in samples]
+    rec = StepRecorder(llm.engine)
     res = []
     for mode in args.async_scheduling:  # the same engine, overlapped steps on or off
         llm.engine.async_scheduling = mode == "on"
         llm.engine.flush()
         llm.engine.kv.reset_prefix_cache()  # a second run must not hit the first one's prompts
+        rec.clear()
         t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
         dt = time.perf_counter() - t0
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        n_in = sum(len(o.prompt_token_ids) for o in outs)
         st = llm.stats()
-        res.append({"engine": f"jaxllm (async {mode})", "elapsed_s": dt, "init_s": init_s,
-                    "requests_per_s": len(prompts) / dt, "output_tokens_per_s": n_out / dt,
-                    "total_tokens_per_s": (n_out + sum(map(len, prompts))) / dt,
-                    "compiles_after_warmup": st["compiles_after_warmup"],
-                    "warmup_s": st["warmup_seconds"], "num_preemptions": st["num_preemptions"]})
-    return res, llm
+        r = {"engine": f"jaxllm (async {mode})", "elapsed_s": dt, "init_s": init_s,
+             "requests_per_s": len(prompts) / dt, "output_tokens_per_s": n_out / dt,
+             "total_tokens_per_s": (n_out + n_in) / dt, "input_tokens": n_in, "output_tokens": n_out,
+             "compiles_after_warmup": st["compiles_after_warmup"], "warmup_s": st["warmup_seconds"],
+             "num_preemptions": st["num_preemptions"], **latency_stats(outs)}
+        if rates:
+            roof = run_floor(ModelCost.of_runner(llm.engine.runner), rec.steps, rates["copy_bytes_per_s"],
+                             rates["matmul_flops_per_s"])
+            r["roofline"] = {**roof, "fraction": roof["floor_s"] / dt,
+                             "output_tokens_per_s": n_out / roof["floor_s"]}
+        res.append(r)
+    return res
 
 
 def _hf_model(args):
@@ -114,44 +152,71 @@ def main() -> None:
     p.add_argument("--random-shape", default=None, help="random weights of a known shape, e.g. llama3-8b")
     p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: --model is a folder with config.json only, weights drawn on the device")
-    p.add_argument("--num-prompts", type=int, default=64)
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=64)
+    add_dataset_args(p)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the longest prompt + output")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--token-buckets", type=int, nargs="*", default=None)
     p.add_argument("--seq-buckets", type=int, nargs="*", default=None)
     p.add_argument("--async-scheduling", nargs="+", choices=["on", "off"], default=["on"],
                    help="overlapped steps; 'on off' runs both on the same engine")
-    p.add_argument("--hf", action="store_true", help="also run HF transformers generate (peer)")
+    p.add_argument("--no-roofline", action="store_true", help="skip measuring copy bandwidth / matmul rate")
+    p.add_argument("--hf", action="store_true", help="also run HF transformers generate (peer; fixed lengths)")
     p.add_argument("--hf-batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
+    try:
+        max_in, max_out = max_lengths(args)
+    except ValueError as e:
+        p.error(str(e))
+    if args.hf and (args.dataset_name != "random" or args.random_range_ratio):
+        p.error("--hf runs batched generate: it needs --dataset-name random with --random-range-ratio 0")
 
-    rng = np.random.default_rng(args.seed)
-    from shapes import SHAPES
-    vocab = SHAPES[args.random_shape]["vocab_size"] if args.random_shape else 49152
-    prompts = rng.integers(min(100, vocab // 4), vocab - min(100, vocab // 4), size=(args.num_prompts, args.input_len)).tolist()
-    runs, llm = run_jaxllm(args, prompts)
+    rates = None
+    if not args.no_roofline:
+        from jaxllm.benchmarks.roofline import measure_rates
+        rates = measure_rates()  # before the engine takes the memory
+    if args.dataset_name == "jsonl" and args.max_model_len is None:
+        p.error("--dataset-name jsonl needs --max-model-len")
+    llm, init_s = build_llm(args, args.max_model_len or max_in + max_out)
+    samples = load_dataset(args, llm.engine.model_cfg.vocab_size)
+    runs = run_jaxllm(args, llm, init_s, samples, rates)
     jax_res = runs[0]
     results = {"args": vars(args), "machine": f"{platform.node()} {platform.processor()} "
-               f"{os.cpu_count()} cpus", "date": time.strftime("%Y-%m-%d"), "jaxllm": jax_res,
-               "jaxllm_runs": runs}
+               f"{os.cpu_count()} cpus", "date": time.strftime("%Y-%m-%d"), "rates": rates,
+               "jaxllm": jax_res, "jaxllm_runs": runs}
+    if args.output_json:  # before the peer: its failure must not lose these figures
+        with open(args.output_json, "w") as f:
+            json.dump(results, f, indent=2)
     if args.hf:
         del llm
         import gc
         gc.collect()
-        results["hf"] = run_hf(args, prompts)
+        args.input_len, args.output_len = args.random_input_len, args.random_output_len
+        results["hf"] = run_hf(args, [s.prompt for s in samples])
         results["ratio_output_tokens_per_s"] = (jax_res["output_tokens_per_s"]
                                                 / results["hf"]["output_tokens_per_s"])
     print(json.dumps(results, indent=2))
     rows = runs + ([results["hf"]] if args.hf else [])
-    print(f"\n{'engine':<20}{'req/s':>10}{'out tok/s':>12}{'elapsed s':>12}")
+    print(f"\n{'engine':<20}{'req/s':>10}{'out tok/s':>12}{'total tok/s':>13}{'elapsed s':>11}")
     for r in rows:
-        print(f"{r['engine']:<20}{r['requests_per_s']:>10.2f}{r['output_tokens_per_s']:>12.1f}{r['elapsed_s']:>12.2f}")
+        print(f"{r['engine']:<20}{r['requests_per_s']:>10.2f}{r['output_tokens_per_s']:>12.1f}"
+              f"{r['total_tokens_per_s']:>13.1f}{r['elapsed_s']:>11.2f}")
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"
+    for r in runs:
+        print(f"{r['engine']}: {'metric (ms)':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
+        for name in ("ttft_ms", "itl_ms", "e2e_ms"):
+            print(f"  {name[:-3].upper():<12}" + "".join(f"{fmt(r[name][k]):>10}" for k in ("mean", "p50", "p90", "p99")))
+        if "roofline" in r:
+            ro = r["roofline"]
+            print(f"  roofline: {ro['floor_s']:.2f} s for {ro['steps']} steps ({ro['memory_bound_steps']} "
+                  f"memory-bound) at C={ro['copy_bytes_per_s'] / 1e9:.0f} GB/s, "
+                  f"{ro['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s -> {ro['output_tokens_per_s']:.1f} out tok/s; "
+                  f"achieved {ro['fraction']:.2f} of it")
     if args.hf:
         print(f"jaxllm ({args.async_scheduling[0]}) / HF output tokens/s: "
               f"{results['ratio_output_tokens_per_s']:.2f}x")

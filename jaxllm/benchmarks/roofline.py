@@ -1,0 +1,159 @@
+"""A run's roofline: for each engine step, the larger of bytes moved / copy bandwidth and
+FLOPs / matmul rate, summed over the run's steps; both rates measured in the same process.
+
+Per step, for the tokens it ran (T), the rows it sampled and each row's context:
+  FLOPs = 2 * (matmul params) * T + 2 * E * V * sampled + 4 * L * H * D * (query, key) pairs
+  bytes = weights + KV read (each row's whole context) + KV written (T tokens)
+(causal pairs within a chunk count once: q * end - q * (q - 1) / 2). The achieved fraction is
+floor / measured time: 1.0 is the hardware's limit for that exact sequence of steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCost:
+    weight_bytes: int
+    matmul_params: int  # per-token linear weights of all layers
+    head_params: int  # E * V, per sampled row
+    kv_bytes_per_token: int
+    attn_flops_per_pair: int  # 4 * L * H * D
+
+    @classmethod
+    def of(cls, m: Any, weight_bytes: int, kv_bytes_per_token: int) -> "ModelCost":
+        """From a `ModelConfig` (jaxllm.models.config)."""
+        E, F, H, K, D = m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim
+        per_layer = E * H * D + 2 * E * K * D + H * D * E + 3 * E * F
+        return cls(weight_bytes, m.num_layers * per_layer, E * m.vocab_size, kv_bytes_per_token,
+                   4 * m.num_layers * H * D)
+
+    @classmethod
+    def of_runner(cls, runner: Any) -> "ModelCost":
+        """Per device, as the runner holds the model (its weights, its KV heads)."""
+        m = runner.model_cfg
+        kv = runner.kv_pages
+        per_token = kv.nbytes // (runner.num_blocks * runner.block_size)
+        if runner.tp is not None:
+            per_token //= runner.tp.tp
+            c = cls.of(m, runner.device_bytes["weight_bytes"], per_token)
+            return dataclasses.replace(c, matmul_params=c.matmul_params // runner.tp.tp,
+                                       head_params=c.head_params // runner.tp.tp,
+                                       attn_flops_per_pair=c.attn_flops_per_pair // runner.tp.tp)
+        return cls.of(m, runner.device_bytes["weight_bytes"], per_token)
+
+
+Step = tuple[int, list[tuple[int, int, bool]]]  # (tokens, [(query len, context end, sampled)])
+
+
+def step_cost(cost: ModelCost, step: Step) -> tuple[float, float]:
+    """(bytes, FLOPs) of one step."""
+    tokens, rows = step
+    pairs = sum(q * end - q * (q - 1) / 2 for q, end, _ in rows)
+    sampled = sum(1 for *_, s in rows if s)
+    flops = 2.0 * cost.matmul_params * tokens + 2.0 * cost.head_params * sampled + cost.attn_flops_per_pair * pairs
+    nbytes = cost.weight_bytes + cost.kv_bytes_per_token * (sum(end for _, end, _ in rows) + tokens)
+    return float(nbytes), flops
+
+
+def run_floor(cost: ModelCost, steps: list[Step], copy_bytes_per_s: float, matmul_flops_per_s: float) -> dict:
+    """The roofline of a sequence of steps: seconds, and how many steps each bound limits."""
+    total = bytes_total = flops_total = 0.0
+    memory_bound = 0
+    for st in steps:
+        b, f = step_cost(cost, st)
+        tb, tf = b / copy_bytes_per_s, f / matmul_flops_per_s
+        total += max(tb, tf)
+        memory_bound += tb >= tf
+        bytes_total += b
+        flops_total += f
+    return {"floor_s": total, "steps": len(steps), "memory_bound_steps": memory_bound,
+            "compute_bound_steps": len(steps) - memory_bound, "bytes": bytes_total, "flops": flops_total,
+            "copy_bytes_per_s": copy_bytes_per_s, "matmul_flops_per_s": matmul_flops_per_s}
+
+
+class StepRecorder:
+    """Records every step the engine's scheduler emits (wraps `scheduler.schedule`)."""
+
+    def __init__(self, engine: Any):
+        self.steps: list[Step] = []
+        self.enabled = True
+        sched = engine.scheduler
+        inner = sched.schedule
+
+        def schedule(*a, **kw):
+            out = inner(*a, **kw)
+            if self.enabled and out.scheduled:
+                self.steps.append((out.num_batched_tokens, [
+                    (len(s.token_ids), s.start_pos + len(s.token_ids), bool(s.sample)) for s in out.scheduled]))
+            return out
+
+        sched.schedule = schedule
+
+    def clear(self) -> None:
+        self.steps = []
+
+
+def _timed(fn, *args, warm_s: float = 1.0, reps: int = 20) -> float:
+    t = time.perf_counter()
+    while time.perf_counter() - t < warm_s:  # an idle GPU starts at a low clock
+        fn(*args).block_until_ready()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn(*args).block_until_ready()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def measure_rates(copy_gib: float = 2.0, matmul_n: int = 8192, dtype: Any = None) -> dict:
+    """Copy bandwidth (bytes/s, read + write of a float32 array) and the dense matmul rate
+    (FLOP/s, bf16 on accelerators, f32 on CPU), measured on the default device now."""
+    import jax
+    import jax.numpy as jnp
+
+    cpu = jax.devices()[0].platform == "cpu"
+    if cpu:
+        copy_gib, matmul_n = min(copy_gib, 0.25), min(matmul_n, 1024)
+    n = int(copy_gib * (1 << 30)) // 4
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
+    copy_s = _timed(jax.jit(lambda a: a + 1.0), x, warm_s=0.2 if cpu else 1.0)
+    del x
+    dt = dtype or (jnp.float32 if cpu else jnp.bfloat16)
+    a = jax.random.normal(jax.random.key(1), (matmul_n, matmul_n), dt)
+    mm_s = _timed(jax.jit(lambda u: u @ u), a, warm_s=0.2 if cpu else 1.0, reps=5 if cpu else 20)
+    del a
+    return {"copy_bytes_per_s": 2 * n * 4 / copy_s, "matmul_flops_per_s": 2 * matmul_n ** 3 / mm_s}
+
+
+def cost_of_config(hf_config: dict, dtype_bytes: int = 2) -> ModelCost:
+    """A model's cost from its HF config (weights and KV in `dtype_bytes`, one device)."""
+    from jaxllm.models.config import ModelConfig
+
+    m = ModelConfig.from_hf(hf_config)
+    c = ModelCost.of(m, 0, m.num_layers * 2 * m.num_kv_heads * m.head_dim * dtype_bytes)
+    params = c.matmul_params + c.head_params * (1 if m.tie_word_embeddings else 2) \
+        + m.num_layers * 2 * m.hidden_size + m.hidden_size
+    return dataclasses.replace(c, weight_bytes=params * dtype_bytes)
+
+
+def serving_floor(cost: ModelCost, prompt_lens: list[int], output_lens: list[int], mean_batch: float,
+                  copy_bytes_per_s: float, matmul_flops_per_s: float) -> dict:
+    """A served run's roofline seen from the client, which does not see the engine's steps:
+    prompts cost their FLOPs (compute-bound), and the outputs are decode steps of the run's
+    mean running batch (sampled from the server's metrics) at the mean context."""
+    n_out, n_in = sum(output_lens), sum(prompt_lens)
+    B = max(mean_batch, 1.0)
+    ctx = (n_in + n_out / 2) / max(len(prompt_lens), 1)
+    prefill = sum(2.0 * cost.matmul_params * p + cost.attn_flops_per_pair * p * (p + 1) / 2 for p in prompt_lens)
+    steps = n_out / B
+    step_b, step_f = step_cost(cost, (int(round(B)), [(1, int(ctx), True)] * int(round(B))))
+    step_s = max(step_b / copy_bytes_per_s, step_f / matmul_flops_per_s)
+    floor = prefill / matmul_flops_per_s + steps * step_s
+    return {"floor_s": floor, "mean_batch": B, "decode_steps": steps, "decode_step_floor_s": step_s,
+            "prefill_floor_s": prefill / matmul_flops_per_s, "copy_bytes_per_s": copy_bytes_per_s,
+            "matmul_flops_per_s": matmul_flops_per_s}

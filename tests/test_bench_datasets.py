@@ -1,0 +1,88 @@
+"""Benchmark workloads (vLLM's random / jsonl datasets) and the run roofline, on CPU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+from jaxllm.benchmarks.datasets import (add_dataset_args, jsonl_dataset, length_range, load_dataset,
+                                        percentiles, random_dataset)
+from jaxllm.benchmarks.roofline import ModelCost, StepRecorder, run_floor, step_cost
+
+
+@pytest.mark.parametrize("n,ratio", [(544, 0.88), (288, 0.88), (100, 0.0), (7, 0.5), (1000, 0.1)])
+def test_random_lengths_follow_the_range_ratio(n, ratio):
+    samples = random_dataset(4000, n, n, ratio, vocab_size=1000, seed=1)
+    lens = np.array([len(s.prompt) for s in samples])
+    outs = np.array([s.output_len for s in samples])
+    low, high = max(1, int(np.floor(n * (1 - ratio)))), int(np.ceil(n * (1 + ratio)))
+    for a in (lens, outs):
+        assert a.min() >= low and a.max() <= high
+        if ratio == 0:
+            assert (a == n).all()
+        else:  # uniform: both ends reached, mean in the middle, quartiles where uniform puts them
+            assert a.min() <= low + (high - low) * 0.01 + 1 and a.max() >= high - (high - low) * 0.01 - 1
+            assert abs(a.mean() - (low + high) / 2) < 0.03 * (high - low) + 1
+            assert abs(np.percentile(a, 25) - (low + 0.25 * (high - low))) < 0.05 * (high - low) + 1
+    assert all(100 <= t < 900 for s in samples[:50] for t in s.prompt)  # ids inside the vocabulary
+
+
+@pytest.mark.parametrize("ratio", [1.0, 1.5, -0.1])
+def test_ratio_outside_unit_interval_is_refused(ratio):
+    with pytest.raises(ValueError, match=r"random-range-ratio must be in \[0, 1\)"):
+        random_dataset(4, 10, 10, ratio, vocab_size=100)
+    with pytest.raises(ValueError, match="random-range-ratio"):
+        length_range(10, ratio)
+
+
+def test_flags_and_jsonl(tmp_path):
+    p = argparse.ArgumentParser()
+    add_dataset_args(p)
+    a = p.parse_args(["--input-len", "20", "--output-len", "5", "--num-prompts", "3"])  # old names alias
+    assert (a.random_input_len, a.random_output_len) == (20, 5)
+    assert [len(s.prompt) for s in load_dataset(a, 500)] == [20, 20, 20]
+    f = tmp_path / "w.jsonl"
+    f.write_text('{"prompt": "hello", "output_len": 7}\nplain text line\n\n{"prompt": [1, 2, 3], "max_tokens": 2}\n')
+    got = jsonl_dataset(str(f), None, 9)
+    assert [(s.prompt, s.output_len) for s in got] == [("hello", 7), ("plain text line", 9), ([1, 2, 3], 2)]
+    a = p.parse_args(["--dataset-name", "jsonl", "--dataset-path", str(f), "--num-prompts", "2"])
+    assert len(load_dataset(a, 500)) == 2
+    f.write_text(json.dumps({"text": "no prompt key"}) + "\n")
+    with pytest.raises(ValueError, match="prompt"):
+        jsonl_dataset(str(f), None, 9)
+
+
+def test_percentiles():
+    d = percentiles(list(range(1, 101)), scale=1.0)
+    assert d["p50"] == pytest.approx(50.5) and d["p90"] == pytest.approx(90.1) and d["p99"] == pytest.approx(99.01)
+    assert percentiles([])["p50"] is None
+
+
+def test_step_cost_by_hand():
+    c = ModelCost(weight_bytes=1000, matmul_params=10, head_params=4, kv_bytes_per_token=2, attn_flops_per_pair=3)
+    # one prefill chunk of 4 tokens ending at position 6 (sampled), one decode row at context 9
+    b, f = step_cost(c, (5, [(4, 6, True), (1, 9, False)]))
+    pairs = (4 * 6 - 4 * 3 / 2) + 9
+    assert f == 2 * 10 * 5 + 2 * 4 * 1 + 3 * pairs
+    assert b == 1000 + 2 * (6 + 9 + 5)
+    r = run_floor(c, [(5, [(4, 6, True), (1, 9, False)])] * 3, copy_bytes_per_s=100.0, matmul_flops_per_s=1e9)
+    assert r["floor_s"] == pytest.approx(3 * b / 100.0) and r["memory_bound_steps"] == 3
+
+
+def test_recorder_sees_every_scheduled_token():
+    from jaxllm import LLM, SamplingParams
+
+    llm = LLM(random_shape="tiny", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64)
+    rec = StepRecorder(llm.engine)
+    samples = random_dataset(6, 30, 5, 0.5, vocab_size=512, seed=3)
+    llm.generate([{"prompt_token_ids": s.prompt} for s in samples],
+                 [SamplingParams(max_tokens=s.output_len, ignore_eos=True) for s in samples], use_tqdm=False)
+    tokens = sum(t for t, _ in rec.steps)
+    assert tokens == sum(len(s.prompt) + s.output_len - 1 for s in samples)
+    assert all(t == sum(q for q, _, _ in rows) for t, rows in rec.steps)
+    assert max(end for _, rows in rec.steps for _, end, _ in rows) <= max(len(s.prompt) + s.output_len for s in samples)
+    cost = ModelCost.of_runner(llm.engine.runner)
+    assert cost.weight_bytes == llm.engine.runner.weight_bytes and cost.kv_bytes_per_token > 0
