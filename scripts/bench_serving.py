@@ -263,6 +263,15 @@ def roofline(args: argparse.Namespace, summary: dict, running: list[float], rate
     return {**floor, "fraction": floor["floor_s"] / summary["duration_s"]}
 
 
+def server_vocab(args: argparse.Namespace) -> int | None:
+    """The served tokenizer's vocabulary size (jaxllm's and vLLM's /tokenizer_info), if it says."""
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    try:
+        return httpx.get(args.base_url + "/tokenizer_info", headers=headers, timeout=30).json().get("vocab_size")
+    except Exception:  # not every server has it: the caller falls back
+        return None
+
+
 def shape_config(args: argparse.Namespace) -> dict | None:
     if args.roofline_config:
         with open(args.roofline_config) as f:
@@ -319,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-concurrency", type=int, default=64)
     add_dataset_args(p)
     p.add_argument("--vocab-size", type=int, default=None,
-                   help="ids of random prompts are below this (default: the roofline shape's, else 32000)")
+                   help="ids of random prompts are below this (default: the roofline shape's, else the "
+                        "server's /tokenizer_info, else 32000)")
     p.add_argument("--roofline-shape", default=None, help="model shape for the roofline, e.g. llama3-8b")
     p.add_argument("--roofline-config", default=None, help="or the model's config.json")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -334,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = shape_config(args)
         if args.vocab_size is None:
-            args.vocab_size = cfg["vocab_size"] if cfg else 32000
+            args.vocab_size = cfg["vocab_size"] if cfg else server_vocab(args) or 32000
         make_samples(args)  # bad dataset flags fail before any request
     except ValueError as e:
         p.error(str(e))
