@@ -328,6 +328,11 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="small-shape correctness first")
     p.add_argument("--mixed", action="store_true", help="also time the prefill/mixed case")
     p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--prefill", action="store_true",
+                   help="prefill attention only (scripts/bench_prefill.py): paged kernels vs peers")
+    p.add_argument("--prefill-cases", default="2048,8192,32768,ragged8")
+    p.add_argument("--prefill-kernels",
+                   default="mosaic,pallas,jax_cudnn,jax_mgpu,torch_cudnn,torch_flash")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_kernels.json"))
     args = p.parse_args()
     names = args.kernels.split(",")
@@ -337,6 +342,11 @@ def main() -> None:
     result = dict(device=str(dev.device_kind), jax=jax.__version__,
                   date=time.strftime("%Y-%m-%d %H:%M:%S"), argv=sys.argv[1:], rows=[])
     save = lambda: json.dump(result, open(args.out, "w"), indent=1)
+    if args.prefill:
+        from bench_prefill import run_prefill
+        result["prefill"] = run_prefill(args)
+        save()
+        return
     if args.smoke:
         result["smoke"] = smoke(names, args)
         save()

@@ -1,0 +1,301 @@
+"""Hopper ragged paged prefill/mixed attention on Mosaic GPU (`plgpu.kernel`), FA3-style.
+
+Same contract as `ref.ragged_paged_attention`: q [T, H, D] ragged over requests (prefill
+chunks continuing a cached prefix and decode rows in one batch), keys/values read from the
+pool `kv_pages [L, 2, K, P, S, D]` that `ref.write_kv` has just updated in place, output
+[T, H, D] with padding tokens 0. The block schedule is `prefill_schedule`'s (shared with the
+portable twin `pallas_prefill.py`, which the CPU tests check in interpret mode).
+
+Grid (block, kv head), blocks fastest, so the CTAs of one wave stream the same head's keys
+through L2; blocks come heaviest first. A CTA owns 128 rows = bq = 128 / G tokens x the G
+query heads of one kv head (row g * bq + i), so every K/V tile serves all G heads (GQA).
+Three warpgroups:
+  * producer (wg 2, 40 registers): reads the page ids of key step s from the block table
+    and TMA-copies the step's pages of K and of V (each page of one head is a contiguous
+    [S, D] tile) into an `nst`-deep ring of swizzled [BK, D] tiles, one mbarrier per stage
+    and operand; it refills a stage once both consumers have released it;
+  * two consumers (wg 0 / 1, 232 registers, 64 rows each): s = q @ K^T and acc += p @ V on
+    wgmma (q from SMEM, p from registers), online softmax in float32 in the log2 domain
+    (sm_scale * log2 e folded into one FMA), FA3's ping-pong: a shared barrier orders the
+    two warpgroups so one's softmax overlaps the other's matmuls. Key steps [0, n_full)
+    lie below every row's position and skip the mask; the last ones are masked causally.
+Epilogue: a full block (count == bq) stages its bf16 rows in q's swizzled buffer and stores
+one TMA box per head; a partial block (a segment shorter than bq: decode rows, short
+chunks) stages them in a plain buffer and stores exactly its `count` rows per head as
+power-of-two boxes, so no row of a neighbouring request is touched.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxllm.kernels import prefill_schedule as ps
+from jaxllm.kernels.metadata import AttentionMetadata
+
+_WG_ROWS = 64  # rows per consumer warpgroup (wgmma M)
+_ROWS = 2 * _WG_ROWS  # rows per CTA
+_LOG2E = math.log2(math.e)
+
+
+def supported(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+              block_keys: int = 128) -> bool:
+    group = num_heads // num_kv_heads
+    return (num_heads % num_kv_heads == 0 and group & (group - 1) == 0 and group <= 16
+            and head_dim % 64 == 0 and head_dim <= 256 and page_size % 8 == 0
+            and (block_keys % page_size == 0 or page_size % block_keys == 0))
+
+
+def _kernel(sched_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, q_smem, o_plain, k_smem,
+            v_smem, q_bar, k_bar, v_bar, k_free, v_free, turn, *stage, sm_scale: float,
+            bq: int, bk: int, page_size: int, num_kv_heads: int, num_pages: int, nst: int,
+            interpret: bool):
+    b, kvh, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
+    req, t0, lo = sched_ref[ps.REQ, b], sched_ref[ps.T0, b], sched_ref[ps.LO, b]
+    count, pos0, key_end = sched_ref[ps.COUNT, b], sched_ref[ps.POS0, b], sched_ref[ps.KEY_END, b]
+    head_dim = q_smem.shape[-1]
+    steps = (key_end + bk - 1) // bk
+    n_full = jnp.minimum(steps, jnp.maximum(pos0 + lo + 1, 0) // bk)
+    hb = min(bq, _WG_ROWS)  # rows of one head inside one warpgroup's 64
+    chunks = _WG_ROWS // hb
+    cast = (lambda x, _: x) if interpret else plgpu.layout_cast
+
+    def chunk(c):
+        """(head in group, first token offset) of chunk c of this warpgroup's rows."""
+        r0 = wg * _WG_ROWS + c * hb
+        return r0 // bq, r0 % bq
+
+    def turn_sync():  # FA3 ping-pong between the two consumer warpgroups
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
+
+    @pl.when((wg < 2) & (count > 0))
+    def _consumer():
+        if not interpret:
+            plgpu.set_max_registers(232, action="increase")
+        q_wg, o_wg = q_smem.at[wg], o_plain.at[wg]
+
+        @pl.when(key_end > 0)
+        def _():
+            for c in range(chunks):
+                g, i0 = chunk(c)
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(t0 + i0, hb), kvh, g],
+                                        q_wg.at[pl.ds(c * hb, hb)], q_bar.at[wg])
+            plgpu.barrier_wait(q_bar.at[wg])
+
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        m = cast(jnp.full((_WG_ROWS,), -jnp.inf, jnp.float32), row_layout)
+        l = cast(jnp.full((_WG_ROWS,), 0.0, jnp.float32), row_layout)
+        acc = cast(jnp.full((_WG_ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+
+        def causal(s, step):
+            """Key step * bk + col is visible to row token i iff col - i <= pos0 - step * bk.
+            The iotas are rebuilt per step (cheap) rather than held in 64 more registers."""
+            shape = (_WG_ROWS, bk)
+            if interpret:
+                row, col = (lax.broadcasted_iota(jnp.int32, shape, d) for d in (0, 1))
+            else:
+                row, col = (plgpu.broadcasted_iota(jnp.int32, shape, d, layout=plgpu.Layout.WGMMA)
+                            for d in (0, 1))
+            tok = row if bq >= _WG_ROWS else row & (bq - 1)  # token of the row in its head
+            shift = wg * _WG_ROWS if bq > _WG_ROWS else 0  # G == 1: wg 1 holds tokens 64..127
+            return jnp.where(col - tok <= pos0 + shift - step * bk, s, -jnp.inf)
+
+        scale = sm_scale * _LOG2E
+
+        @pl.when(steps > 0)
+        def _():
+            plgpu.barrier_wait(k_bar.at[0])
+
+        pl.when(wg == 1)(turn_sync)
+
+        def kv_step(step, carry, masked: bool):
+            acc, m, l = carry
+            slot = lax.rem(step, jnp.int32(nst))
+
+            def qk(acc_ref):
+                if interpret:
+                    stage[0][...] = k_smem[slot].T
+                    plgpu.wgmma(acc_ref, q_wg, stage[0])
+                else:
+                    plgpu.wgmma(acc_ref, q_wg, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                turn_sync()
+                return acc_ref[...]
+
+            s = pl.run_scoped(qk, plgpu.ACC((_WG_ROWS, bk), jnp.float32))
+            plgpu.barrier_arrive(k_free.at[slot])
+            if masked:
+                s = causal(s, step)
+            m_new = jnp.maximum(m, s.max(axis=1) * scale)
+            alpha = jnp.exp2(m - m_new)
+            p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            l = l * alpha + p.sum(axis=1)
+            p16 = p.astype(v_smem.dtype)
+            if not interpret and head_dim <= 128:
+                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+            plgpu.barrier_arrive(turn)  # softmax done
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_wait(turn)  # the tensor cores are ours
+
+            def wait_next():
+                @pl.when(step + 1 < steps)
+                def _():
+                    plgpu.barrier_wait(k_bar.at[lax.rem(step + 1, jnp.int32(nst))])
+
+            if interpret:  # the interpreter takes wgmma's A operand from SMEM only
+                stage[1][...] = p16
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, stage[1], v_smem.at[slot])
+                    return acc_ref[...]
+                acc = acc + pl.run_scoped(pv, plgpu.ACC((_WG_ROWS, head_dim), jnp.float32))
+                wait_next()
+            else:
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    wait_next()
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+            plgpu.barrier_arrive(v_free.at[slot])
+            return acc, m_new, l
+
+        carry = lax.fori_loop(0, n_full, functools.partial(kv_step, masked=False), (acc, m, l))
+        acc, m, l = lax.fori_loop(n_full, steps, functools.partial(kv_step, masked=True), carry)
+        pl.when(wg == 0)(turn_sync)
+
+        l_safe = jnp.where(l == 0.0, 1.0, l)  # padding tail: no keys -> 0
+        out = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(q_smem.dtype)
+
+        @pl.when(count == bq)
+        def _full():
+            q_wg[...] = out
+            plgpu.commit_smem()
+            for c in range(chunks):
+                g, i0 = chunk(c)
+                plgpu.copy_smem_to_gmem(q_wg.at[pl.ds(c * hb, hb)],
+                                        o_ref.at[pl.ds(t0 + i0, hb), kvh, g])
+
+        @pl.when(count < bq)
+        def _partial():
+            o_wg[...] = out
+            plgpu.commit_smem()
+            for c in range(chunks):  # rows [lo, lo + count) of each head, exactly
+                g, i0 = chunk(c)
+                first = jnp.clip(lo - i0, 0, hb)
+                n = jnp.clip(lo + count - i0, 0, hb) - first
+                size = hb
+                while size:
+                    off = first + (n & ~(2 * size - 1))  # after the rows of the larger boxes
+
+                    @pl.when((n & size) != 0)
+                    def _(size=size, off=off):
+                        plgpu.copy_smem_to_gmem(o_wg.at[pl.ds(c * hb + off, size)],
+                                                o_ref.at[pl.ds(t0 + i0 + off, size), kvh, g])
+                    size //= 2
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when((wg == 2) & (count > 0))
+    def _producer():
+        if not interpret:
+            plgpu.set_max_registers(40, action="decrease")
+        base = (layer_ref[0] * 2 * num_kv_heads + kvh) * num_pages  # K pages of this head
+        v_off = num_kv_heads * num_pages
+        max_col = bt_ref.shape[1] - 1
+
+        def copies(step, slot, which, dst, bar):
+            if page_size <= bk:
+                for j in range(bk // page_size):
+                    col = jnp.minimum(step * (bk // page_size) + j, max_col)
+                    page = base + bt_ref[req, col] + which * v_off
+                    plgpu.copy_gmem_to_smem(kv_ref.at[page],
+                                            dst.at[slot, pl.ds(j * page_size, page_size)],
+                                            bar.at[slot])
+            else:
+                key0 = step * bk
+                page = base + bt_ref[req, jnp.minimum(key0 // page_size, max_col)] + which * v_off
+                plgpu.copy_gmem_to_smem(kv_ref.at[page, pl.ds(key0 % page_size, bk)],
+                                        dst.at[slot], bar.at[slot])
+
+        @pl.loop(0, steps)
+        def _(step):
+            slot = lax.rem(step, jnp.int32(nst))
+
+            @pl.when(step >= nst)
+            def _():
+                plgpu.barrier_wait(k_free.at[slot])
+            copies(step, slot, 0, k_smem, k_bar)
+
+            @pl.when(step >= nst)
+            def _():
+                plgpu.barrier_wait(v_free.at[slot])
+            copies(step, slot, 1, v_smem, v_bar)
+
+        @pl.loop(jnp.maximum(steps - nst, 0), steps)  # observe the last releases too
+        def _(step):
+            slot = lax.rem(step, jnp.int32(nst))
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
+
+def _interpret_params():
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams(detect_races=True)
+
+
+def ragged_prefill_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
+                             md: AttentionMetadata, *, sm_scale: float, block_keys: int = 128,
+                             num_stages: int = 2, interpret: bool = False) -> jax.Array:
+    """Ragged paged attention for prefill/mixed batches, q [T, H, D] -> [T, H, D]."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
+    if not supported(num_heads, num_kv_heads, head_dim, page_size, block_keys):
+        raise ValueError(f"unsupported shape: H={num_heads} K={num_kv_heads} D={head_dim} "
+                         f"S={page_size} BK={block_keys}")
+    group = num_heads // num_kv_heads
+    bq, bk = _ROWS // group, block_keys
+    # the block window needs T >= bq; TMA on the [T, K, G, D] view needs T % 8 == 0
+    pad = max(bq, -(-num_tokens // 8) * 8) - num_tokens
+    positions = md.positions
+    if pad:
+        q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
+        positions = jnp.pad(positions, (0, pad), constant_values=-1)
+    total = num_tokens + pad
+    sched = ps.prefill_schedule(md.query_start_loc, positions, total, bq)
+    copies_per_step = max(1, bk // page_size)
+    tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    scratch = [
+        plgpu.SMEM((2, _WG_ROWS, head_dim), q.dtype, transforms=tiled),
+        plgpu.SMEM((2, _WG_ROWS, head_dim), q.dtype),  # partial blocks' output rows
+        plgpu.SMEM((num_stages, bk, head_dim), kv_pages.dtype, transforms=tiled),
+        plgpu.SMEM((num_stages, bk, head_dim), kv_pages.dtype, transforms=tiled),
+        plgpu.Barrier(num_arrivals=_WG_ROWS // min(bq, _WG_ROWS), num_barriers=2),
+        plgpu.Barrier(num_arrivals=copies_per_step, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=copies_per_step, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=2),
+    ]
+    if interpret:  # wgmma operand staging (see the kernel)
+        scratch += [plgpu.SMEM((head_dim, bk), kv_pages.dtype),
+                    plgpu.SMEM((_WG_ROWS, bk), kv_pages.dtype)]
+    body = functools.partial(
+        _kernel, sm_scale=float(sm_scale), bq=bq, bk=bk, page_size=page_size,
+        num_kv_heads=num_kv_heads, num_pages=num_pages, nst=num_stages, interpret=interpret)
+    out = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((total, num_kv_heads, group, head_dim), q.dtype),
+        scratch_types=tuple(scratch),
+        grid=(sched.shape[1], num_kv_heads), grid_names=("b", "h"),
+        num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=_interpret_params() if interpret else None,
+    )(sched, md.block_tables.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32),
+      q.reshape(total, num_kv_heads, group, head_dim),
+      kv_pages.reshape(-1, page_size, head_dim))
+    return out[:num_tokens].reshape(num_tokens, num_heads, head_dim)

@@ -1,0 +1,315 @@
+"""Prefill attention alone: the paged kernels against contiguous-K/V peers, in one process.
+
+    python3 scripts/bench_kernels.py --prefill [--prefill-cases 2048,8192,32768,ragged8]
+        [--prefill-kernels mosaic,pallas,jax_cudnn,jax_mgpu,torch_cudnn,torch_flash] [--page 16]
+
+Llama-3-8B attention (32 q heads, 8 kv heads, head_dim 128), bf16, causal, one layer.
+Cases: one sequence of 2048 / 8192 / 32768 tokens, and 8 ragged sequences with lengths
+drawn uniformly in [1024, 8192] (not multiples of the page size). The paged kernels read
+K/V from a pool of shuffled pages; the peers get the same K/V as contiguous arrays
+(per sequence for the ragged case, all inside one jit / one stream).
+FLOPs = 4 * H * D * n^2 / 2 per sequence (causal: half the square).
+Every output is first checked against a float32 textbook reference on a random sample of
+query rows (all rows of the sequences' ends included), with the output memory poisoned
+(a NaN buffer of its size freed just before the call); then timed as GPU kernel time from
+a jax.profiler trace (JAX) or CUDA events (torch), median over repeats.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+os.environ.setdefault("JAX_TRACEBACK_FILTERING", "off")  # full traces of kernel errors
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.kernels import mosaic_prefill, pallas_prefill, pallas_ragged
+from jaxllm.kernels.metadata import AttentionMetadata
+
+H, K, D = 32, 8, 128
+SCALE = D ** -0.5
+
+
+def make_case(lengths: list[int], page: int, seed: int = 0, news: list[int] | None = None,
+              pad_tokens: int = 0, heads: tuple[int, int] = (H, K)) -> dict:
+    """Requests of context lengths[r] whose last news[r] tokens (default: all) are this
+    step's queries; their K/V already in a pool of shuffled pages (write_kv's layout)."""
+    nh, nk = heads
+    news = list(lengths) if news is None else news
+    rng = np.random.default_rng(seed)
+    C = int(sum(lengths))
+    ppr = [-(-n // page) for n in lengths]
+    num_pages = sum(ppr) + 7
+    perm = rng.permutation(num_pages).astype(np.int32)
+    tables = np.zeros((len(lengths) + 1, max(ppr) + 1), np.int32)  # + a padding row
+    used = 0
+    for r, n in enumerate(ppr):
+        tables[r, :n] = perm[used:used + n]
+        used += n
+    cpos = np.concatenate([np.arange(n) for n in lengths]).astype(np.int32)
+    creq = np.repeat(np.arange(len(lengths)), lengths).astype(np.int32)
+    cslot = tables[creq, cpos // page] * page + cpos % page
+    qpos = np.concatenate([np.arange(n - m, n) for n, m in zip(lengths, news)]).astype(np.int32)
+    qreq = np.repeat(np.arange(len(lengths)), news).astype(np.int32)
+    T = len(qpos) + pad_tokens
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(k1, (T, nh, D), jnp.bfloat16)
+    k = jax.random.normal(k2, (C, nk, D), jnp.bfloat16)
+    v = jax.random.normal(k3, (C, nk, D), jnp.bfloat16)
+    # stale data everywhere else in the pool: a kernel reading a wrong slot gets it wrong
+    flat = jax.random.normal(k3, (2, nk, num_pages * page, D), jnp.bfloat16) * 3
+    flat = flat.at[:, :, jnp.asarray(cslot)].set(jnp.stack([k, v]).swapaxes(1, 2))
+    kv = flat.reshape(1, 2, nk, num_pages, page, D)
+    md = AttentionMetadata(
+        positions=jnp.asarray(np.concatenate([qpos, -np.ones(pad_tokens, np.int32)])),
+        token_req=jnp.asarray(np.concatenate([qreq, np.zeros(pad_tokens, np.int32)])),
+        slot_mapping=jnp.asarray(np.concatenate([tables[qreq, qpos // page] * page + qpos % page,
+                                                 -np.ones(pad_tokens, np.int32)])),
+        block_tables=jnp.asarray(tables),
+        seq_lens=jnp.asarray(list(lengths) + [0], jnp.int32),
+        query_start_loc=jnp.asarray(np.cumsum([0] + list(news) + [0]), jnp.int32),
+        num_seqs=jnp.array([len(lengths)], jnp.int32))
+    flops = sum(4 * nh * D * (n * n - (n - m) ** 2) / 2 for n, m in zip(lengths, news))
+    return dict(lengths=list(map(int, lengths)), news=list(map(int, news)), q=q, k=k, v=v,
+                kv=kv, md=md, flops=flops, qstarts=np.cumsum([0] + list(news))[:-1],
+                cstarts=np.cumsum([0] + list(lengths))[:-1], real=len(qpos), qpos=qpos,
+                qreq=qreq, starts=np.cumsum([0] + list(lengths))[:-1])
+
+
+def reference_rows(case, rows: np.ndarray) -> np.ndarray:
+    """float32 textbook attention for the given query rows -> [len(rows), H, D] (0: padding),
+    one masked einsum per request over its whole context."""
+    nh, nk = case["q"].shape[1], case["k"].shape[1]
+    rows = np.asarray(rows)
+    out = np.zeros((len(rows), nh, D), np.float32)
+    real = rows < case["real"]
+    req = np.where(real, case["qreq"][np.minimum(rows, case["real"] - 1)], -1)
+    for r in np.unique(req[real]):
+        sel = np.nonzero(req == r)[0]
+        s, n = int(case["cstarts"][r]), case["lengths"][r]
+        kk = case["k"][s:s + n].astype(jnp.float32)
+        vv = case["v"][s:s + n].astype(jnp.float32)
+        qq = case["q"][jnp.asarray(rows[sel])].astype(jnp.float32).reshape(len(sel), nk, -1, D)
+        pos = jnp.asarray(case["qpos"][rows[sel]])
+        sc = jnp.einsum("tkgd,ckd->tkgc", qq, kk) * SCALE
+        sc = jnp.where(jnp.arange(n)[None, None, None, :] <= pos[:, None, None, None], sc, -jnp.inf)
+        w = jax.nn.softmax(sc, axis=-1)
+        out[sel] = np.asarray(jnp.einsum("tkgc,ckd->tkgd", w, vv).reshape(len(sel), nh, D))
+    return out
+
+
+def sample_rows(case, n: int = 48) -> np.ndarray:
+    rng = np.random.default_rng(1)
+    T = case["q"].shape[0]
+    ends = np.cumsum(case["news"]) - 1
+    return np.unique(np.concatenate([rng.integers(0, T, n), ends, case["qstarts"],
+                                     np.minimum(case["qstarts"] + 129, T - 1), [T - 1]]))
+
+
+def gpu_time(call, calls: int = 5) -> float:
+    """Seconds of GPU kernel time per call from a jax.profiler trace."""
+    import glob
+    import tempfile
+    jax.block_until_ready(call())
+    d = tempfile.mkdtemp()
+    jax.profiler.start_trace(d)
+    jax.block_until_ready([call() for _ in range(calls)])
+    jax.profiler.stop_trace()
+    data = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+    busy = 0
+    for plane in data.planes:
+        if plane.name.startswith("/device:GPU:0"):
+            for line in plane.lines:
+                if "Stream" in line.name:
+                    busy += sum(e.duration_ns for e in line.events if "emcpy" not in e.name)
+    if not busy:
+        raise RuntimeError("no GPU kernel events in the trace")
+    return busy * 1e-9 / calls
+
+
+def jax_fns(names: list[str]) -> dict:
+    """name -> fn(case) -> [T, H, D]. mosaic:BLOCK_KEYS:STAGES picks a variant."""
+    fns = {}
+    for name in names:
+        kind, *parts = name.split(":")
+        if kind == "mosaic":
+            bk, st = (int(parts[0]), int(parts[1])) if parts else (128, 2)
+            f = functools.partial(mosaic_prefill.ragged_prefill_attention, sm_scale=SCALE,
+                                  block_keys=bk, num_stages=st)
+            fns[name] = lambda c, f=f: jax.jit(lambda q, kv, md: f(q, kv, jnp.int32(0), md))(
+                c["q"], c["kv"], c["md"])
+        elif kind == "pallas":
+            f = functools.partial(pallas_ragged.ragged_paged_attention, sm_scale=SCALE)
+            fns[name] = lambda c, f=f: jax.jit(lambda q, kv, md: f(q, kv, jnp.int32(0), md))(
+                c["q"], c["kv"], c["md"])
+        elif kind == "twin":  # the portable twin (Triton on GPU)
+            f = functools.partial(pallas_prefill.ragged_prefill_attention, sm_scale=SCALE)
+            fns[name] = lambda c, f=f: jax.jit(lambda q, kv, md: f(q, kv, jnp.int32(0), md))(
+                c["q"], c["kv"], c["md"])
+        elif kind in ("jax_cudnn", "jax_xla"):
+            impl = "cudnn" if kind == "jax_cudnn" else "xla"
+            fns[name] = functools.partial(_per_seq, attn=functools.partial(
+                jax.nn.dot_product_attention, is_causal=True, scale=SCALE, implementation=impl))
+        elif kind == "jax_mgpu":
+            from jax.experimental.pallas.ops.gpu import attention_mgpu as am
+            cfg = am.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
+            fns[name] = functools.partial(_per_seq, attn=lambda q, k, v: am.attention(
+                q * jnp.asarray(SCALE, q.dtype), k, v, cfg))
+    return fns
+
+
+def _per_seq(case, attn):
+    """Contiguous peers: [1, n, H, D] per sequence, all in one jit."""
+    lengths, starts = case["lengths"], [int(s) for s in case["starts"]]
+
+    @jax.jit
+    def run(q, k, v):
+        outs = [attn(q[None, s:s + n], k[None, s:s + n], v[None, s:s + n])[0]
+                for s, n in zip(starts, lengths)]
+        return jnp.concatenate(outs)
+    return run(case["q"], case["k"], case["v"])
+
+
+def check(run, case, rows, want) -> float:
+    got = run(case)
+    jax.block_until_ready(got)
+    poison = jnp.full(got.shape, jnp.nan, got.dtype)
+    jax.block_until_ready(poison)
+    del poison
+    got = run(case)
+    sel = np.asarray(got[jnp.asarray(rows)].astype(jnp.float32))
+    if not bool(jnp.isfinite(got.astype(jnp.float32)).all()):
+        return float("inf")
+    return float(np.linalg.norm(sel - want) / np.linalg.norm(want))
+
+
+def torch_peers(case, names, rows, want) -> dict:
+    res = {}
+    try:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except Exception as e:  # noqa: BLE001
+        return {n: dict(error=f"torch unavailable: {e!r}") for n in names}
+    q = torch.from_dlpack(case["q"]).cuda()
+    k = torch.from_dlpack(case["k"]).cuda()
+    v = torch.from_dlpack(case["v"]).cuda()
+    for name in names:
+        backend = SDPBackend.CUDNN_ATTENTION if name == "torch_cudnn" else SDPBackend.FLASH_ATTENTION
+        try:
+            seqs = []
+            for s, n in zip(case["starts"], case["lengths"]):
+                s = int(s)
+                seqs.append((q[s:s + n].transpose(0, 1)[None],
+                             k[s:s + n].transpose(0, 1)[None].repeat_interleave(H // K, 1),
+                             v[s:s + n].transpose(0, 1)[None].repeat_interleave(H // K, 1)))
+
+            def run():
+                with sdpa_kernel([backend]):
+                    return torch.cat([torch.nn.functional.scaled_dot_product_attention(
+                        a, b, c, is_causal=True, scale=SCALE)[0].transpose(0, 1)
+                        for a, b, c in seqs])
+            out = run()
+            torch.cuda.synchronize()
+            sel = out[torch.as_tensor(rows, device="cuda")].float().cpu().numpy()
+            err = float(np.linalg.norm(sel - want) / np.linalg.norm(want))
+            ts = []
+            for _ in range(7):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                for _ in range(3):
+                    run()
+                b.record()
+                b.synchronize()
+                ts.append(a.elapsed_time(b) / 3e3)
+            # the per-call concat copies the output once; time it alone and take it out
+            outs = [torch.empty_like(out[:n]) for n in case["lengths"]]
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(3):
+                torch.cat(outs)
+            b.record()
+            b.synchronize()
+            t = float(np.median(ts)) - a.elapsed_time(b) / 3e3
+            res[name] = dict(rel_err=err, ms=t * 1e3, tflops=case["flops"] / t / 1e12,
+                             ok=err < 2e-2)
+        except Exception as e:  # noqa: BLE001
+            res[name] = dict(error=repr(e)[-800:])
+        print(f"    {name}: {res[name]}", flush=True)
+    return res
+
+
+def run_prefill(args) -> dict:
+    cases = {"2048": [2048], "8192": [8192], "32768": [32768],
+             "ragged8": list(np.random.default_rng(7).integers(1024, 8193, 8))}
+    names = args.prefill_kernels.split(",")
+    result = dict(smoke=smoke(names), cases=[])
+    for cname in args.prefill_cases.split(","):
+        case = make_case([int(x) for x in cases[cname]], args.page[0])
+        rows = sample_rows(case)
+        want = reference_rows(case, rows)
+        row = dict(case=cname, lengths=case["lengths"], page=args.page[0],
+                   gflop=case["flops"] / 1e9, kernels={})
+        print(f"== prefill {cname}: lengths {case['lengths']}, {case['flops'] / 1e9:.0f} GFLOP",
+              flush=True)
+        for name, run in jax_fns([n for n in names if not n.startswith("torch")]).items():
+            print(f"    {name} ...", flush=True)
+            try:
+                err = check(run, case, rows, want)
+                t = gpu_time(lambda: run(case))
+                row["kernels"][name] = dict(rel_err=err, ms=t * 1e3,
+                                            tflops=case["flops"] / t / 1e12, ok=err < 2e-2)
+            except Exception as e:  # noqa: BLE001
+                row["kernels"][name] = dict(error=traceback.format_exc()[-4000:])
+            print(f"    {name}: {row['kernels'][name]}", flush=True)
+        row["kernels"].update(torch_peers(case, [n for n in names if n.startswith("torch")],
+                                          rows, want))
+        result["cases"].append(row)
+        del case
+    print(f"\nprefill attention TFLOP/s (causal FLOPs; '!' failed check, 'E' error), "
+          f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}")
+    print(f"{'case':>8} " + " ".join(f"{n:>13}" for n in names))
+    for row in result["cases"]:
+        cells = []
+        for n in names:
+            r = row["kernels"].get(n, {})
+            cells.append(f"{'E':>13}" if "error" in r or not r else
+                         f"{r['tflops']:5.0f}{'' if r['ok'] else '!':1}({r['ms']:6.2f})")
+        print(f"{row['case']:>8} " + " ".join(cells))
+    return result
+
+
+SMOKE = [  # (contexts, new tokens, pad tokens, (q heads, kv heads), page)
+    ([300, 20, 9, 1000, 77], [300, 1, 9, 333, 1], 5, (32, 8), 16),   # mixed, chunk over prefix
+    ([129, 64, 700], [129, 1, 200], 3, (8, 8), 16),                  # GQA 1
+    ([515, 33, 2], [515, 1, 2], 0, (64, 8), 32),                     # GQA 8, page 32
+    ([1100, 50], [1100, 17], 61, (32, 8), 64),                       # page 64, long padding tail
+]
+
+
+def smoke(names: list[str]) -> list:
+    """Small mixed batches on the GPU, poisoned, against the float32 reference (all rows)."""
+    res = []
+    for i, (ctx, new, pad, heads, page) in enumerate(SMOKE):
+        if str(i) not in os.environ.get("PREFILL_SMOKE", "0,1,2,3").split(","):
+            continue
+        case = make_case(ctx, page, seed=20 + i, news=new, pad_tokens=pad, heads=heads)
+        rows = np.arange(case["q"].shape[0])
+        want = reference_rows(case, rows)
+        row = dict(ctx=ctx, new=new, pad=pad, heads=heads, page=page, kernels={})
+        for name, run in jax_fns([n for n in names if n.startswith(("mosaic", "pallas", "twin"))]).items():
+            print(f"  smoke {i} {name} ...", flush=True)
+            try:
+                err = check(run, case, rows, want)
+                got = np.asarray(run(case)[case["real"]:].astype(jnp.float32))
+                row["kernels"][name] = dict(rel_err=err, pad_zero=not got.any(),
+                                            ok=err < 2e-2 and not got.any())
+            except Exception as e:  # noqa: BLE001
+                row["kernels"][name] = dict(error=traceback.format_exc()[-4000:])
+            print(f"  smoke {i} {name}: {row['kernels'][name]}", flush=True)
+        res.append(row)
+    return res
