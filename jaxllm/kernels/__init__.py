@@ -3,9 +3,11 @@
 Backends:
   reference  plain jnp (ref.py): the CPU path and the definition the kernels are tested against;
   pallas     portable Pallas kernel (pallas_ragged.py): Triton on GPU, interpret mode on CPU;
-  mosaic     Hopper decode kernel (mosaic_decode.py) for steps whose token bucket is no larger
-             than the request bucket (T <= R: decode steps), the prefill/mixed path otherwise.
-None picks by platform: cpu -> reference, gpu -> mosaic.
+  mosaic     Hopper: the decode kernel (mosaic_decode.py) for steps whose token bucket is no
+             larger than the request bucket (T <= R: decode steps), the ragged prefill kernel
+             (mosaic_prefill.py) for prefill/mixed steps when its start-up probe passes
+             (prefill_choice.py), else the portable Pallas kernel for those.
+None picks by platform: cpu -> reference, Hopper GPU -> mosaic, other GPUs -> pallas.
 
 Why T <= R is a static, always-correct switch: the Mosaic kernel handles every token on
 its own (its request from token_req, its keys from its position), so it is exact for
@@ -13,10 +15,9 @@ any batch; T <= R only bounds its cost by that of a decode batch of T rows. Larg
 token buckets carry prefill chunks, where reading each context once per token would
 be quadratic, so they go to the prefill path.
 
-Prefill/mixed path on GPU: `_GPU_PREFILL` below, set by measurement (docs/kernels.md):
-on an H200, a step of 4 prefill chunks of 512 tokens + 60 decode rows at context 2048
-(Llama-3-8B heads, bf16) took 0.64 ms with the Pallas kernel and 27.4 ms with XLA
-gather-then-attend (scripts/bench_kernels.py --mixed, 2026-11-30).
+Prefill/mixed path on GPU (docs/kernels.md): the Mosaic prefill kernel on Hopper, chosen per
+head shape by `prefill_choice.prefill_kernel`; the Pallas kernel (Triton) otherwise, which
+beat XLA gather-then-attend 0.64 ms to 27.4 ms on a mixed step (H200, 2026-11-30).
 """
 
 from __future__ import annotations
@@ -33,8 +34,6 @@ log = logging.getLogger(__name__)
 
 AttentionFn = Callable[..., jax.Array]
 BACKENDS = ("reference", "pallas", "mosaic")
-# Prefill/mixed steps on GPU: "pallas" or "reference" (XLA gather-then-attend), by measurement.
-_GPU_PREFILL = "pallas"
 
 
 def _pallas_fn(interpret: bool | None = None) -> AttentionFn:
@@ -42,10 +41,18 @@ def _pallas_fn(interpret: bool | None = None) -> AttentionFn:
     return functools.partial(pallas_ragged.ragged_paged_attention, interpret=interpret)
 
 
+def gpu_prefill_attention(q, kv_pages, layer, md, *, sm_scale: float) -> jax.Array:
+    """Prefill/mixed step on a GPU: the Mosaic prefill kernel where its probe passed, else
+    the portable Pallas kernel (chosen from static shapes at trace time)."""
+    from jaxllm.kernels import prefill_choice
+    if prefill_choice.prefill_kernel(q, kv_pages) == "mosaic":
+        from jaxllm.kernels import mosaic_prefill
+        return mosaic_prefill.ragged_prefill_attention(q, kv_pages, layer, md, sm_scale=sm_scale)
+    return _pallas_fn()(q, kv_pages, layer, md, sm_scale=sm_scale)
+
+
 def _prefill_fn(platform: str) -> AttentionFn:
-    if platform == "gpu" and _GPU_PREFILL == "pallas":
-        return _pallas_fn()
-    return ref.ragged_paged_attention
+    return gpu_prefill_attention if platform == "gpu" else ref.ragged_paged_attention
 
 
 def mosaic_attention(q, kv_pages, layer, md, *, sm_scale: float,
@@ -68,6 +75,14 @@ def mosaic_attention(q, kv_pages, layer, md, *, sm_scale: float,
     return prefill_fn(q, kv_pages, layer, md, sm_scale=sm_scale)
 
 
+def _hopper() -> bool:
+    from jaxllm.kernels import prefill_choice
+    try:
+        return prefill_choice.is_hopper()
+    except Exception:  # noqa: BLE001 - no device to ask: keep the Hopper default
+        return True
+
+
 def _normalize_platform(platform: str) -> str:
     return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
 
@@ -76,7 +91,7 @@ def get_attention_fn(backend: str | None, platform: str) -> AttentionFn:
     """Resolve an attention backend for `platform` ("cpu", "gpu"/"cuda", "tpu"); logs the choice."""
     platform = _normalize_platform(platform)
     if backend is None:
-        backend = "mosaic" if platform == "gpu" else "reference"
+        backend = "reference" if platform != "gpu" else "mosaic" if _hopper() else "pallas"
         how = "auto"
     else:
         how = "requested"
@@ -91,6 +106,7 @@ def get_attention_fn(backend: str | None, platform: str) -> AttentionFn:
         detail = "interpret mode" if platform == "cpu" else "Triton lowering"
     else:
         fn = functools.partial(mosaic_attention, prefill_fn=_prefill_fn(platform))
-        detail = f"Mosaic GPU decode kernel for T <= R, {_GPU_PREFILL} for prefill/mixed"
+        detail = ("Mosaic GPU decode kernel for decode steps (T <= R), Mosaic GPU prefill kernel "
+                  "for prefill/mixed steps if its probe passes, else Pallas")
     log.info("attention backend: %s (%s, %s on %s)", backend, how, detail, platform)
     return fn

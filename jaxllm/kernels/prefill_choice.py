@@ -1,0 +1,106 @@
+"""Which kernel runs prefill/mixed steps on a GPU, decided once per head shape by a probe.
+
+Hopper: the Mosaic prefill kernel (`mosaic_prefill.py`) when its shape rules hold and a
+probe passes: the first time a step is traced for a (H, K, D, S, dtype), the kernel is
+compiled and run on a small mixed batch (prefill chunk over a cached prefix, decode rows,
+padding) and compared with `ref.py`; a lowering error, a runtime error or a wrong answer
+logs why and falls back to the portable Pallas kernel (`pallas_ragged.py`, Triton), which
+is also what non-Hopper GPUs use. The probe runs during start-up compilation (warm-up),
+so no compile happens after it. JAXLLM_PREFILL_KERNEL=mosaic|pallas forces a choice.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.kernels import ref
+from jaxllm.kernels.metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+
+def is_hopper() -> bool:
+    dev = jax.devices()[0]
+    cc = str(getattr(dev, "compute_capability", "") or "")
+    return dev.platform == "gpu" and cc.split(".")[0] == "9"
+
+
+def probe_case(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype,
+               seed: int = 0):
+    """A small mixed batch: a 150-token chunk over 200 cached tokens, 3 decode rows, a
+    41-token prompt, 5 padding tokens and a padding request row; pages shuffled."""
+    rng = np.random.default_rng(seed)
+    reqs = [(350, 150), (37, 1), (90, 1), (41, 41), (300, 1)]
+    n_pages = [-(-c // page_size) for c, _ in reqs]
+    perm = rng.permutation(sum(n_pages) + 3)
+    tables = np.zeros((len(reqs) + 1, max(n_pages)), np.int32)
+    pos, req, qsl, used = [], [], [0], 0
+    for r, (ctx, new) in enumerate(reqs):
+        tables[r, :n_pages[r]] = perm[used:used + n_pages[r]]
+        used += n_pages[r]
+        pos += list(range(ctx - new, ctx))
+        req += [r] * new
+        qsl.append(qsl[-1] + new)
+    pad = 5
+    md = AttentionMetadata(
+        positions=jnp.asarray(pos + [-1] * pad, jnp.int32),
+        token_req=jnp.asarray(req + [0] * pad, jnp.int32),
+        slot_mapping=jnp.full((len(pos) + pad,), -1, jnp.int32),
+        block_tables=jnp.asarray(tables),
+        seq_lens=jnp.asarray([c for c, _ in reqs] + [0], jnp.int32),
+        query_start_loc=jnp.asarray(qsl + [qsl[-1]], jnp.int32),
+        num_seqs=jnp.asarray([len(reqs)], jnp.int32))
+    q = jnp.asarray(rng.standard_normal((len(pos) + pad, num_heads, head_dim)), dtype)
+    kv = jnp.asarray(rng.standard_normal(
+        (1, 2, num_kv_heads, len(perm), page_size, head_dim)), dtype)
+    return q, kv, md, len(pos)
+
+
+@functools.lru_cache(maxsize=None)
+def mosaic_prefill_ok(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                      dtype_name: str) -> tuple[bool, str]:
+    """(usable, reason): the probe described in the module docstring."""
+    from jaxllm.kernels import mosaic_prefill
+    if not is_hopper():
+        return False, "not a Hopper GPU"
+    if not mosaic_prefill.supported(num_heads, num_kv_heads, head_dim, page_size):
+        return False, f"shape H={num_heads} K={num_kv_heads} D={head_dim} S={page_size}"
+    try:
+        with jax.ensure_compile_time_eval():
+            q, kv, md, real = probe_case(num_heads, num_kv_heads, head_dim, page_size,
+                                         jnp.dtype(dtype_name))
+            scale = head_dim ** -0.5
+            got = jax.jit(lambda q, kv, md: mosaic_prefill.ragged_prefill_attention(
+                q, kv, jnp.int32(0), md, sm_scale=scale))(q, kv, md)
+            want = jax.jit(lambda q, kv, md: ref.ragged_paged_attention(
+                q, kv, jnp.int32(0), md, sm_scale=scale))(q, kv, md)
+            got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        if not np.isfinite(got).all() or err > 2e-2 or got[real:].any():
+            return False, f"probe mismatch (rel err {err:.3g})"
+        return True, f"probe rel err {err:.2g}"
+    except Exception as e:  # noqa: BLE001 - any failure means: use the portable kernel
+        return False, f"probe failed: {type(e).__name__}: {str(e)[:300]}"
+
+
+def prefill_kernel(q: jax.Array, kv_pages: jax.Array) -> str:
+    """"mosaic" or "pallas" for a prefill/mixed step of these shapes (static under jit)."""
+    forced = os.environ.get("JAXLLM_PREFILL_KERNEL")
+    if forced in ("mosaic", "pallas"):
+        return forced
+    key = (q.shape[1], kv_pages.shape[2], q.shape[2], kv_pages.shape[4], jnp.dtype(q.dtype).name)
+    ok, why = mosaic_prefill_ok(*key)
+    if key not in _logged:
+        _logged.add(key)
+        log.info("prefill/mixed attention for H=%d K=%d D=%d S=%d %s: %s (%s)", *key,
+                 "Mosaic GPU prefill kernel" if ok else "portable Pallas kernel (Triton)", why)
+    return "mosaic" if ok else "pallas"
+
+
+_logged: set = set()
