@@ -124,6 +124,15 @@ class KVOps:
             pages = self._scatter_list(pages, dev, self._pad(chunk, SWAP_CHUNK, self.num_blocks))
         return pages
 
+    def gather_chunk(self, pages: jax.Array, ids: list[int]) -> jax.Array:
+        """Up to SWAP_CHUNK device blocks as one device array [SWAP_CHUNK, L, 2, K, S, D]."""
+        return self._gather(pages, self._pad(ids, SWAP_CHUNK, 0))
+
+    def scatter_chunk(self, pages: jax.Array, chunk: jax.Array, ids: list[int | None]) -> jax.Array:
+        """Row i of a [SWAP_CHUNK, ...] device array -> block ids[i] (None: skipped)."""
+        dst = [self.num_blocks if i is None else i for i in ids]
+        return self._scatter(pages, chunk, self._pad(dst, SWAP_CHUNK, self.num_blocks))
+
     def warmup(self, pages: jax.Array) -> jax.Array:
         """Compile every variant; the padded calls write nothing."""
         pages = self._copy(pages, self._pad([], self.max_copies, 0),
@@ -131,8 +140,12 @@ class KVOps:
         if self.num_host_blocks or self.block_io:
             idx = self._pad([], SWAP_CHUNK, 0)
             blocks = np.asarray(self._gather(pages, idx))
-            if self.num_host_blocks:
+            if self.num_host_blocks or self.block_io:
                 pages = self._scatter(pages, blocks, self._pad([], SWAP_CHUNK, self.num_blocks))
+            if self.block_io:  # connectors scatter device arrays too (committed to a device)
+                dev = jax.device_put(blocks, jax.devices()[0])
+                pages = self._scatter(pages, dev, self._pad([], SWAP_CHUNK, self.num_blocks))
+                pages = self._scatter(pages, self._gather(pages, idx), self._pad([], SWAP_CHUNK, self.num_blocks))
             if self.block_io:
                 pages = self.write_blocks(pages, [], [])
                 pages = self._scatter_list(pages, [self._zero_block] * SWAP_CHUNK,

@@ -195,7 +195,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, kv_transfer_params: dict | None = None) -> None:
         params = params or SamplingParams()
         if request_id in self.parents:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -212,7 +212,8 @@ class LLMEngine:
         for i in range(n):
             sid = request_id if n == 1 else f"{i}_{request_id}"
             seed = params.seed + i if params.seed is not None else self.next_seed()
-            req = Request(sid, ids, stop, arrival_time=arrival, priority=priority, cache_salt=cache_salt)
+            req = Request(sid, ids, stop, arrival_time=arrival, priority=priority, cache_salt=cache_salt,
+                          kv_transfer_params=kv_transfer_params)
             seq = Sequence(req, parent.request_id, i, seed, self.tokenizer, params)
             parent.seqs.append(seq)
             self.seqs[sid] = seq

@@ -86,7 +86,8 @@ def make_output(parent, finished: bool) -> RequestOutput:
         request_id=parent.request_id, prompt=parent.prompt,
         prompt_token_ids=parent.prompt_token_ids,
         outputs=[s.completion() for s in parent.seqs], finished=finished,
-        metrics=parent.metrics, num_cached_tokens=parent.num_cached_tokens)
+        metrics=parent.metrics, num_cached_tokens=parent.num_cached_tokens,
+        kv_transfer_params=(parent.seqs[0].req.kv_transfer_params_out or {}) if finished else {})
 
 
 @dataclass

@@ -1,0 +1,88 @@
+"""Prefill/decode disaggregation over jax.experimental.transfer (CPU): a producer engine
+prefills, a consumer engine pulls its pages and decodes; faults fall back to recompute."""
+
+import time
+
+import pytest
+
+from kv_tiny import make, rand
+
+from jaxllm import SamplingParams
+
+A, B, C = rand(300, 1), rand(200, 5), rand(200, 6)
+
+
+def conf(role, **extra):
+    return {"kv_connector": "JaxTransferConnector", "kv_role": role, "kv_connector_extra_config": extra}
+
+
+def gen(llm, prompt, max_tokens, params=None, rid="r"):
+    e = llm.engine
+    e.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                  kv_transfer_params=params)
+    last = None
+    while e.has_unfinished_requests():
+        for o in e.step():
+            last = o
+    return last
+
+
+@pytest.fixture(scope="module")
+def engines():
+    ref = make(enable_prefix_caching=False)
+    want = {k: gen(ref, p, 8).outputs[0].token_ids for k, p in (("A", A), ("B", B), ("C", C))}
+    prod = make(kv_transfer_config=conf("kv_producer", lease_s=3))
+    cons = make(kv_transfer_config=conf("kv_consumer", timeout_s=1.5))
+    return want, prod, cons
+
+
+def free_all(llm):
+    e = llm.engine
+    return e.kv.num_free_blocks == e.runner.num_blocks and not e.scheduler.loading
+
+
+def test_prefill_then_decode_elsewhere(engines):
+    want, prod, cons = engines
+    pre = gen(prod, A, 1, {"do_remote_decode": True}, rid="p1")
+    params = pre.kv_transfer_params
+    assert params["do_remote_prefill"] and params["remote_num_blocks"] == 18
+    assert pre.outputs[0].token_ids == want["A"][:1]
+    assert free_all(prod)  # the producer's blocks are free at once: the copies wait for the pull
+    out = gen(cons, A, 8, params, rid="d1")
+    assert out.outputs[0].token_ids == want["A"]
+    assert out.num_cached_tokens == 288
+    st = cons.stats()
+    assert st["kv_transfer_pulls"] == 1 and st["external_prefix_cache_hits"] == 288
+    assert free_all(cons) and not cons.engine.connector._fetched
+
+
+def test_dead_producer_and_expired_lease_recompute(engines):
+    want, prod, cons = engines
+    dead = {"do_remote_prefill": True, "remote_address": "127.0.0.1:1", "remote_uuid": 1,
+            "remote_num_blocks": 12}
+    t0 = time.time()
+    out = gen(cons, B, 8, dead, rid="d2")
+    assert out.outputs[0].token_ids == want["B"] and out.num_cached_tokens == 0
+    assert 1.4 < time.time() - t0 < 30  # waited for the pull's timeout, no longer
+    params = gen(prod, C, 1, {"do_remote_decode": True}, rid="p3").kv_transfer_params
+    time.sleep(3.5)  # the producer's lease runs out: nobody may pull these pages any more
+    out = gen(cons, C, 8, params, rid="d3")
+    assert out.outputs[0].token_ids == want["C"] and out.num_cached_tokens == 0
+    assert cons.stats()["kv_transfer_failures"] == 2
+    assert free_all(cons) and free_all(prod)
+
+
+def test_abort_mid_transfer_leaks_nothing(engines):
+    want, prod, cons = engines
+    e = cons.engine
+    dead = {"do_remote_prefill": True, "remote_address": "127.0.0.1:1", "remote_uuid": 2,
+            "remote_num_blocks": 12}
+    e.add_request("d4", A, SamplingParams(temperature=0, max_tokens=4), kv_transfer_params=dead)
+    e.step()
+    assert "d4" in e.scheduler.loading  # waiting for its pages, off the waiting queue
+    e.abort_request("d4")
+    assert not e.has_unfinished_requests()
+    time.sleep(2)  # the pull gives up
+    assert free_all(cons) and not e.connector._fetching and not e.connector._fetched
+    out = gen(cons, A, 8, rid="d5")  # the engine serves on
+    assert out.outputs[0].token_ids == want["A"]
