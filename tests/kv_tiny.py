@@ -32,6 +32,7 @@ def make(**kw) -> LLM:
     llm = LLM(**args)
     e = llm.engine
     e.runner.kv_pages = e.kv_ops.warmup(e.runner.kv_pages)  # the page moves, as at start-up
+    llm.kv_compiled = e.kv_ops.num_compiled()
     return llm
 
 

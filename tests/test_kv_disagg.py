@@ -86,3 +86,9 @@ def test_abort_mid_transfer_leaks_nothing(engines):
     assert free_all(cons) and not e.connector._fetching and not e.connector._fetched
     out = gen(cons, A, 8, rid="d5")  # the engine serves on
     assert out.outputs[0].token_ids == want["A"]
+
+
+def test_no_page_move_compiles_after_warmup(engines):
+    _, prod, cons = engines
+    for llm in (prod, cons):
+        assert llm.engine.kv_ops.num_compiled() == llm.kv_compiled

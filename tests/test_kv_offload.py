@@ -68,7 +68,7 @@ def test_host_then_disk_tier(tiered, want):
     assert ext(s1, s2) >= 160 and ext(s1, s2) + dev(s1, s2) == 288
     assert s2["kv_offload_cpu_blocks"] <= 48 and s2["kv_offload_disk_blocks"] >= 4 * 19
     assert tiered.engine.kv.host.num_blocks == 0 and not conn(tiered).host.num_pinned
-    assert tiered.engine.kv_ops.num_compiled() == 3  # copy, gather, block writes: no new variant
+    assert tiered.engine.kv_ops.num_compiled() == tiered.kv_compiled  # no new variant since warm-up
     assert tiered.engine.kv.num_free_blocks == tiered.engine.runner.num_blocks  # nothing leaked
     from jaxllm.server.metrics import ServerMetrics
     text = ServerMetrics("m").render(tiered.stats()).decode()
