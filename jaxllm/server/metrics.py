@@ -78,6 +78,18 @@ class ServerMetrics:
                                 labels, registry=r).labels(model_name)
         self.model_name = model_name
 
+        # Speculative decoding (vLLM's counters), advanced at scrape time from the engine's totals.
+        self.spec_drafts = Counter("jaxllm:spec_decode_num_drafts", "Draft runs verified.",
+                                   labels, registry=r).labels(model_name)
+        self.spec_draft_tokens = Counter("jaxllm:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                                         labels, registry=r).labels(model_name)
+        self.spec_accepted = Counter("jaxllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                     labels, registry=r).labels(model_name)
+        self.spec_per_pos = Counter("jaxllm:spec_decode_num_accepted_tokens_per_pos",
+                                    "Draft tokens accepted, by position in the draft.",
+                                    labels + ["position"], registry=r)
+        self._spec_seen: dict = {}
+
     # -- StatObserver ------------------------------------------------------
     def on_request_added(self, num_prompt_tokens: int) -> None:
         self.prompt_tokens.inc(num_prompt_tokens)
@@ -105,6 +117,17 @@ class ServerMetrics:
             self.offload_used.labels(m, tier).set(stats.get(f"kv_offload_{tier}_bytes", 0))
             self.offload_blocks.labels(m, tier).set(stats.get(f"kv_offload_{tier}_blocks", 0))
 
+    def _render_spec(self, stats: dict) -> None:
+        seen = self._spec_seen
+        for key, counter in (("spec_decode_num_drafts", self.spec_drafts),
+                             ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
+                             ("spec_decode_num_accepted_tokens", self.spec_accepted)):
+            counter.inc(stats[key] - seen.get(key, 0))
+            seen[key] = stats[key]
+        for pos, n in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+            self.spec_per_pos.labels(self.model_name, str(pos)).inc(n - seen.get(pos, 0))
+            seen[pos] = n
+
     def render(self, stats: dict) -> bytes:
         """Refresh the gauges from engine stats and return the exposition text."""
         self.running.set(stats.get("num_running", 0))
@@ -120,4 +143,6 @@ class ServerMetrics:
             self.compiles.set(stats["structured_compiles"])
         if "external_prefix_cache_queries" in stats:
             self._render_offload(stats)
+        if "spec_decode_num_drafts" in stats:
+            self._render_spec(stats)
         return generate_latest(self.registry)

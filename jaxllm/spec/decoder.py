@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 
 import numpy as np
 
@@ -88,6 +89,8 @@ class SpecDecoder:
             proposer = NgramProposer(self.k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         self.proposer = proposer
         self.metrics = SpecMetrics(accepted_per_pos=[0] * self.k)
+        self.log_interval = 10.0  # seconds between "spec decode:" log lines (vLLM's cadence)
+        self._last_log = time.monotonic()
 
     def warmup(self, sampler, seq_buckets: tuple[int, ...]) -> None:
         """Compile verification for every request bucket, with and without penalties."""
@@ -151,6 +154,9 @@ class SpecDecoder:
             a = int(miss[0]) if len(miss) else k
             res[s.request_id] = toks[:a + 1].tolist()
             self.metrics.observe(k, a)
+        if res and time.monotonic() - self._last_log >= self.log_interval:
+            self._last_log = time.monotonic()
+            log.info(self.log_line())
         return res
 
     # -- proposals -----------------------------------------------------------------

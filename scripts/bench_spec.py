@@ -1,0 +1,204 @@
+"""Speculative decoding benchmarks: end-to-end speed-up, and the verification step's cost.
+
+    # ngram on the embedded SmolLM2, prompts that ask to repeat a passage, batch 1
+    python scripts/bench_spec.py e2e --batch-size 1 --max-tokens 192
+    # a draft proposing random tokens (acceptance ~0): the overhead bound
+    python scripts/bench_spec.py e2e --proposer random
+    # one verification step with k = 4 drafts per row vs a plain decode step (random weights)
+    python scripts/bench_spec.py step --random-shape llama3-8b --batch-size 1 32 --input-len 1024
+
+Both modes use ONE engine built with `speculative_config`; its baseline runs with the
+speculative hook detached (`engine.spec = None`), so it is exactly the plain engine
+(async scheduling as --baseline-async) on the same weights and compiled steps, in the
+same process. Figures are ratios against that baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+PASSAGES = [
+    "The river begins in the high meadows, where snow melts slowly through the spring and feeds a "
+    "hundred small streams. By the time it reaches the valley it is wide and brown, carrying silt "
+    "from the mountains to the farms below, and the towns along its banks have grown up around the "
+    "mills and bridges that depend on its steady flow.",
+    "A good recipe for bread needs only four things: flour, water, salt and yeast. Mix them, let the "
+    "dough rest for an hour, fold it a few times, and let it rise again. Bake it in a very hot oven "
+    "until the crust is dark and it sounds hollow when you tap the bottom of the loaf.",
+    "In the early days of computing, programs were entered by hand using switches and punched cards. "
+    "Each mistake meant starting again, so programmers checked their work on paper for hours before "
+    "they were given a few precious minutes on the machine, which filled an entire room.",
+    "The museum opens at nine in the morning and closes at six in the evening, except on Mondays, "
+    "when it is closed all day. Tickets can be bought at the entrance or online, and children under "
+    "twelve enter for free when they are accompanied by an adult.",
+]
+
+
+class RandomProposer:
+    """Drafts of random token ids: acceptance near zero, the overhead of verification alone."""
+
+    def __init__(self, k: int, vocab: int, seed: int = 0):
+        self.k, self.vocab, self.rng = k, vocab, np.random.default_rng(seed)
+
+    def propose(self, histories, k=None):
+        caps = np.broadcast_to(np.asarray(self.k if k is None else k), (len(histories),))
+        return [self.rng.integers(0, self.vocab, size=int(c)).tolist() for c in caps]
+
+
+def repeat_prompts(llm, n: int) -> list[list[int]]:
+    tok = llm.get_tokenizer()
+    out = []
+    for i in range(n):
+        text = PASSAGES[i % len(PASSAGES)]
+        msgs = [{"role": "user", "content": f"Repeat the following passage exactly, word for word:\n\n{text}"}]
+        out.append(tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)))
+    return out
+
+
+def spec_counts(eng) -> tuple[int, int, int]:
+    m = eng.spec_hook.metrics
+    return m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens
+
+
+def run_e2e(llm, args) -> list[dict]:
+    from jaxllm import SamplingParams
+    eng = llm.engine
+    rows = []
+    p = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    for b in args.batch_size:
+        prompts = repeat_prompts(llm, b)
+        res = {}
+        for mode in ("plain", "spec"):
+            eng.spec = eng.spec_hook if mode == "spec" else None
+            llm.engine.async_scheduling = args.baseline_async == "on" if mode == "plain" else False
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm
+            c0 = spec_counts(eng)
+            times, outs = [], None
+            for _ in range(args.repeats):
+                t = time.perf_counter()
+                outs = llm.generate(prompts, p, use_tqdm=False)
+                times.append(time.perf_counter() - t)
+            c1 = spec_counts(eng)
+            ntok = sum(len(o.outputs[0].token_ids) for o in outs)
+            d, dt, a = (c1[i] - c0[i] for i in range(3))
+            res[mode] = {"tok_s": ntok / statistics.median(times), "tokens": ntok, "s": statistics.median(times),
+                         "ids": [o.outputs[0].token_ids for o in outs], "drafts": d, "draft_tokens": dt,
+                         "accepted": a, "mean_acceptance_length": 1 + a / d if d else None}
+        eng.spec = eng.spec_hook
+        rows.append({"batch": b, "plain_tok_s": res["plain"]["tok_s"], "spec_tok_s": res["spec"]["tok_s"],
+                     "speedup": res["spec"]["tok_s"] / res["plain"]["tok_s"],
+                     "mean_acceptance_length": res["spec"]["mean_acceptance_length"],
+                     "acceptance_rate": res["spec"]["accepted"] / max(res["spec"]["draft_tokens"], 1),
+                     "output_tokens": res["spec"]["tokens"],
+                     "identical_greedy_output": res["plain"]["ids"] == res["spec"]["ids"]})
+    return rows
+
+
+def run_step(llm, args) -> list[dict]:
+    """Per batch: timed sync steps of plain decode, then of verification with k random drafts."""
+    from bench_latency import fill_random
+    from jaxllm import SamplingParams
+    from jaxllm.runtime.request import RequestStatus
+    eng = llm.engine
+    fill_random(eng.runner)
+    rng = np.random.default_rng(0)
+    rows = []
+    for b in args.batch_size:
+        row = {"batch": b, "ctx": args.input_len}
+        for mode in ("plain", "plain_async", "spec"):
+            eng.spec = eng.spec_hook if mode == "spec" else None
+            eng.async_scheduling = mode == "plain_async"
+            sched = eng.scheduler
+            params = SamplingParams(temperature=0.0, max_tokens=args.num_iters + 8, ignore_eos=True)
+            ids = []
+            for i in range(b):
+                rid = f"{mode}-b{b}-{i}"
+                eng.add_request(rid, rng.integers(0, eng.model_cfg.vocab_size, size=args.input_len).tolist(), params)
+                req = sched.waiting.pop()
+                assert eng.kv.allocate_slots(req, args.input_len) is not None, "KV pool too small"
+                req.num_computed_tokens = args.input_len - 1
+                req.status = RequestStatus.RUNNING
+                sched.running.append(req)
+                ids.append(rid)
+            if mode == "spec":
+                eng.spec.propose(sched.running, eng.max_model_len)
+            times = []
+            for _ in range(args.num_iters):
+                t = time.perf_counter()
+                eng.step()
+                times.append(time.perf_counter() - t)
+            eng.flush()
+            eng.abort_request(ids)
+            row[f"{mode}_step_s"] = statistics.median(times[2:])
+        row["verify_x_plain"] = row["spec_step_s"] / row["plain_step_s"]
+        row["verify_x_plain_async"] = row["spec_step_s"] / row["plain_async_step_s"]
+        rows.append(row)
+    eng.spec = eng.spec_hook
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("mode", choices=["e2e", "step"])
+    p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--random-shape", default=None)
+    p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
+                   '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
+    p.add_argument("--proposer", choices=["config", "random"], default="config",
+                   help="random: drafts of random tokens (acceptance ~0)")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1])
+    p.add_argument("--max-tokens", type=int, default=192)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--input-len", type=int, default=1024, help="step mode: cached context per row")
+    p.add_argument("--num-iters", type=int, default=30)
+    p.add_argument("--baseline-async", choices=["on", "off"], default="on")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--output-json", default=None)
+    args = p.parse_args()
+
+    from jaxllm import LLM
+    spec_cfg = json.loads(args.speculative_config)
+    k = spec_cfg["num_speculative_tokens"]
+    max_b = max(args.batch_size)
+    kw = dict(dtype=args.dtype, max_num_seqs=max_b, speculative_config=spec_cfg)
+    if args.random_shape:
+        kw.update(random_shape=args.random_shape, load_format="dummy")
+    if args.mode == "step":
+        max_len = args.input_len + args.num_iters * (k + 1) + 16
+        kw.update(max_model_len=max_len, num_gpu_blocks_override=3 * max_b * -(-max_len // 16) + 16,
+                  max_num_batched_tokens=args.max_num_batched_tokens or max(256, max_b * (k + 1)))
+    elif args.max_num_batched_tokens:
+        kw.update(max_num_batched_tokens=args.max_num_batched_tokens)
+    t0 = time.perf_counter()
+    llm = LLM(args.model, **kw)
+    eng = llm.engine
+    eng.spec_hook = eng.spec
+    if args.proposer == "random":
+        eng.spec.proposer = RandomProposer(k, eng.model_cfg.vocab_size)
+    import jax
+    result = {"mode": args.mode, "model": args.model or args.random_shape or "SmolLM2-135M-Instruct (embedded)",
+              "speculative_config": spec_cfg, "proposer": args.proposer, "device": str(jax.devices()[0]),
+              "start_s": time.perf_counter() - t0}
+    result["rows"] = run_e2e(llm, args) if args.mode == "e2e" else run_step(llm, args)
+    st = llm.stats()
+    result["compiles_after_warmup"] = st["compiles_after_warmup"]
+    result["spec_metrics"] = {k_: v for k_, v in st.items() if k_.startswith("spec_decode")}
+    print(json.dumps(result, indent=2))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
