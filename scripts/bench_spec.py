@@ -56,9 +56,12 @@ class RandomProposer:
 
 def repeat_prompts(llm, n: int) -> list[list[int]]:
     tok = llm.get_tokenizer()
+    if tok is None or llm.engine.cfg.load_format == "dummy":  # random weights: random ids
+        rng = np.random.default_rng(0)
+        return [rng.integers(0, llm.engine.model_cfg.vocab_size, size=128).tolist() for _ in range(n)]
     out = []
     for i in range(n):
-        text = PASSAGES[i % len(PASSAGES)]
+        text = " ".join(PASSAGES[(i + j) % len(PASSAGES)] for j in range(2))
         msgs = [{"role": "user", "content": f"Repeat the following passage exactly, word for word:\n\n{text}"}]
         out.append(tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)))
     return out
@@ -77,8 +80,10 @@ def run_e2e(llm, args) -> list[dict]:
     for b in args.batch_size:
         prompts = repeat_prompts(llm, b)
         res = {}
-        for mode in ("plain", "spec"):
-            eng.spec = eng.spec_hook if mode == "spec" else None
+        for mode in ("plain", *args.proposer):
+            eng.spec = eng.spec_hook if mode != "plain" else None
+            if mode != "plain":
+                eng.spec.proposer = eng.proposers[mode]
             llm.engine.async_scheduling = args.baseline_async == "on" if mode == "plain" else False
             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm
             c0 = spec_counts(eng)
@@ -94,12 +99,13 @@ def run_e2e(llm, args) -> list[dict]:
                          "ids": [o.outputs[0].token_ids for o in outs], "drafts": d, "draft_tokens": dt,
                          "accepted": a, "mean_acceptance_length": 1 + a / d if d else None}
         eng.spec = eng.spec_hook
-        rows.append({"batch": b, "plain_tok_s": res["plain"]["tok_s"], "spec_tok_s": res["spec"]["tok_s"],
-                     "speedup": res["spec"]["tok_s"] / res["plain"]["tok_s"],
-                     "mean_acceptance_length": res["spec"]["mean_acceptance_length"],
-                     "acceptance_rate": res["spec"]["accepted"] / max(res["spec"]["draft_tokens"], 1),
-                     "output_tokens": res["spec"]["tokens"],
-                     "identical_greedy_output": res["plain"]["ids"] == res["spec"]["ids"]})
+        for mode in args.proposer:
+            r = res[mode]
+            rows.append({"batch": b, "proposer": mode, "plain_tok_s": res["plain"]["tok_s"],
+                         "spec_tok_s": r["tok_s"], "speedup": r["tok_s"] / res["plain"]["tok_s"],
+                         "mean_acceptance_length": r["mean_acceptance_length"],
+                         "acceptance_rate": r["accepted"] / max(r["draft_tokens"], 1),
+                         "output_tokens": r["tokens"], "identical_greedy_output": res["plain"]["ids"] == r["ids"]})
     return rows
 
 
@@ -153,8 +159,9 @@ def main() -> None:
     p.add_argument("--random-shape", default=None)
     p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
                    '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
-    p.add_argument("--proposer", choices=["config", "random"], default="config",
-                   help="random: drafts of random tokens (acceptance ~0)")
+    p.add_argument("--proposer", nargs="+", choices=["config", "random"], default=["config"],
+                   help="config: the speculative_config's method; random: drafts of random tokens "
+                        "(acceptance ~0, the overhead bound); step mode uses the first")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1])
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--ignore-eos", action="store_true")
@@ -164,6 +171,8 @@ def main() -> None:
     p.add_argument("--baseline-async", choices=["on", "off"], default="on")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--seq-buckets", type=int, nargs="+", default=None)
+    p.add_argument("--token-buckets", type=int, nargs="+", default=None)
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
 
@@ -180,12 +189,15 @@ def main() -> None:
                   max_num_batched_tokens=args.max_num_batched_tokens or max(256, max_b * (k + 1)))
     elif args.max_num_batched_tokens:
         kw.update(max_num_batched_tokens=args.max_num_batched_tokens)
+    for name in ("seq_buckets", "token_buckets"):
+        if getattr(args, name):
+            kw[name] = tuple(getattr(args, name))
     t0 = time.perf_counter()
     llm = LLM(args.model, **kw)
     eng = llm.engine
     eng.spec_hook = eng.spec
-    if args.proposer == "random":
-        eng.spec.proposer = RandomProposer(k, eng.model_cfg.vocab_size)
+    eng.proposers = {"config": eng.spec.proposer, "random": RandomProposer(k, eng.model_cfg.vocab_size)}
+    eng.spec.proposer = eng.proposers[args.proposer[0]]
     import jax
     result = {"mode": args.mode, "model": args.model or args.random_shape or "SmolLM2-135M-Instruct (embedded)",
               "speculative_config": spec_cfg, "proposer": args.proposer, "device": str(jax.devices()[0]),

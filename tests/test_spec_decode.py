@@ -241,3 +241,25 @@ def test_beam_search_refused(llm):
     from jaxllm.beam_search import BeamSearchParams
     with pytest.raises(ValueError, match="speculative"):
         llm.beam_search([[1, 2, 3]], BeamSearchParams(beam_width=2, max_tokens=4))
+
+
+def test_draft_checks_at_start_up(tiny, tmp_path):
+    import json
+    from jaxllm.models.loader import embedded_model_path
+    cfg, _ = tiny
+
+    def folder(name, **over):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({**cfg, **over}))
+        return str(d)
+
+    cases = [({"model": str(tmp_path / "nope")}, "speculative_config.model.*not found"),
+             ({"model": folder("small_vocab", vocab_size=100)}, "vocabulary .100 tokens. differs"),
+             ({"model": embedded_model_path()}, "vocabulary .49152 tokens. differs"),  # GGUF metadata
+             ({"method": "eagle", "model": folder("eagle", hidden_size=32)}, "hidden_size 32"),
+             ({"model": folder("ok")}, "not implemented")]
+    for extra, msg in cases:
+        spec = {"method": "draft_model", "num_speculative_tokens": 2, **extra}
+        with pytest.raises(ValueError, match=msg):
+            make_llm(tiny, skip_warmup=True, seq_buckets=(24,), speculative_config=spec)

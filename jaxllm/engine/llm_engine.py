@@ -113,6 +113,9 @@ class LLMEngine:
         self.spec = None  # jaxllm.spec.decoder.SpecDecoder when speculative_config is set
         if spec_cfg is not None:
             from jaxllm.spec.decoder import SpecDecoder
+            if spec_cfg.model is not None:
+                from jaxllm.spec.draft import check_draft
+                check_draft(spec_cfg, self.model_cfg.vocab_size, self.model_cfg.hidden_size)
             self.spec = SpecDecoder(spec_cfg, self.model_cfg.vocab_size, self.sampler.max_logprobs,
                                     self.runner.max_rows)
         self.dispatcher = Dispatcher(self.runner, self.kv_ops, self.sampler,

@@ -84,7 +84,8 @@ class SpecDecoder:
         self.verifier = RejectionSampler(vocab_size, max_logprobs, pad_to)
         if proposer is None:
             if cfg.method != "ngram":
-                raise ValueError(f"speculative_config.method {cfg.method!r} needs a draft proposer")
+                raise ValueError(f"speculative_config.method {cfg.method!r} is not implemented yet "
+                                 "(only 'ngram' proposes drafts in this build)")
             from jaxllm.spec.ngram import NgramProposer
             proposer = NgramProposer(self.k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         self.proposer = proposer
