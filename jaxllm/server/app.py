@@ -87,7 +87,13 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
     app.add_middleware(BodyLimit, limit=max_request_bytes)
     auth_paths = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
                   "/tokenizer_info"}
-    app.openapi = lambda: build_openapi(app, auth_paths)
+
+    def limits() -> dict:
+        eng, template = engine.engine, getattr(engine.tokenizer, "chat_template", None) or ""
+        return {"vocab_size": eng.model_cfg.vocab_size, "max_num_seqs": engine.max_num_seqs,
+                "max_model_len": engine.max_model_len,
+                "priority": eng.cfg.scheduling_policy == "priority", "reasoning_effort": "reasoning_effort" in template}
+    app.openapi = lambda: build_openapi(app, auth_paths, limits())
 
     async def check_key(request: Request) -> None:
         key = request.app.state.api_key

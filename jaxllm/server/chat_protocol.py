@@ -15,7 +15,7 @@ from pydantic import ConfigDict, Field
 from jaxllm.sampling_params import MAX_LOGPROBS
 from jaxllm.server.constraints import NAME_PATTERN
 from jaxllm.server.fields import unsupported
-from jaxllm.server.protocol import INT64, SamplingFields, _Req
+from jaxllm.server.protocol import INT64, Int, SamplingFields, _Req
 
 
 class TextPart(_Req):
@@ -105,16 +105,18 @@ class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=INT64, description="deprecated: max_completion_tokens")
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT64)
+    max_tokens: Int(1, INT64) | None = Field(None, description="deprecated: max_completion_tokens",
+                                   json_schema_extra={"x-bound": "max_model_len"})
+    max_completion_tokens: Int(1, INT64) | None = Field(None, json_schema_extra={"x-bound": "max_model_len"})
     logprobs: bool | None = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Int(0, MAX_LOGPROBS) | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None, description="default: 'auto' when tools are given (needs --enable-auto-tool-choice), else 'none'")
     parallel_tool_calls: bool | None = Field(None, description="false: at most one tool call")
     reasoning_effort: ReasoningEffort | None = Field(
-        None, description="passed to the chat template; a 400 when the model's template does not take it")
+        None, description="passed to the chat template; a 400 when the model's template does not take it",
+        json_schema_extra={"x-bound": "reasoning_effort"})
     # OpenAI fields with no effect on what is generated (identifiers, cache and routing hints).
     metadata: dict[str, str] | None = Field(None, description="accepted; nothing is stored")
     safety_identifier: str | None = Field(None, description="accepted; no effect on generation")
@@ -153,7 +155,7 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeChatRequest(_Req):
     """POST /tokenize with chat messages (rendered by the chat template)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     messages: list[ChatMessage] = Field(..., min_length=1)

@@ -16,7 +16,7 @@ NAME_PATTERN = r"^[a-zA-Z0-9_-]+$"  # OpenAI's rule for function and schema name
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class JsonSchemaSpec(_Model):
@@ -25,7 +25,7 @@ class JsonSchemaSpec(_Model):
     schema_: dict[str, Any] | None = Field(None, alias="schema")
     strict: bool | None = None
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 
 
 class ResponseFormatText(_Model):
@@ -56,11 +56,13 @@ class StructuredOutputsField(_Model):
     whitespace_pattern: str | None = None
     disable_any_whitespace: bool = False
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", strict=True, populate_by_name=True)
 
 
 class ConstraintFields(BaseModel):
     """Mixed into the completions and chat requests."""
+
+    model_config = ConfigDict(strict=True)
 
     response_format: ResponseFormat | None = Field(None, discriminator="type")
     structured_outputs: StructuredOutputsField | None = None

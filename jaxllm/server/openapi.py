@@ -2,7 +2,10 @@
 
 Routes declare their answers with `responses(...)`; `build_openapi` then removes what
 FastAPI adds on its own but the server never answers (422: validation errors are 400
-here), and declares the bearer scheme only while an API key is set.
+here), declares the bearer scheme only while an API key is set, and writes the running
+server's limits into the fields tagged `x-bound` (token ids below the vocabulary size,
+`n` up to --max-num-seqs, max_tokens up to the context length, `priority` only with priority scheduling, `reasoning_effort`
+only for a chat template that takes it).
 """
 
 from __future__ import annotations
@@ -24,9 +27,9 @@ _WHY = {
     503: "Overloaded (Retry-After: 1) or the engine stopped",
 }
 
-STREAMED = {"application/json": {"schema": {"type": "object"}},
-            "text/event-stream": {"schema": {"type": "string"},
-                                  "description": "with stream=true: `data: {chunk}` events, then `data: [DONE]`"}}
+# 200 of the generating routes: JSON, or with stream=true server-sent events (`data: {chunk}`
+# events, then `data: [DONE]`), whose chunks a JSON schema of the body cannot describe.
+STREAMED = {"application/json": {"schema": {"type": "object"}}, "text/event-stream": {}}
 
 
 def responses(*statuses: int, ok: dict | None = None) -> dict[int | str, dict[str, Any]]:
@@ -37,9 +40,43 @@ def responses(*statuses: int, ok: dict | None = None) -> dict[int | str, dict[st
     return out
 
 
-def build_openapi(app: FastAPI, auth_paths: set[str]) -> dict:
-    """The schema as the server behaves now (called per request: the API key can change)."""
+def _ints(node: dict) -> list[dict]:
+    """The integer schemas of a field: itself, or its anyOf members."""
+    return [node] if node.get("type") == "integer" else [n for n in node.get("anyOf", []) if n.get("type") == "integer"]
+
+
+def _bound(node: Any, limits: dict[str, Any]) -> None:
+    """Write the server's limits into every `x-bound` field below `node`."""
+    if isinstance(node, list):
+        for n in node:
+            _bound(n, limits)
+        return
+    if not isinstance(node, dict):
+        return
+    tag = node.get("x-bound")
+    if tag == "vocab":
+        for n in _ints(node):
+            n["maximum"] = limits["vocab_size"] - 1
+    elif tag in ("max_num_seqs", "max_model_len"):
+        for n in _ints(node):
+            n["maximum"] = min(n.get("maximum", limits[tag]), limits[tag])
+    elif tag == "priority" and not limits["priority"]:
+        for n in _ints(node):
+            n["minimum"] = n["maximum"] = 0
+    elif tag == "reasoning_effort" and not limits["reasoning_effort"]:
+        node.pop("anyOf", None)
+        node.update(type="null", description="this model's chat template does not take reasoning_effort")
+    for value in node.values():
+        _bound(value, limits)
+
+
+def build_openapi(app: FastAPI, auth_paths: set[str], limits: dict[str, Any]) -> dict:
+    """The schema as the server behaves now (called per request: the API key can change).
+
+    `limits`: vocab_size, max_num_seqs, max_model_len, priority (bool), reasoning_effort (bool).
+    """
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    _bound(schema.get("components", {}), limits)
     keyed = bool(app.state.api_key)
     for path, ops in schema.get("paths", {}).items():
         for op in ops.values():

@@ -10,16 +10,33 @@ send newer parameters keep working. The chat request lives in `chat_protocol.py`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
 from jaxllm.server.constraints import ConstraintFields
 from jaxllm.server.fields import RESTRICTED, unsupported
 
 MAX_N = 128  # choices per request; each choice is a sequence in the engine
-INT64 = 2 ** 63 - 1
+INT64 = 2 ** 63 - 1024  # the largest int64 a JSON number (a double) holds exactly, so 9.2e18 cannot overflow
+# Bounds that depend on the model or the server's flags carry a tag; `openapi.py` writes the
+# running server's value into the published schema (the vocabulary, --max-num-seqs, ...).
+
+
+def _integral(value: Any) -> Any:
+    """1.0 is an integer in JSON Schema; "1" is not (models are strict: no string-to-number coercion)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def Int(ge: int | None = None, le: int | None = None) -> Any:
+    """An int field type: strings are refused, integral floats taken (as JSON Schema's integer); the bounds
+    sit before the conversion so that the published schema states them."""
+    return Annotated[int, Field(ge=ge, le=le), BeforeValidator(_integral)]
+
+
+TokenId = Annotated[Int(0), Field(json_schema_extra={"x-bound": "vocab"})]
+Text = Annotated[str, Field(min_length=1)]
 
 
 class APIError(Exception):
@@ -57,7 +74,10 @@ class ErrorResponse(BaseModel):
 
 
 class _Req(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    """Request models: unknown fields are kept (and logged as ignored); values are taken as the schema
+    types them (strict: "1" is not a number, "true" is not a boolean)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(_Req):
@@ -69,28 +89,28 @@ class SamplingFields(ConstraintFields, _Req):
     """Fields shared by completions and chat; names and defaults as OpenAI and vLLM."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=MAX_N)
-    best_of: int | None = Field(None, ge=1, le=MAX_N)
+    n: Int(1, MAX_N) = Field(1, json_schema_extra={"x-bound": "max_num_seqs"})
+    best_of: Int(1, MAX_N) | None = Field(None, json_schema_extra={"x-bound": "max_num_seqs"})
     temperature: float | None = Field(None, ge=0.0, le=100.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1, le=INT64)
+    top_k: Int(-1, INT64) | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
-    seed: int | None = Field(None, ge=-INT64 - 1, le=INT64)
+    seed: Int(-INT64 - 1, INT64) | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0, le=INT64)
+    min_tokens: Int(0, INT64) = Field(0, json_schema_extra={"x-bound": "max_model_len"})
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = Field(None, max_length=0, description=f"Not supported: "
                                                 f"{RESTRICTED['logit_bias']}; only null or {{}}.")
     user: str | None = Field(None, description="end-user identifier; accepted, no effect on generation")
-    priority: int = Field(0, ge=-INT64 - 1, le=INT64)
+    priority: Int(-INT64 - 1, INT64) = Field(0, json_schema_extra={"x-bound": "priority"})
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None, structured: Any = None) -> SamplingParams:
@@ -116,10 +136,11 @@ class SamplingFields(ConstraintFields, _Req):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions. `max_tokens=0` is allowed with `echo` (score the prompt only)."""
 
-    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+    prompt: (Text | Annotated[list[Text], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)]
+             | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]) = Field(
         ..., description="text, token ids, or a batch of either")
-    max_tokens: int | None = Field(16, ge=0, le=INT64)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: Int(0, INT64) | None = Field(16, json_schema_extra={"x-bound": "max_model_len"})
+    logprobs: Int(0, MAX_LOGPROBS) | None = None
     echo: bool = False
     suffix: None = unsupported("suffix")
 
@@ -128,7 +149,7 @@ class TokenizeCompletionRequest(_Req):
     """POST /tokenize with a prompt (the chat form is `TokenizeChatRequest`; unknown fields are a 400,
     so a body is one form or the other)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None
     prompt: str
@@ -137,7 +158,7 @@ class TokenizeCompletionRequest(_Req):
 
 class DetokenizeRequest(_Req):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def _structured_kw(structured: Any) -> dict:
