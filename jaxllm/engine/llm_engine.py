@@ -220,9 +220,9 @@ class LLMEngine:
             seq = Sequence(req, parent.request_id, i, seed, self.tokenizer, params)
             parent.seqs.append(seq)
             self.seqs[sid] = seq
-            if grammar is not None:  # the leader waits in the queue until its grammar compiled
+            if grammar is not None:  # it waits in the queue until its grammar compiled
                 self.structured.add(sid, params.structured_outputs, grammar)
-                req.admit_check = self.structured.ready(grammar) if i == 0 else None
+                req.admit_check = self.structured.ready(grammar)  # (a sibling may become the leader)
         self.parents[request_id] = parent
         self.scheduler.add(parent.seqs[0].req, [seq.req for seq in parent.seqs[1:]])
 
@@ -282,7 +282,7 @@ class LLMEngine:
         launched = self._launch(out, prev)
         try:
             if prev is not None:
-                outputs += self._process(prev)
+                outputs += self._process(prev, then=launched)
         finally:  # the draw of `launched` waits for its mask, which needs prev's tokens
             if launched is not None and launched.mask is not None and not launched.mask.done():
                 self._fill_mask(launched)
@@ -393,8 +393,11 @@ class LLMEngine:
             outputs.append(make_output(parent, True))
         return outputs
 
-    def _process(self, launched: Launched) -> list[RequestOutput]:
-        """Read a step's sampled tokens (the one device sync) and advance its requests."""
+    def _process(self, launched: Launched, then: Launched | None = None) -> list[RequestOutput]:
+        """Read a step's sampled tokens (the one device sync) and advance its requests.
+
+        `then`: the step dispatched after this one; its bitmask (structured outputs) is filled
+        as soon as the matchers have this step's tokens, before the detokenizing below."""
         out, rows, row_of = launched.out, launched.rows, launched.row_of
         sout = launched.result().fetch()
         # Beam-search rows get no token: the scheduler parks them for the beam search to fork.
@@ -408,12 +411,16 @@ class LLMEngine:
         if self.beam is not None:
             self.beam.on_step(out, sout, row_of)
 
+        if self._structured is not None:
+            for req in touched:
+                if self._structured.advance(req.request_id, req.output_token_ids) and not req.finished:
+                    self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)  # grammar complete
+            if then is not None and then.mask is not None and not then.mask.done():
+                self._fill_mask(then)
+
         outputs: dict[str, RequestOutput] = {}
         for req in touched:
             seq = self.seqs[req.request_id]
-            if (self._structured is not None and self._structured.advance(req.request_id, req.output_token_ids)
-                    and not req.finished):  # the grammar is complete: finish_reason "stop"
-                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
             if req.request_id in first:
                 self._on_tokens(seq, sout, spec_rows[req.request_id], first[req.request_id])
             elif seq.on_token(sout, row_of[req.request_id]) and not req.finished:  # a stop string

@@ -12,7 +12,10 @@ a new batch composition never recompiles. Only two host-chosen variants exist:
   min-p -> per-row seeded draw, plus raw top-n logprobs. It is compiled at two
   history widths: ``max_model_len`` when some row has penalties, and 1 when
   none has, so penalty-free sampling never ships ``[R, max_model_len]``
-  token histories to the device.
+  token histories to the device; and with or without the structured-outputs
+  bitmask (``[R, ceil(V/32)]`` packed int32, bit ``i % 32`` of word ``i // 32``
+  allows token ``i``; width 0 when no row is constrained), so unconstrained
+  steps neither ship nor apply one. All four are compiled at warm-up.
 
 Per-row randomness uses a threefry key built from the row's seed and folded
 with its step, so a seeded request's draws depend only on (seed, step), not on
