@@ -330,7 +330,7 @@ def main() -> None:
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--prefill", action="store_true",
                    help="prefill attention only (scripts/bench_prefill.py): paged kernels vs peers")
-    p.add_argument("--prefill-cases", default="2048,8192,32768,ragged8")
+    p.add_argument("--prefill-cases", default="2048,8192,32768,ragged8,mixed")
     p.add_argument("--prefill-kernels",
                    default="mosaic,pallas,jax_cudnn,jax_mgpu,torch_cudnn,torch_flash")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench_kernels.json"))

@@ -50,9 +50,13 @@ def test_schedule_covers_every_token_with_full_or_exact_blocks():
                                            num_tokens, bq))
     seen = np.zeros(num_tokens, int)
     assert (np.diff(sched[ps.KEY_END]) <= 0).all()  # heaviest first
-    for req, win, lo, count, pos0, key_end in sched.T:
+    side = np.asarray(ps.short_segment_rows(jnp.asarray(qsl), num_tokens, bq))
+    for req, win, lo, count, pos0, key_end, seg in sched.T:
         if count == 0:
             continue
+        if count < bq:  # the one block of a short segment: the rows the wrapper scatters
+            np.testing.assert_array_equal(side[seg][lo:lo + count], np.arange(count) + win + lo)
+            assert (side[seg][:lo] == num_tokens).all() and (side[seg][lo + count:] == num_tokens).all()
         t0 = win + lo
         assert 0 <= win and win + bq <= num_tokens and (lo == 0 or count < bq)
         seg = np.searchsorted(qsl, t0, side="right") - 1

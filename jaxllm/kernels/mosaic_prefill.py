@@ -19,10 +19,11 @@ Three warpgroups:
     (sm_scale * log2 e folded into one FMA), FA3's ping-pong: a shared barrier orders the
     two warpgroups so one's softmax overlaps the other's matmuls. Key steps [0, n_full)
     lie below every row's position and skip the mask; the last ones are masked causally.
-Epilogue: a full block (count == bq) stages its bf16 rows in q's swizzled buffer and stores
-one TMA box per head; a partial block (a segment shorter than bq: decode rows, short
-chunks) stages them in a plain buffer and stores exactly its `count` rows per head as
-power-of-two boxes, so no row of a neighbouring request is touched.
+Epilogue: the bf16 rows are staged in q's swizzled buffer. A full block (count == bq) stores
+one TMA box per head straight into the output; a partial block (its segment is shorter than
+bq: decode rows, short chunks; one per such segment) stores its whole tile into a side
+buffer [R + 1, K, 128, D] at its segment, and the wrapper scatters the valid rows of those
+into the output (a few rows per request), so no row of a neighbouring request is touched.
 """
 
 from __future__ import annotations
@@ -52,13 +53,14 @@ def supported(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
             and (block_keys % page_size == 0 or page_size % block_keys == 0))
 
 
-def _kernel(sched_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, q_smem, o_plain, k_smem,
+def _kernel(sched_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, side_ref, q_smem, k_smem,
             v_smem, q_bar, k_bar, v_bar, k_free, v_free, turn, *stage, sm_scale: float,
             bq: int, bk: int, page_size: int, num_kv_heads: int, num_pages: int, nst: int,
             interpret: bool):
     b, kvh, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
     req, t0, lo = sched_ref[ps.REQ, b], sched_ref[ps.T0, b], sched_ref[ps.LO, b]
     count, pos0, key_end = sched_ref[ps.COUNT, b], sched_ref[ps.POS0, b], sched_ref[ps.KEY_END, b]
+    seg = sched_ref[ps.SEG, b]
     head_dim = q_smem.shape[-1]
     steps = (key_end + bk - 1) // bk
     n_full = jnp.minimum(steps, jnp.maximum(pos0 + lo + 1, 0) // bk)
@@ -79,7 +81,7 @@ def _kernel(sched_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, q_smem, o_plain,
     def _consumer():
         if not interpret:
             plgpu.set_max_registers(232, action="increase")
-        q_wg, o_wg = q_smem.at[wg], o_plain.at[wg]
+        q_wg = q_smem.at[wg]
 
         @pl.when(key_end > 0)
         def _():
@@ -172,32 +174,19 @@ def _kernel(sched_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, q_smem, o_plain,
         l_safe = jnp.where(l == 0.0, 1.0, l)  # padding tail: no keys -> 0
         out = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(q_smem.dtype)
 
+        q_wg[...] = out
+        plgpu.commit_smem()
+
         @pl.when(count == bq)
         def _full():
-            q_wg[...] = out
-            plgpu.commit_smem()
             for c in range(chunks):
                 g, i0 = chunk(c)
                 plgpu.copy_smem_to_gmem(q_wg.at[pl.ds(c * hb, hb)],
                                         o_ref.at[pl.ds(t0 + i0, hb), kvh, g])
 
         @pl.when(count < bq)
-        def _partial():
-            o_wg[...] = out
-            plgpu.commit_smem()
-            for c in range(chunks):  # rows [lo, lo + count) of each head, exactly
-                g, i0 = chunk(c)
-                first = jnp.clip(lo - i0, 0, hb)
-                n = jnp.clip(lo + count - i0, 0, hb) - first
-                size = hb
-                while size:
-                    off = first + (n & ~(2 * size - 1))  # after the rows of the larger boxes
-
-                    @pl.when((n & size) != 0)
-                    def _(size=size, off=off):
-                        plgpu.copy_smem_to_gmem(o_wg.at[pl.ds(c * hb + off, size)],
-                                                o_ref.at[pl.ds(t0 + i0 + off, size), kvh, g])
-                    size //= 2
+        def _partial():  # the whole tile, at its segment; the wrapper picks the rows
+            plgpu.copy_smem_to_gmem(q_wg, side_ref.at[seg, kvh, pl.ds(wg * _WG_ROWS, _WG_ROWS)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when((wg == 2) & (count > 0))
@@ -271,7 +260,6 @@ def ragged_prefill_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     scratch = [
         plgpu.SMEM((2, _WG_ROWS, head_dim), q.dtype, transforms=tiled),
-        plgpu.SMEM((2, _WG_ROWS, head_dim), q.dtype),  # partial blocks' output rows
         plgpu.SMEM((num_stages, bk, head_dim), kv_pages.dtype, transforms=tiled),
         plgpu.SMEM((num_stages, bk, head_dim), kv_pages.dtype, transforms=tiled),
         plgpu.Barrier(num_arrivals=_WG_ROWS // min(bq, _WG_ROWS), num_barriers=2),
@@ -287,9 +275,11 @@ def ragged_prefill_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array
     body = functools.partial(
         _kernel, sm_scale=float(sm_scale), bq=bq, bk=bk, page_size=page_size,
         num_kv_heads=num_kv_heads, num_pages=num_pages, nst=num_stages, interpret=interpret)
-    out = plgpu.kernel(
+    num_reqs = md.query_start_loc.shape[0] - 1
+    out, side = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((total, num_kv_heads, group, head_dim), q.dtype),
+        out_type=(jax.ShapeDtypeStruct((total, num_kv_heads, group, head_dim), q.dtype),
+                  jax.ShapeDtypeStruct((num_reqs + 1, num_kv_heads, _ROWS, head_dim), q.dtype)),
         scratch_types=tuple(scratch),
         grid=(sched.shape[1], num_kv_heads), grid_names=("b", "h"),
         num_threads=3, thread_name="wg",
@@ -298,4 +288,8 @@ def ragged_prefill_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array
     )(sched, md.block_tables.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32),
       q.reshape(total, num_kv_heads, group, head_dim),
       kv_pages.reshape(-1, page_size, head_dim))
+    # rows of the partial blocks: side [R + 1, K, G * bq, D] -> their tokens
+    rows = ps.short_segment_rows(md.query_start_loc, total, bq)  # [R + 1, bq]
+    side = side.reshape(num_reqs + 1, num_kv_heads, group, bq, head_dim).transpose(0, 3, 1, 2, 4)
+    out = out.at[rows].set(side, mode="drop")
     return out[:num_tokens].reshape(num_tokens, num_heads, head_dim)

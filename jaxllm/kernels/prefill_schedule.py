@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 # Rows of the schedule table.
-REQ, T0, LO, COUNT, POS0, KEY_END = range(6)
+REQ, T0, LO, COUNT, POS0, KEY_END, SEG = range(7)
 
 
 def num_blocks(num_tokens: int, num_reqs: int, bq: int) -> int:
@@ -40,8 +40,8 @@ def num_blocks(num_tokens: int, num_reqs: int, bq: int) -> int:
 
 def prefill_schedule(query_start_loc: jax.Array, positions: jax.Array, num_tokens: int,
                      bq: int) -> jax.Array:
-    """int32 [6, NB]: (request, window start t0, first valid row lo, valid rows, position of
-    row 0, key_end). Needs num_tokens >= bq.
+    """int32 [7, NB]: (request, window start t0, first valid row lo, valid rows, position of
+    row 0, key_end, segment). Needs num_tokens >= bq.
 
     Surplus blocks have count 0 and key_end 0: their program loads and stores nothing.
     """
@@ -68,6 +68,20 @@ def prefill_schedule(query_start_loc: jax.Array, positions: jax.Array, num_token
     key_end = jnp.where(is_req, first + count, 0)
     req = jnp.minimum(s, num_reqs - 1)
     table = jnp.stack([req, jnp.where(active, win, 0), jnp.where(active, lo, 0),
-                       jnp.where(active, count, 0), first - lo, key_end]).astype(jnp.int32)
+                       jnp.where(active, count, 0), first - lo, key_end, s]).astype(jnp.int32)
     order = jnp.argsort(-table[KEY_END], stable=True)  # heaviest first
     return table[:, order]
+
+
+def short_segment_rows(query_start_loc: jax.Array, num_tokens: int, bq: int) -> jax.Array:
+    """[R + 1, bq] token of window row i of each segment shorter than bq (its one, partial
+    block), or num_tokens (out of range: dropped by a scatter) for rows outside it."""
+    qsl = query_start_loc.astype(jnp.int32)
+    start = qsl
+    end = jnp.concatenate([qsl[1:], jnp.array([num_tokens], jnp.int32)])
+    n = end - start
+    win = jnp.minimum(start, num_tokens - bq)
+    lo = start - win
+    i = jnp.arange(bq, dtype=jnp.int32)[None, :]
+    valid = (n < bq)[:, None] & (i >= lo[:, None]) & (i < (lo + n)[:, None])
+    return jnp.where(valid, win[:, None] + i, num_tokens)
