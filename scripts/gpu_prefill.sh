@@ -7,7 +7,8 @@
 #     and flash backends (contiguous K/V); and a mixed step (4 x 512-token chunks + 60 decode
 #     rows at context 2048) for the paged kernels (the engine's choice for mixed steps).
 #  2. TTFT, one prompt of 2048 and 32768 tokens, Llama-3-8B shape (random weights), one prefill
-#     step (bench_throughput, max_tokens 1) with the HF transformers (sdpa) peer.
+#     step (bench_throughput, max_tokens 1) with the HF transformers (sdpa) peer; the engine's
+#     prefill kernel chosen by the probe (JAXLLM_PREFILL_KERNEL=auto; the log says which).
 # Writes $OUT/prefill.json (kernel table + TTFT rows) and the raw logs.
 set -u -o pipefail
 export JAX_TRACEBACK_FILTERING=off
@@ -20,7 +21,7 @@ timeout ${T1:-190} python3 scripts/bench_kernels.py --prefill \
   --out "$OUT/prefill_kernels.json" 2>&1 | tee "$OUT/prefill_kernels.log" | tail -12
 for n in 2048 32768; do
   echo "== ttft $n"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout ${T2:-75} python3 scripts/bench_throughput.py \
+  JAXLLM_PREFILL_KERNEL=${PREFILL_KERNEL:-auto} XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout ${T2:-75} python3 scripts/bench_throughput.py \
     --random-shape llama3-8b --dtype bfloat16 --num-prompts 1 --input-len $n --output-len 1 \
     --max-num-seqs 1 --max-num-batched-tokens $n --token-buckets $n --seq-buckets 1 --hf --hf-batch 1 \
     --output-json "$OUT/ttft_$n.json" 2>&1 | tee "$OUT/ttft_$n.log" | tail -4

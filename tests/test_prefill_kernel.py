@@ -105,11 +105,12 @@ def test_hopper_kernel_in_mosaic_interpreter():
     assert not ipc.get_races().races_found
 
 
-def test_gpu_prefill_path_falls_back_off_hopper_and_probe_batch_is_valid(caplog):
+def test_gpu_prefill_path_falls_back_off_hopper_and_probe_batch_is_valid(caplog, monkeypatch):
     """The engine's prefill/mixed path: off Hopper the probe refuses (and says why) and the
     portable kernel runs; the probe's own batch, through the twin, matches the reference."""
     import logging
     from jaxllm.kernels import gpu_prefill_attention, mosaic_attention, prefill_choice
+    monkeypatch.setenv("JAXLLM_PREFILL_KERNEL", "auto")
     ok, why = prefill_choice.mosaic_prefill_ok(8, 2, 64, 16, "float32")
     assert not ok and "Hopper" in why
     q, kv, md, real = prefill_choice.probe_case(8, 2, 32, 16, jnp.float32)
@@ -117,7 +118,10 @@ def test_gpu_prefill_path_falls_back_off_hopper_and_probe_batch_is_valid(caplog)
     with caplog.at_level(logging.INFO, logger="jaxllm.kernels.prefill_choice"):
         got = jax.jit(lambda q, kv, md: mosaic_attention(
             q, kv, jnp.int32(0), md, sm_scale=0.2, prefill_fn=gpu_prefill_attention))(q, kv, md)
-    assert "portable Pallas kernel" in caplog.text
+    assert "portable Pallas kernel" in caplog.text and "Hopper" in caplog.text
+    monkeypatch.setenv("JAXLLM_PREFILL_KERNEL", "bogus")
+    with pytest.raises(ValueError, match="JAXLLM_PREFILL_KERNEL"):
+        prefill_choice.prefill_kernel(q, kv)
     assert rel_err(got, want) < 1e-5 and not np.asarray(got[real:]).any()
     twin = pallas_prefill.ragged_prefill_attention(q, kv, jnp.int32(0), md, sm_scale=0.2,
                                                    block_rows=32, block_keys=32)

@@ -5,8 +5,9 @@ Backends:
   pallas     portable Pallas kernel (pallas_ragged.py): Triton on GPU, interpret mode on CPU;
   mosaic     Hopper: the decode kernel (mosaic_decode.py) for steps whose token bucket is no
              larger than the request bucket (T <= R: decode steps), the ragged prefill kernel
-             (mosaic_prefill.py) for prefill/mixed steps when its start-up probe passes
-             (prefill_choice.py), else the portable Pallas kernel for those.
+             (mosaic_prefill.py) for prefill/mixed steps when prefill_choice.py picks it
+             (JAXLLM_PREFILL_KERNEL=auto: a start-up probe; default "pallas" until the
+             kernel is validated on a GPU), else the portable Pallas kernel for those.
 None picks by platform: cpu -> reference, Hopper GPU -> mosaic, other GPUs -> pallas.
 
 Why T <= R is a static, always-correct switch: the Mosaic kernel handles every token on
@@ -106,7 +107,7 @@ def get_attention_fn(backend: str | None, platform: str) -> AttentionFn:
         detail = "interpret mode" if platform == "cpu" else "Triton lowering"
     else:
         fn = functools.partial(mosaic_attention, prefill_fn=_prefill_fn(platform))
-        detail = ("Mosaic GPU decode kernel for decode steps (T <= R), Mosaic GPU prefill kernel "
-                  "for prefill/mixed steps if its probe passes, else Pallas")
+        detail = ("Mosaic GPU decode kernel for decode steps (T <= R); prefill/mixed steps: "
+                  "see prefill_choice (Mosaic prefill kernel or Pallas)")
     log.info("attention backend: %s (%s, %s on %s)", backend, how, detail, platform)
     return fn

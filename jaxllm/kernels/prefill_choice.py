@@ -6,7 +6,12 @@ compiled and run on a small mixed batch (prefill chunk over a cached prefix, dec
 padding) and compared with `ref.py`; a lowering error, a runtime error or a wrong answer
 logs why and falls back to the portable Pallas kernel (`pallas_ragged.py`, Triton), which
 is also what non-Hopper GPUs use. The probe runs during start-up compilation (warm-up),
-so no compile happens after it. JAXLLM_PREFILL_KERNEL=mosaic|pallas forces a choice.
+so no compile happens after it.
+
+JAXLLM_PREFILL_KERNEL: "auto" (the probe), "mosaic" or "pallas" (forced). The default is
+`DEFAULT_MODE`: "pallas" until the kernel has passed `scripts/gpu_prefill.sh` on a GPU
+(a kernel that deadlocks would hang the probe, and with it the engine's start-up); set it
+to "auto" once it has.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from jaxllm.kernels import ref
 from jaxllm.kernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
+DEFAULT_MODE = "pallas"  # -> "auto" once the Mosaic prefill kernel is validated on a GPU
 
 
 def is_hopper() -> bool:
@@ -91,11 +97,17 @@ def mosaic_prefill_ok(num_heads: int, num_kv_heads: int, head_dim: int, page_siz
 
 def prefill_kernel(q: jax.Array, kv_pages: jax.Array) -> str:
     """"mosaic" or "pallas" for a prefill/mixed step of these shapes (static under jit)."""
-    forced = os.environ.get("JAXLLM_PREFILL_KERNEL")
-    if forced in ("mosaic", "pallas"):
-        return forced
+    mode = os.environ.get("JAXLLM_PREFILL_KERNEL", DEFAULT_MODE)
+    if mode not in ("auto", "mosaic", "pallas"):
+        raise ValueError(f"JAXLLM_PREFILL_KERNEL must be auto, mosaic or pallas, got {mode!r}")
     key = (q.shape[1], kv_pages.shape[2], q.shape[2], kv_pages.shape[4], jnp.dtype(q.dtype).name)
-    ok, why = mosaic_prefill_ok(*key)
+    if mode == "auto":
+        ok, why = mosaic_prefill_ok(*key)
+    else:
+        explicit = "JAXLLM_PREFILL_KERNEL" in os.environ
+        ok = mode == "mosaic"
+        why = f"JAXLLM_PREFILL_KERNEL={mode}" + ("" if explicit else ", the default until the "
+                                                 "Mosaic prefill kernel is validated on a GPU")
     if key not in _logged:
         _logged.add(key)
         log.info("prefill/mixed attention for H=%d K=%d D=%d S=%d %s: %s (%s)", *key,
