@@ -6,9 +6,10 @@
 #     Pallas kernel, jax cuDNN attention, JAX's bundled Mosaic flash attention, torch SDPA cuDNN
 #     and flash backends (contiguous K/V); and a mixed step (4 x 512-token chunks + 60 decode
 #     rows at context 2048) for the paged kernels (the engine's choice for mixed steps).
-#  2. TTFT, one prompt of 2048 and 32768 tokens, Llama-3-8B shape (random weights), one prefill
-#     step (bench_throughput, max_tokens 1) with the HF transformers (sdpa) peer; the engine's
-#     prefill kernel chosen by the probe (JAXLLM_PREFILL_KERNEL=auto; the log says which).
+#  2. TTFT, one prompt of 2048 and 32768 tokens, Llama-3-8B shape (random weights), default
+#     engine settings, vs the FLOP floor (scripts/bench_engine.py, also used by gpu_engine.sh),
+#     then HF transformers (sdpa) in its own process; the engine's prefill kernel chosen by the
+#     probe (JAXLLM_PREFILL_KERNEL=auto; the log line says which and why).
 # Writes $OUT/prefill.json (kernel table + TTFT rows) and the raw logs.
 set -u -o pipefail
 export JAX_TRACEBACK_FILTERING=off
@@ -16,25 +17,32 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 echo "== kernels"
-timeout ${T1:-190} python3 scripts/bench_kernels.py --prefill \
+timeout ${T1:-170} python3 scripts/bench_kernels.py --prefill \
   --prefill-kernels ${KERNELS:-mosaic,mosaic:64:4,pallas,jax_cudnn,jax_mgpu,torch_cudnn,torch_flash} \
   --out "$OUT/prefill_kernels.json" 2>&1 | tee "$OUT/prefill_kernels.log" | tail -12
-for n in 2048 32768; do
-  echo "== ttft $n"
-  JAXLLM_PREFILL_KERNEL=${PREFILL_KERNEL:-auto} XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout ${T2:-75} python3 scripts/bench_throughput.py \
-    --random-shape llama3-8b --dtype bfloat16 --num-prompts 1 --input-len $n --output-len 1 \
-    --max-num-seqs 1 --max-num-batched-tokens $n --token-buckets $n --seq-buckets 1 --hf --hf-batch 1 \
-    --output-json "$OUT/ttft_$n.json" 2>&1 | tee "$OUT/ttft_$n.log" | tail -4
-done
+echo "== ttft (jaxllm, default settings, prefill kernel by probe)"
+JAXLLM_PREFILL_KERNEL=${PREFILL_KERNEL:-auto} timeout ${T2:-120} python3 scripts/bench_engine.py \
+  --ttft-lens 2048 32768 --reps 2 --prefill-batch 1 --prefill-len 64 --num-prompts 2 \
+  --random-input-len 32 --random-output-len 4 --output-json "$OUT/ttft_jax.json" > "$OUT/ttft_jax.log" 2>&1
+echo "rc=$?"; grep -i "prefill/mixed attention\|attention backend" "$OUT/ttft_jax.log" | head -3
+echo "== ttft (HF transformers, sdpa)"
+timeout ${T3:-70} python3 scripts/bench_engine.py --peer hf --ttft-lens 2048 32768 --reps 2 \
+  --prefill-batch 1 --prefill-len 64 --output-json "$OUT/ttft_hf.json" > "$OUT/ttft_hf.log" 2>&1
+echo "rc=$?"
 python3 - "$OUT" <<'PY'
 import json, os, sys
 out = sys.argv[1]
 res = {}
-for name in ("prefill_kernels", "ttft_2048", "ttft_32768"):
+for name in ("prefill_kernels", "ttft_jax", "ttft_hf"):
     try:
         res[name] = json.load(open(os.path.join(out, name + ".json")))
     except Exception as e:  # noqa: BLE001
         res[name] = {"error": repr(e)}
+for n in (2048, 32768):
+    j, h = res["ttft_jax"].get(f"ttft_{n}", {}), res["ttft_hf"].get(f"ttft_{n}", {})
+    if "ttft_s" in j:
+        print(f"TTFT {n}: jaxllm {j['ttft_s'] * 1e3:.1f} ms = {j['x_floor']:.2f}x floor"
+              + (f", HF {h['ttft_s'] * 1e3:.1f} ms ({h['ttft_s'] / j['ttft_s']:.2f}x ours)" if "ttft_s" in h else ""))
 json.dump(res, open(os.path.join(out, "prefill.json"), "w"), indent=1)
 print("wrote", os.path.join(out, "prefill.json"))
 PY
