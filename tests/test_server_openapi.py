@@ -26,7 +26,7 @@ SCHEMA_CANNOT_SAY = {
     "constraint compiler": ("param=" + "|".join(CONSTRAINT_FIELDS), "schemas, regexes and grammars are checked by "
                                                                   "their compiler (and its size/time limits)"),
     "two constraints": ("give one output constraint", "at most one of several optional fields"),
-    "whitespace without JSON": ("guided_whitespace_pattern needs", "one optional field requires another"),
+    "whitespace without JSON": ("whitespace options", "one optional field requires another of some kinds"),
     "tool choice without tools": ("needs `tools`", "one optional field requires another"),
     "tool not in tools": ("which is not in `tools`", "a name must match an element of another field"),
     "auto tool choice off": ('"auto" tool choice requires', "a server flag (--enable-auto-tool-choice)"),

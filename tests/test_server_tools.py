@@ -206,6 +206,8 @@ BAD = [
     ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"reasoning_effort": "high"}, "reasoning_effort"),  # SmolLM2's template does not take it
+    ({"guided_regex": "a+", "guided_whitespace_pattern": " "}, "whitespace"),  # not a JSON constraint
+    ({"structured_outputs": {"disable_any_whitespace": True}}, "whitespace"),  # options without a constraint
 ]
 
 
@@ -237,3 +239,42 @@ def test_unknown_fields_are_logged_as_ignored(srv, caplog):
     assert r.status_code == 200
     line = next(rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage())
     assert "frobnicate" in line and "messages[0].mood" in line
+
+
+UNIT = {"type": "function", "function": {"name": "set_unit", "parameters": {
+    "type": "object", "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+    "required": ["unit"], "additionalProperties": False}}}
+
+
+def test_constrained_generation_through_the_client(srv, client):
+    """The real engine under the constraints (random weights: only the constraint makes the output valid)."""
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"answer": {"type": "string", "enum": ["yes", "no"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["answer", "n"], "additionalProperties": False}
+    # compact JSON: random weights would otherwise spend the budget on the whitespace JSON allows
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=48, temperature=1.0, seed=3, n=2,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "reply", "schema": schema}},
+                                       extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    for c in r.choices:
+        assert c.finish_reason == "stop", c.message.content
+        jsonschema.validate(json.loads(c.message.content), schema)
+    closed_time = {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {}, "additionalProperties": False}}}
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[UNIT, closed_time], tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=64, temperature=0.8, seed=1)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c.message
+    for call in c.message.tool_calls:
+        assert call.function.name in ("set_unit", "get_time")
+        args = json.loads(call.function.arguments)
+        assert args in ({"unit": "celsius"}, {"unit": "fahrenheit"}) if call.function.name == "set_unit" else True
+    named = {"type": "function", "function": {"name": "set_unit"}}
+    chunks = list(client.chat.completions.create(model=MODEL, messages=ASK, tools=[UNIT, TIME], tool_choice=named,
+                                                 max_tokens=48, stream=True, temperature=0.8, seed=2))
+    streamed, finish = _reassemble(chunks)
+    assert finish == "stop" and streamed["tool_calls"][0]["name"] == "set_unit"
+    jsonschema.validate(json.loads(streamed["tool_calls"][0]["arguments"]), UNIT["function"]["parameters"])
+    srv.wait_idle()

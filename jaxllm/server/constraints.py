@@ -3,7 +3,9 @@
 Three spellings reach the same constraint, as in vLLM: OpenAI's `response_format`
 (`json_object`, `json_schema`), vLLM's `structured_outputs` object, and the older
 `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` fields. A request
-may use one of them; two at once is a 400 naming both, never a silent pick.
+may use one of them; two at once is a 400 naming both, never a silent pick. A
+`structured_outputs` object with only `whitespace_pattern` / `disable_any_whitespace`
+shapes the JSON that `response_format` (or `tool_choice`) asks for.
 """
 
 from __future__ import annotations
@@ -89,15 +91,15 @@ class ConstraintFields(BaseModel):
         if so is not None:
             kw = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
                   "json_object": bool(so.json_object), "structural_tag": so.structural_tag}
-            found.append(("structured_outputs", kw))
+            if any(v not in (None, False) for v in kw.values()):
+                found.append(("structured_outputs", kw))
+            # else: only whitespace options, for the JSON of response_format (or of the tools)
         guided = {"json": self.guided_json, "regex": self.guided_regex, "choice": self.guided_choice,
                   "grammar": self.guided_grammar}
         for kind, value in guided.items():
             if value is not None:
                 found.append((f"guided_{kind}", {kind: value}))
         if not found:
-            if self.guided_whitespace_pattern is not None:
-                raise ValueError("guided_whitespace_pattern needs a JSON constraint (guided_json or response_format)")
             return None
         if len(found) > 1:
             raise ValueError(f"give one output constraint, not several: {', '.join(n for n, _ in found)}")
@@ -106,8 +108,17 @@ class ConstraintFields(BaseModel):
         if kw.get("structural_tag") is not None and not isinstance(kw["structural_tag"], str):
             import json
             kw["structural_tag"] = json.dumps(kw["structural_tag"])
-        if so is not None:
-            kw.update(whitespace_pattern=so.whitespace_pattern, disable_any_whitespace=so.disable_any_whitespace)
-        elif self.guided_whitespace_pattern is not None:
-            kw["whitespace_pattern"] = self.guided_whitespace_pattern
-        return source, kw
+        ws = self.whitespace()
+        if ws and not ({"json", "json_object"} & set(kw)):
+            raise ValueError(f"whitespace options apply to JSON constraints, not to {source}'s {next(iter(kw))}")
+        return source, {**kw, **ws}
+
+    def whitespace(self) -> dict[str, Any]:
+        """The whitespace options for JSON constraints (structured_outputs' or guided_whitespace_pattern)."""
+        so, out = self.structured_outputs, {}
+        pattern = so.whitespace_pattern if so is not None and so.whitespace_pattern else self.guided_whitespace_pattern
+        if pattern is not None:
+            out["whitespace_pattern"] = pattern
+        if so is not None and so.disable_any_whitespace:
+            out["disable_any_whitespace"] = True
+        return out

@@ -26,6 +26,9 @@ from jaxllm.server.protocol import APIError
 from jaxllm.engine.request_stream import RequestStream
 
 
+TOOL_WHITESPACE = r"[ ]?"  # the JSON whitespace tool_choice "required" / a named function allows
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -151,8 +154,13 @@ class ServingBase:
             if found is not None:
                 raise APIError(400, f"{found[0]} cannot be combined with tool_choice {tool_choice!r}",
                                param=found[0])
-            found = ("tools", {"json": tool_schema})
+            # Arguments are re-serialized, so their layout is free: at most one space between tokens
+            # (runaway whitespace cannot eat the token budget), unless the request says otherwise.
+            found = ("tools", {"json": tool_schema, "whitespace_pattern": TOOL_WHITESPACE, **req.whitespace()})
         if found is None:
+            if req.whitespace():
+                raise APIError(400, "whitespace options need a JSON constraint (response_format, "
+                                    "structured_outputs.json or guided_json)", param="structured_outputs")
             return None
         from jaxllm.sampling_params import StructuredOutputsParams
         from jaxllm.structured import compiler_for, validate

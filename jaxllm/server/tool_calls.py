@@ -4,7 +4,8 @@ As vLLM: "none" leaves the output alone; "auto" lets the model choose and parses
 (needs `--enable-auto-tool-choice --tool-call-parser NAME`); "required" and a named
 function constrain generation with a JSON schema built from the tools' parameters
 (`_get_json_schema_from_tool` in vLLM): "required" is a non-empty array of
-`{"name", "parameters"}` objects, a named function is that function's parameters.
+`{"name", "parameters"}` objects (and nothing else: other keys would not reach the call),
+a named function is that function's parameters.
 """
 
 from __future__ import annotations
@@ -77,7 +78,8 @@ def json_schema(req: ChatCompletionRequest, mode: ToolMode) -> dict | None:
                 raise APIError(400, f"tools define $defs/{key} twice, differently", param="tools")
             defs[key] = value
         options.append({"properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                       "parameters": params}, "required": ["name", "parameters"]})
+                                       "parameters": params}, "required": ["name", "parameters"],
+                        "additionalProperties": False})  # other keys would be dropped from the call
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": options}}
     if not mode.parallel:
         schema["maxItems"] = 1
