@@ -147,9 +147,10 @@ def test_unrolled_layers_tp2(tiny):
     assert run["tokens"] == tiny["qwen2_8q2kv_tp1"]["tokens"]
     assert run["device_bytes"] == scan["device_bytes"]
     specs = run["layer_specs"]
-    assert specs["wq"] == specs["wk"] == specs["w_up"] == "P(None, 'tp')"
+    # q/k/v and gate/up fused per layer (llama.fuse_layer), split by shard on their axis 1
+    assert specs["wqkv"] == "P(None, 'tp', None)" and specs["w_gu"] == "P(None, 'tp', None, None)"
     assert specs["wo"] == specs["w_down"] == "P('tp', None)"
-    assert specs["bk"] == "P('tp',)" and specs["ln_attn"] == "P()"
+    assert specs["bqkv"] == "P('tp', None)" and specs["ln_attn"] == "P()"
 
 
 def test_no_compiles_after_warmup_tp4(tiny):

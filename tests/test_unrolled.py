@@ -22,6 +22,7 @@ def test_unrolled_layers_match_scan(monkeypatch):
     unrolled = LLM(**kw)
     runner = unrolled.engine.runner
     assert len(runner.layer_params) == cfg["num_hidden_layers"]
+    assert {"wqkv", "w_gu"} <= set(runner.layer_params[0]) and "wq" not in runner.layer_params[0]  # fused
     assert all(np.asarray(v).size == 0 for v in runner.params["layers"].values())  # held once
     a = [o.outputs[0].token_ids for o in scanned.generate(prompts, params, use_tqdm=False)]
     b = [o.outputs[0].token_ids for o in unrolled.generate(prompts, params, use_tqdm=False)]

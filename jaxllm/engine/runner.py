@@ -148,7 +148,8 @@ class ModelRunner:
         # stacked weights, which compiles far faster.
         if unroll_layers is None:
             unroll_layers = self.platform != "cpu"
-        self.layer_params = self.model_entry.split_layers(self.params, model_cfg) if unroll_layers else None
+        self.layer_params = self.model_entry.split_layers(
+            self.params, model_cfg, shards=self.tp.tp if self.tp else 1) if unroll_layers else None
         if self.tp is not None and self.layer_params is not None:
             self.layer_params = self.tp.place_layers(self.params, self.layer_params)
         # The step takes its weights as a flat list of arrays, so a call does not walk the

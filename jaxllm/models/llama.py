@@ -127,9 +127,16 @@ class Llama(nnx.Module):
         T = x.shape[0]
         H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = rms_norm(x, w["ln_attn"], cfg.rms_norm_eps)
-        q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
-        if cfg.qkv_bias:
-            q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+        if "wqkv" in w:  # fused (the unrolled layout, `fuse_layer`): one matmul, shard-major columns
+            qkv = jnp.einsum("te,esp->tsp", h, w["wqkv"])
+            if cfg.qkv_bias:
+                qkv = qkv + w["bqkv"]
+            S, nq, nk = qkv.shape[1], H * D // qkv.shape[1], K * D // qkv.shape[1]
+            q, k, v = qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:]
+        else:
+            q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
+            if cfg.qkv_bias:
+                q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
         q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
         if cfg.qk_norm:
             q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
@@ -144,6 +151,10 @@ class Llama(nnx.Module):
         return x + o, kv_pages
 
     def _mlp(self, h: jax.Array, w: dict[str, jax.Array], md: AttentionMetadata) -> jax.Array:
+        if "w_gu" in w:  # fused gate/up [E, S, 2, F/S]: one matmul
+            gu = jnp.einsum("te,esgf->tsgf", h, w["w_gu"])
+            gate, up = (gu[:, :, i].reshape(h.shape[0], -1) for i in (0, 1))
+            return (jax.nn.silu(gate) * up) @ w["w_down"]
         return (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
 
     def _layer(self, x: jax.Array, w: dict[str, jax.Array], kv_pages: jax.Array,
@@ -190,11 +201,35 @@ class Llama(nnx.Module):
         return kv_pages, logits
 
 
-def split_layers(params, num_layers: int) -> list[dict[str, jax.Array]]:
+def fuse_layer(w: dict[str, jax.Array], shards: int = 1) -> dict[str, jax.Array]:
+    """One layer's q/k/v and gate/up projections as one matrix each (fewer kernel launches).
+
+    `wqkv` [E, S, (Hq + 2K) D / S] and `w_gu` [E, S, 2, F / S]: the columns of each of
+    the S tensor-parallel shards stay together (q, k, v of its heads; its gate and up
+    units), so splitting axis 1 over the mesh gives every device its own heads, as the
+    separate column-parallel matrices did. The biases follow (`bqkv` [S, ...]).
+    """
+    def cols(a: jax.Array) -> jax.Array:  # [..., N] -> [..., S, N / S]
+        return a.reshape(*a.shape[:-1], shards, a.shape[-1] // shards)
+
+    out = dict(w)
+    if any(w[n].shape[-1] % shards for n in ("wq", "wk", "wv", "w_gate", "w_up") if n in w):
+        shards = 1  # a split the mesh cannot make evenly: replicated (as param_spec does)
+    if all(n in w for n in ("wq", "wk", "wv")):
+        out["wqkv"] = jnp.concatenate([cols(out.pop(n)) for n in ("wq", "wk", "wv")], axis=-1)
+        if "bq" in w:
+            out["bqkv"] = jnp.concatenate([cols(out.pop(n)) for n in ("bq", "bk", "bv")], axis=-1)
+    if "w_gate" in w and "w_up" in w:
+        out["w_gu"] = jnp.stack([cols(out.pop("w_gate")), cols(out.pop("w_up"))], axis=-2)
+    return out
+
+
+def split_layers(params, num_layers: int, shards: int = 1, fuse: bool = True) -> list[dict[str, jax.Array]]:
     """Move the stacked layer weights of an nnx state into one dict of arrays per layer.
 
     The stacked arrays in `params` are replaced by empty placeholders, so the
-    weights are held once.
+    weights are held once. `fuse`: q/k/v and gate/up fused per layer (`fuse_layer`,
+    with `shards` tensor-parallel shards).
     """
     stacked = params["layers"]
     names = list(stacked.keys())
@@ -209,7 +244,7 @@ def split_layers(params, num_layers: int) -> list[dict[str, jax.Array]]:
             var.set_value(empty)
         else:
             var.value = empty
-    return out
+    return [fuse_layer(w, shards) for w in out] if fuse else out
 
 
 def stack_layers(weights: dict[str, np.ndarray], layers, name: str, dtype, transpose: bool = True,

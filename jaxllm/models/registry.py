@@ -47,12 +47,13 @@ class ModelEntry:
         is then emptied), so the model is never held twice in host memory."""
         return self._mod().hf_to_state(cfg, weights, dtype, consume=consume)
 
-    def split_layers(self, params, cfg: ModelConfig) -> list[dict]:
+    def split_layers(self, params, cfg: ModelConfig, shards: int = 1) -> list[dict]:
+        """`shards`: tensor-parallel devices (dense models fuse q/k/v and gate/up per shard)."""
         mod = self._mod()
         fn = getattr(mod, "split_model_layers", None)
         if fn is not None:
             return fn(params, cfg)
-        return mod.split_layers(params, cfg.num_layers)
+        return mod.split_layers(params, cfg.num_layers, shards=shards)
 
     def split_axes(self, expert_parallel: bool) -> dict[str, int]:
         fn = getattr(self._mod(), "split_axes", None)
