@@ -126,3 +126,19 @@ def test_gpu_prefill_path_falls_back_off_hopper_and_probe_batch_is_valid(caplog,
     twin = pallas_prefill.ragged_prefill_attention(q, kv, jnp.int32(0), md, sm_scale=0.2,
                                                    block_rows=32, block_keys=32)
     assert rel_err(twin, want) < 1e-5
+
+
+@pytest.mark.parametrize("group,page_size,block_keys", [(4, 16, 128), (1, 32, 64), (8, 64, 128)])
+def test_hopper_kernel_lowers_for_cuda_on_cpu(group, page_size, block_keys):
+    """Lowering to the Mosaic GPU dialect (TMA shape rules, layouts, barriers) needs no GPU:
+    export for the cuda platform. A ragged batch whose T is not a multiple of 8."""
+    from jaxllm.kernels import mosaic_prefill
+    rng = np.random.default_rng(group)
+    q, kv, md = make_batch(rng, [(300, 45), (20, 1), (9, 9)], page_size=page_size,
+                           num_kv_heads=2, group=group, head_dim=128, pad_tokens=2,
+                           dtype=jnp.bfloat16)
+    assert q.shape[0] % 8
+    f = jax.jit(lambda q, kv, md: mosaic_prefill.ragged_prefill_attention(
+        q, kv, jnp.int32(1), md, sm_scale=0.1, block_keys=block_keys))
+    exported = jax.export.export(f, platforms=["cuda"])(q, kv, md)
+    assert "mosaic_gpu" in exported.mlir_module()

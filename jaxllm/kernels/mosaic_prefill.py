@@ -43,6 +43,10 @@ from jaxllm.kernels.metadata import AttentionMetadata
 _WG_ROWS = 64  # rows per consumer warpgroup (wgmma M)
 _ROWS = 2 * _WG_ROWS  # rows per CTA
 _LOG2E = math.log2(math.e)
+# Lane semantics, named: jax 0.11 changed plgpu.CompilerParams' default to Warpgroup, under which
+# this kernel fails to lower (an AssertionError on jax 0.11.2, seen on the H200; layout
+# inference fails on jax 0.10.2), while it lowers under Lane, 0.10.2's default.
+SEMANTICS = plgpu.LoweringSemantics.Lane
 
 
 def supported(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -283,7 +287,7 @@ def ragged_prefill_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array
         scratch_types=tuple(scratch),
         grid=(sched.shape[1], num_kv_heads), grid_names=("b", "h"),
         num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=SEMANTICS),
         interpret=_interpret_params() if interpret else None,
     )(sched, md.block_tables.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32),
       q.reshape(total, num_kv_heads, group, head_dim),
