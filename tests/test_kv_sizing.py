@@ -83,7 +83,7 @@ def test_runner_sizes_from_its_compiled_step():
     r = llm.engine.runner
     per_block = r._bytes_per_block()
     traces = r.num_traces
-    limit, in_use = 1 << 30, 8 << 20
+    limit, in_use = 4 << 30, 8 << 20
     blocks = r._profiled_blocks(limit, in_use, min_blocks=r.max_blocks)
     step = StepMemory.of(r._compile_probe(blocks, {}).memory_analysis())
     from jaxllm.engine.runner import SIZING_HEADROOM

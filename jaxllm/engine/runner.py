@@ -36,7 +36,9 @@ from jaxllm.models.llama import load_state
 
 log = logging.getLogger("jaxllm")
 
-SIZING_HEADROOM = 512 << 20  # the sampler's and page moves' buffers, outside the step
+# Programs outside the step that run beside the pool: the sampler, page moves and swaps, and
+# the prompt-logprob scorer (its own one-sequence pages and [chunk, vocab] logits).
+SIZING_HEADROOM = 2 << 30
 
 DTYPES = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16,
           "bf16": jnp.bfloat16, "half": jnp.bfloat16}
