@@ -50,7 +50,10 @@ class LLMEngine:
             tokenizer = tokenizer or loaded_tok
         elif hf_config is None:
             from jaxllm.models.loader import load_model_files
-            hf_config, weights, loaded_tok = load_model_files(cfg.model, cfg.cache_dir)
+            from jaxllm.quantization.checkpoints import load_prequantized
+            # Pre-quantized checkpoints (HF FP8, GGUF with quantization="gguf") load as stored.
+            loaded = load_prequantized(cfg.model, cfg.quantization)
+            hf_config, weights, loaded_tok = loaded or load_model_files(cfg.model, cfg.cache_dir)
             tokenizer = tokenizer or loaded_tok
         self.cfg = cfg
         self.tokenizer = tokenizer

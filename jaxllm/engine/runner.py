@@ -30,6 +30,8 @@ from jaxllm.engine.memory import (GiB, StepMemory, base_limit, describe, plan_po
 from jaxllm.engine.sampler import pad_ids
 from jaxllm.kernels import kv_quant
 from jaxllm.kernels.metadata import AttentionMetadata
+from jaxllm.quantization.methods import ONLINE_METHODS, check_weights_device
+from jaxllm.quantization.quantize import quantize_state
 from jaxllm.models.config import ModelConfig
 from jaxllm.models import registry
 from jaxllm.models.llama import load_state
@@ -114,9 +116,10 @@ class ModelRunner:
         self.dtype = dtype or resolve_dtype(cfg.dtype, self.platform)
         self.block_size = cfg.block_size
         self.max_blocks = -(-max_model_len // cfg.block_size)
-        if cfg.quantization is not None:
-            raise NotImplementedError(f"quantization={cfg.quantization!r}: weight quantization is not "
-                                      f"wired into the runner yet")
+        if cfg.quantization is not None and (cfg.tensor_parallel_size > 1 or jax.process_count() > 1):
+            raise ValueError(f"quantization={cfg.quantization!r} with tensor_parallel_size > 1 is not "
+                             f"supported yet (quantized weights have no sharding rules)")
+        check_weights_device(cfg.quantization, state)
         attn = pick_attention(cfg.attention_backend, self.platform)
         self.tp = self.channel = None
         if cfg.tensor_parallel_size > 1 or jax.process_count() > 1:
@@ -141,6 +144,8 @@ class ModelRunner:
             model = nnx.eval_shape(make)
             load_state(model, state)
             self.graphdef, self.params = nnx.split(model)
+        if cfg.quantization in ONLINE_METHODS:  # fp8 / int8 / int4 at load (quantization/)
+            self.params = quantize_state(self.params, cfg.quantization)
         self.weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
         # Quantized KV caches store rows of W (not D) elements of kv_dtype (kernels/kv_quant.py).
         self.kv_dtype, self.kv_width = kv_quant.page_layout(cfg.kv_cache_dtype, self.dtype,

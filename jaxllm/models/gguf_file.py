@@ -215,10 +215,13 @@ def _dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return np.concatenate(chunks, axis=0).astype(np.float32, copy=False)
 
 
-def load_gguf(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, Any]]:
+def load_gguf(path: str, linear_fn: Any = None) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """Read a GGUF: ``(hf_config, hf_named_float32_weights, raw_metadata)``.
 
     The metadata is returned too so the caller can build the tokenizer without reopening the file.
+    ``linear_fn(raw_rows, type_name, name)``, if given, takes each quantized decoder linear's raw
+    block rows (q/k rows already unpermuted) instead of dequantizing it
+    (``jaxllm.quantization.checkpoints.gguf_linear``).
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -234,8 +237,17 @@ def load_gguf(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[st
         if hf is None:
             logger.warning("ignoring GGUF tensor %s (no HF counterpart)", tensor.name)
             return None
-        w = _dequantize(tensor.data, tensor.tensor_type)
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        quantized = tensor.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                                               GGMLQuantizationType.BF16)
+        if linear_fn is not None and quantized and hf.endswith("_proj.weight"):
+            rows = np.asarray(tensor.data).reshape(shape[0], -1)
+            if permute and ".attn_q." in tensor.name:
+                rows = unpermute_rows(rows, heads)
+            elif permute and ".attn_k." in tensor.name:
+                rows = unpermute_rows(rows, kv_heads)
+            return hf, linear_fn(rows, tensor.tensor_type.name, tensor.name)
+        w = _dequantize(tensor.data, tensor.tensor_type)
         w = w.reshape(shape)
         if permute and ".attn_q." in tensor.name:
             w = unpermute_rows(w, heads)

@@ -255,6 +255,10 @@ def stack_layers(weights: dict[str, np.ndarray], layers, name: str, dtype, trans
     """
     layers = list(layers)
     first = weights[f"model.layers.{layers[0]}.{name}"]
+    if not isinstance(first, np.ndarray):  # quantized linears, already [in, out] (quantization/)
+        from jaxllm.quantization.qarray import stack as stack_quantized
+        take = weights.pop if consume else weights.__getitem__
+        return stack_quantized([take(f"model.layers.{i}.{name}") for i in layers])
     shape = first.T.shape if transpose else first.shape
     out = np.empty((len(layers), *shape), dtype)
     for j, i in enumerate(layers):
@@ -312,8 +316,9 @@ def load_state(model: Llama, state: dict) -> None:
                 param = getattr(mod, name)
                 if value(param).shape != val.shape:
                     raise ValueError(f"{name}: expected {value(param).shape}, got {val.shape}")
+                val = jax.tree.map(jnp.asarray, val)  # arrays, or a quantization.QArray's parts
                 if hasattr(param, "set_value"):
-                    param.set_value(jnp.asarray(val))
+                    param.set_value(val)
                 else:
-                    param.value = jnp.asarray(val)
+                    param.value = val
     assign(model, state)

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 # --quantization: quantize a float checkpoint at load (vLLM's online "fp8"; int8/int4 weight-only).
-METHODS = ("fp8", "int8", "int4")
+# "gguf": keep a GGUF file's Q8_0 / Q4_0 / Q4_1 linears as stored (vLLM's name for GGUF).
+METHODS = ("fp8", "int8", "int4", "gguf")
+ONLINE_METHODS = ("fp8", "int8", "int4")
 # Checkpoint formats loaded as stored (quantization_config.quant_method / GGUF tensor types).
 CHECKPOINT_METHODS = ("fp8",)
-GGUF_TYPES = ("Q8_0", "Q4_0")
 # Known to exist, not implemented: named in the error so the user knows it is not a typo.
 UNSUPPORTED = ("awq", "gptq", "bitsandbytes", "compressed-tensors", "marlin", "gptq_marlin",
                "awq_marlin", "squeezellm", "aqlm", "hqq", "eetq", "experts_int8", "modelopt",
@@ -54,3 +55,14 @@ def check_fp8_device(what: str, device=None) -> None:
     if device.platform != "gpu" or not ok:
         raise ValueError(f"{what} needs fp8 support (NVIDIA compute capability >= 8.9); "
                          f"{device.device_kind} ({device.platform}, capability {cap}) has none")
+
+
+def check_weights_device(method: str | None, state: dict | None = None) -> None:
+    """Start-up check: fp8 weights (online or from an FP8 checkpoint) need fp8 hardware."""
+    fp8 = method == "fp8"
+    if state is not None and not fp8:
+        from jaxllm.quantization.qarray import QArray
+        layers = state.get("layers", {})
+        fp8 = any(isinstance(v, QArray) and v.kind == "fp8" for v in layers.values())
+    if fp8:
+        check_fp8_device("fp8 weights (quantization='fp8' or an FP8 checkpoint)")

@@ -1,0 +1,144 @@
+"""Pre-quantized checkpoints loaded as stored: HF FP8 folders and GGUF Q8_0 / Q4_0 / Q4_1.
+
+`load_prequantized(model, method)` is the engine's hook before the usual (float) loader:
+it returns `(hf_config, weights, tokenizer)` with the decoder linears as `QArray`s, or
+None when the checkpoint is a float one and nothing asks to keep it quantized. It never
+goes through the converted-checkpoint cache (which holds float32 arrays): the quantized
+files are the fast form already.
+
+HF FP8 (`quantization_config.quant_method == "fp8"`, e4m3): `*.weight` float8 [out, in]
+with `*.weight_scale_inv` block scales ([out/128, in/128] for `weight_block_size` 128x128,
+as the Qwen3/DeepSeek FP8 releases) or a per-tensor `*.weight_scale`; w = q * scale.
+Activation scales and k/v scales in the file are not used (activations are not quantized
+for block-scaled weights: W8A16). Other `quant_method`s (awq, gptq, ...) are refused.
+
+GGUF with `quantization="gguf"` (vLLM's name): Q8_0 -> int8 groups of 32, Q4_0 / Q4_1 ->
+int4 groups of 32 (w = d * (q - 8), w = d * q + m); their nibble order is QArray's.
+Any other type on a linear (Q4_K, Q6_K, ...) is refused, naming it. Without
+`quantization="gguf"` GGUF files load dequantized to float (the default path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import ml_dtypes
+import numpy as np
+
+from jaxllm.quantization.methods import check_checkpoint_method
+from jaxllm.quantization.qarray import QArray
+from jaxllm.quantization.quantize import is_linear
+
+GGUF_KEPT = ("Q8_0", "Q4_0", "Q4_1")
+_ST_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+              "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
+              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+              "BOOL": np.bool_}
+
+
+def read_safetensors(path: str) -> dict[str, np.ndarray]:
+    """Every tensor of one file with its stored dtype (float8 included, which safetensors'
+    numpy backend cannot return), as read-only views of a memory map."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    data = np.memmap(path, np.uint8, "r", offset=8 + n)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if info["dtype"] not in _ST_DTYPES:
+            raise ValueError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        out[name] = data[start:end].view(_ST_DTYPES[info["dtype"]]).reshape(info["shape"])
+    return out
+
+
+def hf_fp8_weights(tensors: dict[str, np.ndarray]) -> dict:
+    """HF-named tensors of an FP8 checkpoint -> linears as QArrays, the rest float32."""
+    out = {}
+    for name, arr in tensors.items():
+        if name.endswith((".weight_scale_inv", ".weight_scale", ".input_scale", ".k_scale",
+                          ".v_scale")):
+            continue
+        if is_linear(name) and arr.dtype == ml_dtypes.float8_e4m3fn:
+            stem = name[: -len(".weight")]
+            scale = tensors.get(stem + ".weight_scale_inv", tensors.get(stem + ".weight_scale"))
+            if scale is None:
+                raise ValueError(f"FP8 checkpoint: {name} has no weight_scale_inv / weight_scale")
+            scale = np.asarray(scale, np.float32).reshape(
+                (1, 1) if np.size(scale) == 1 else np.shape(scale))
+            out[name] = QArray(np.array(arr), scale, None, kind="fp8", act="none")
+        elif arr.dtype in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2):
+            raise ValueError(f"FP8 checkpoint: fp8 tensor {name} is not a decoder linear")
+        else:
+            out[name] = np.asarray(arr, np.float32)
+    return out
+
+
+def load_hf_fp8(path: str) -> tuple[dict, dict]:
+    from jaxllm.models.hf_files import load_hf_config, safetensors_files
+
+    config = load_hf_config(path)
+    qc = config["quantization_config"]
+    if str(qc.get("fmt", "e4m3")) != "e4m3":
+        raise ValueError(f"FP8 checkpoint format {qc.get('fmt')!r} is not supported (e4m3 only)")
+    tensors = {}
+    for file in safetensors_files(path):
+        tensors.update(read_safetensors(file))
+    return config, hf_fp8_weights(tensors)
+
+
+def gguf_linear(data: np.ndarray, qtype_name: str, name: str) -> QArray:
+    """One GGUF linear's raw blocks uint8 [out, bytes per row] -> QArray of float shape [in, out]."""
+    rows = data.shape[0]
+    if qtype_name == "Q8_0":
+        blocks = data.reshape(rows, -1, 34)
+        d = blocks[..., :2].copy().view(np.float16)[..., 0]  # [out, in/32]
+        q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)  # [out, in]
+        return QArray(np.ascontiguousarray(q.T), np.ascontiguousarray(d.T), None, kind="int8")
+    if qtype_name in ("Q4_0", "Q4_1"):
+        size = 18 if qtype_name == "Q4_0" else 20
+        blocks = data.reshape(rows, -1, size)
+        d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        if qtype_name == "Q4_0":
+            m = -8.0 * d
+        else:
+            m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blocks[..., size - 16:].reshape(rows, -1)  # [out, in/2]; block j: rows j, j + 16
+        return QArray(np.ascontiguousarray(qs.T), np.ascontiguousarray(d.T.astype(np.float16)),
+                      np.ascontiguousarray(m.T.astype(np.float16)), kind="int4")
+    raise ValueError(f"GGUF tensor {name} is {qtype_name}: no quantized kernel for it "
+                     f"(kept quantized: {GGUF_KEPT}); load without quantization='gguf' to "
+                     f"dequantize it to float")
+
+
+def load_prequantized(model: str | None, method: str | None):
+    """(hf_config, weights, tokenizer) kept quantized, or None for the float loader."""
+    from jaxllm.models.loader import is_converted, resolve_model
+    from jaxllm.models.tokenizer import Tokenizer
+
+    src = resolve_model(model)
+    if os.path.isfile(src) and src.endswith(".gguf"):
+        if method != "gguf":
+            return None
+        from jaxllm.models.gguf_file import load_gguf
+        config, weights, meta = load_gguf(src, linear_fn=gguf_linear)
+        return config, weights, Tokenizer.from_gguf_metadata(meta)
+    if method == "gguf":
+        raise ValueError(f"quantization='gguf' needs a .gguf model file, got {src}")
+    cfg_path = os.path.join(src, "config.json")
+    if is_converted(src) or not os.path.isfile(cfg_path):
+        return None
+    with open(cfg_path, encoding="utf-8") as f:
+        qc = json.load(f).get("quantization_config")
+    if qc is None:
+        return None
+    kind = check_checkpoint_method(qc)
+    if method is not None and method != kind:
+        raise ValueError(f"quantization={method!r}, but {src} is already quantized ({kind}); "
+                         f"leave quantization unset to load it as stored")
+    config, weights = load_hf_fp8(src)
+    return config, weights, Tokenizer.from_dir(src)

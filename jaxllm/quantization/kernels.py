@@ -1,0 +1,83 @@
+"""Quantized matmuls `x [..., K] @ QArray -> [..., N]`, one implementation per (mode, path).
+
+Paths:
+  xla   plain jnp: fp8 W8A8 as an fp8 x fp8 `dot_general` contracting both operands' last
+        axis (XLA lowers it to cuBLASLt's fp8 GEMM on Hopper; on CPU the operands are
+        upcast), weight-only modes as dequantize-then-dot (XLA fuses the convert for int8
+        and fp8 blocks; int4's group dequant is not fused and writes a copy of W).
+  mgpu  int8 weight-only through JAX's bundled Hopper mixed-type Mosaic GPU kernel
+        (`hopper_mixed_type_matmul_mgpu`, int8 LHS x bf16 RHS: computed as (W^T x^T)^T).
+
+`TUNING` names the path per (mode, platform); "xla" everywhere until the H200 run
+(scripts/gpu_quant.sh) measures the alternatives. The CPU always takes "xla".
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.quantization.qarray import FP8_MAX, QArray
+
+# (mode, platform) -> path; fill from scripts/gpu_quant.sh's matmul table.
+TUNING: dict[tuple[str, str], str] = {
+    ("fp8", "gpu"): "xla",
+    ("fp8_block", "gpu"): "xla",
+    ("int8", "gpu"): "xla",
+    ("int4", "gpu"): "xla",
+}
+
+
+def mode_of(w: QArray) -> str:
+    if w.kind == "fp8":
+        return "fp8" if w.act == "fp8" else "fp8_block"
+    return w.kind
+
+
+def matmul(x: jax.Array, w: QArray, path: str | None = None) -> jax.Array:
+    platform = jax.default_backend()
+    if path is None:
+        path = "xla" if platform == "cpu" else TUNING.get((mode_of(w), "gpu"), "xla")
+    if path == "mgpu":
+        return int8_mgpu(x, w)
+    if w.kind == "fp8" and w.act == "fp8":
+        return fp8_w8a8(x, w, upcast=platform == "cpu")
+    return jnp.matmul(x, w.dequantize(x.dtype))
+
+
+def quantize_rows_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-token (row) dynamic fp8: (x_q float8_e4m3fn [..., K], scale float32 [..., 1])."""
+    xf = x.astype(jnp.float32)
+    s = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1, keepdims=True), 1e-12) / FP8_MAX
+    return (xf / s).astype(jnp.float8_e4m3fn), s
+
+
+def fp8_w8a8(x: jax.Array, w: QArray, upcast: bool = False) -> jax.Array:
+    """y = (x_q @ W_q^T) * s_x * s_w, W_q stored [N, K]: both operands contract their last axis."""
+    xq, sx = quantize_rows_fp8(x)
+    wq = w.values
+    if upcast:  # CPU: no fp8 GEMM; the fp8 values are exact in float32
+        xq, wq = xq.astype(jnp.float32), wq.astype(jnp.float32)
+    y = jax.lax.dot_general(xq, wq, (((x.ndim - 1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+    return (y * sx * w.scale[..., 0]).astype(x.dtype)
+
+
+def int8_mgpu(x: jax.Array, w: QArray) -> jax.Array:
+    """int8 per-channel W8A16 on Hopper via JAX's mixed-type Mosaic GPU matmul."""
+    from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as mm
+
+    if w.kind != "int8" or w.group != w.shape[-2]:
+        raise ValueError(f"the mgpu path takes per-channel int8 weights, not {w.kind} g{w.group}")
+    lead, k = x.shape[:-1], x.shape[-1]
+    xt = x.reshape(-1, k).astype(jnp.bfloat16).T  # [K, T]
+    t = xt.shape[1]
+    tile_n = 64 if t <= 64 else 128
+    pad = -t % tile_n
+    if pad:
+        xt = jnp.pad(xt, ((0, 0), (0, pad)))
+    cfg = mm.TuningConfig(tile_m=128, tile_n=tile_n, tile_k=64, max_concurrent_steps=4,
+                          epi_tile_n=64, epi_tile_m=64)
+    yt = mm.mixed_matmul_kernel(w.values.T, xt, out_dtype=jnp.bfloat16, config=cfg)  # [N, T]
+    y = yt[:, :t].T.astype(jnp.float32) * w.scale[0]
+    return y.reshape(*lead, -1).astype(x.dtype)

@@ -1,0 +1,191 @@
+"""Weight quantization (jaxllm/quantization/): quantizers, matmuls, pre-quantized checkpoints
+(HF FP8 with 128x128 block scales, GGUF Q8_0/Q4_0/Q4_1) and the start-up errors.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as GT
+from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
+
+from hf_tiny import make, make_llm
+
+from jaxllm import SamplingParams
+from jaxllm.config import EngineConfig
+from jaxllm.quantization import checkpoints, methods
+from jaxllm.quantization.kernels import matmul
+from jaxllm.quantization.qarray import QArray
+from jaxllm.quantization.quantize import QUANTIZERS
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+
+
+def rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("method,bound", [("fp8", 0.04), ("int8", 0.01), ("int4", 0.12)])
+def test_quantizers_and_matmul(method, bound):
+    rng = np.random.default_rng(1)
+    w = (rng.standard_normal((2, 256, 96)) * np.exp(rng.uniform(-2, 2, (1, 1, 96)))).astype(np.float32)
+    x = rng.standard_normal((5, 256)).astype(np.float32)
+    qa = QUANTIZERS[method](w)  # numpy, leading layer axis
+    assert qa.shape == w.shape
+    assert rel(qa.dequantize(), w) < bound
+    # The jnp quantizer (the one the runner uses) stores the same values (XLA's division
+    # may differ in the last bit, which can move a value at a rounding boundary).
+    qj = jax.jit(lambda a: QUANTIZERS[method](a, jnp))(w)
+    for a, b in zip(jax.tree.leaves(qa), jax.tree.leaves(qj)):
+        a, b = np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32)
+        assert a.shape == b.shape and np.mean(~np.isclose(a, b, rtol=1e-3)) < 1e-3
+    layer = jax.tree.map(jnp.asarray, qa)[1]  # as split_layers / the scan slice it
+    y = jax.jit(lambda x, q: x @ q)(x, layer)  # `@` defers to QArray.__rmatmul__
+    if method == "fp8":  # W8A8: activations quantized per token too
+        assert rel(y, x @ w[1]) < 2 * bound
+        assert rel(y, x @ np.asarray(layer.dequantize())) < 0.05
+    else:  # weight-only: exactly x @ dequantized W
+        assert rel(y, x @ np.asarray(layer.dequantize())) < 1e-6
+        assert rel(y, x @ w[1]) < bound
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    _, cfg, sd = make("llama3", seed=3)
+    return cfg, sd
+
+
+def _run(llm, prompts):
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    toks = [o.outputs[0].token_ids for o in outs]
+    lps = np.array([[next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs])
+    return toks, lps
+
+
+PROMPTS = [[5, 17, 99, 3, 250, 11], list(range(40, 80))]
+ONE_BUCKET = dict(token_buckets=(64,), skip_warmup=True)  # one compile per engine
+
+
+@pytest.fixture(scope="module")
+def float_run(tiny):
+    return _run(make_llm(tiny, **ONE_BUCKET), PROMPTS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fp8", "int8", "int4"])
+def test_engine_online_quantization(tiny, float_run, method):
+    llm = make_llm(tiny, quantization=method, **ONE_BUCKET)
+    params = llm.engine.runner.params
+    assert isinstance(params["layers"]["wq"].get_value(), QArray)
+    float_bytes = sum(np.asarray(v).nbytes for k, v in tiny[1].items() if "proj" in k)
+    q_bytes = sum(x.nbytes for n, v in params["layers"].items() if n.startswith("w")
+                  for x in jax.tree.leaves(v.get_value()))
+    assert q_bytes < float_bytes * (0.3 if method != "int4" else 0.2)
+    toks, lps = _run(llm, PROMPTS)
+    ref_toks, ref_lps = float_run
+    assert np.isfinite(lps).all()
+    if method != "int4":
+        assert toks[0][:3] == ref_toks[0][:3]
+    assert not np.array_equal(lps, ref_lps)  # the quantized weights are what ran
+
+
+def _fp8_block_checkpoint(cfg: dict, sd: dict, block: int = 128) -> tuple[dict, dict]:
+    """A random float model quantized the way HF FP8 releases are: e4m3 [out, in] weights
+    and float32 weight_scale_inv per 128 x 128 block (partial blocks at the edges)."""
+    out = {}
+    for name, w in sd.items():
+        if checkpoints.is_linear(name):
+            o, i = w.shape
+            bo, bi = -(-o // block), -(-i // block)
+            pad = np.zeros((bo * block, bi * block), np.float32)
+            pad[:o, :i] = w
+            amax = np.abs(pad.reshape(bo, block, bi, block)).max(axis=(1, 3))
+            s = np.maximum(amax, 1e-12) / 448.0
+            q = pad / np.repeat(np.repeat(s, block, 0), block, 1)
+            out[name] = q[:o, :i].astype(ml_dtypes.float8_e4m3fn)
+            out[name[:-len("weight")] + "weight_scale_inv"] = s.astype(np.float32)
+        else:
+            out[name] = w.astype(ml_dtypes.bfloat16)
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+          "weight_block_size": [block, block]}
+    return {**cfg, "quantization_config": qc}, out
+
+
+def test_hf_fp8_block_checkpoint_loads_as_stored(tmp_path):
+    from safetensors.numpy import save_file
+
+    from tp_worker import tiny_model
+    cfg, sd = tiny_model("llama", 4, 2, hidden=256, inter=384, head_dim=64, layers=2, seed=4)
+    qcfg, qsd = _fp8_block_checkpoint(cfg, sd)
+    save_file(qsd, str(tmp_path / "model.safetensors"))
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(qcfg, f)
+    config, weights = checkpoints.load_hf_fp8(str(tmp_path))
+    qa = weights["model.layers.1.mlp.up_proj.weight"]
+    assert isinstance(qa, QArray) and qa.values.dtype == ml_dtypes.float8_e4m3fn
+    assert qa.values.shape == (384, 256) and qa.scale.shape == (3, 2) and qa.shape == (256, 384)
+    # The fp8 reference path: the same stored values dequantized in numpy, run as float.
+    ref_w = {k: (v.dequantize().T if isinstance(v, QArray) else v) for k, v in weights.items()}
+    kw = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+              token_buckets=(64,), seq_buckets=(4,), skip_warmup=True)
+    from jaxllm import LLM
+    prompts = [[1, 2, 3, 4, 5], list(range(100, 140))]
+    got = _run(LLM(hf_config=config, weights=weights, **kw), prompts)
+    want = _run(LLM(hf_config=config, weights=ref_w, **kw), prompts)
+    assert got[0] == want[0]
+    np.testing.assert_allclose(got[1], want[1], atol=1e-4)
+    # ... and the checkpoint is close to the float model it was made from.
+    assert rel(ref_w["model.layers.1.mlp.up_proj.weight"], sd["model.layers.1.mlp.up_proj.weight"]) < 0.05
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_stay_quantized_and_match_gguf_dequantize(qtype):
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((48, 128)).astype(np.float32)  # [out, in]
+    raw = gguf_quantize(w, GT[qtype])
+    qa = checkpoints.gguf_linear(raw, qtype, "blk.0.ffn_up.weight")
+    assert qa.shape == (128, 48) and qa.kind == ("int8" if qtype == "Q8_0" else "int4")
+    assert qa.values.nbytes <= raw.nbytes  # stored, not dequantized
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    want = x @ gguf_dequantize(raw, GT[qtype]).T
+    got = jax.jit(lambda x, q: x @ q)(x, jax.tree.map(jnp.asarray, qa))
+    assert rel(got, want) < 1e-6
+
+
+def test_gguf_type_without_kernel_is_named():
+    with pytest.raises(ValueError, match="Q6_K"):
+        checkpoints.gguf_linear(np.zeros((4, 210), np.uint8), "Q6_K", "blk.0.ffn_down.weight")
+
+
+def test_bad_methods_are_named(tmp_path):
+    with pytest.raises(ValueError, match="unknown quantization 'fp6'"):
+        EngineConfig(quantization="fp6")
+    with pytest.raises(ValueError, match="'awq' is not supported"):
+        EngineConfig(quantization="awq")
+    for method in ("awq", "gptq", "bitsandbytes"):
+        d = tmp_path / method
+        d.mkdir()
+        with open(d / "config.json", "w") as f:
+            json.dump({"model_type": "llama", "quantization_config": {"quant_method": method}}, f)
+        with pytest.raises(ValueError, match=f"quant_method '{method}' is not supported"):
+            checkpoints.load_prequantized(str(d), None)
+    with pytest.raises(ValueError, match="needs a .gguf"):
+        checkpoints.load_prequantized(str(tmp_path / "awq"), "gguf")
+
+
+def test_fp8_needs_fp8_hardware():
+    class Ampere:
+        platform, device_kind, compute_capability = "gpu", "NVIDIA A100", "8.0"
+
+    class Hopper(Ampere):
+        device_kind, compute_capability = "NVIDIA H200", "9.0"
+
+    with pytest.raises(ValueError, match="fp8 support.*A100"):
+        methods.check_fp8_device("quantization='fp8'", Ampere())
+    methods.check_fp8_device("quantization='fp8'", Hopper())
