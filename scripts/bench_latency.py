@@ -52,8 +52,15 @@ def copy_bandwidth(gib: float = 4.0) -> float:
 def fill_random(runner) -> None:
     import jax
 
+    import jax.numpy as jnp
+
     def rnd(kv):
-        return jax.random.normal(jax.random.key(1), kv.shape, kv.dtype)
+        if kv.dtype == jnp.uint8:  # int8/int4 rows: random value bytes, a fixed valid scale
+            from jaxllm.kernels import kv_quant
+            bits = jax.random.bits(jax.random.key(1), kv.shape, jnp.uint8)
+            scale = jax.lax.bitcast_convert_type(jnp.bfloat16(0.01), jnp.uint8)
+            return bits.at[..., -kv_quant.SCALE_BYTES:].set(scale)
+        return jax.random.normal(jax.random.key(1), kv.shape, jnp.bfloat16).astype(kv.dtype)
 
     # Keep the pages' sharding (tensor parallel; one device: uncommitted, as the runner's):
     # the step would recompile for another.
@@ -137,6 +144,8 @@ def main() -> None:
     p.add_argument("--num-iters", type=int, default=30)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--attention-backend", default=None)
+    p.add_argument("--quantization", "-q", default=None, help="weights: fp8, int8, int4")
+    p.add_argument("--kv-cache-dtype", default="auto", help="KV pages: auto, fp8, int8, int4")
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
     p.add_argument("--min-bucket", type=int, default=8,
                    help="smallest padded row and token count, as the engine's defaults (8): a "
@@ -171,14 +180,15 @@ def main() -> None:
               max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
               token_buckets=tuple(sorted({*(max(b, min_t) for b in seqs),
                                           args.max_num_batched_tokens})), seq_buckets=seqs,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     runner = llm.engine.runner
     fill_random(runner)
     m = runner.model_cfg
     # The floor is per device: its share of the weights and of the KV heads it reads.
     weight_bytes = runner.device_bytes["weight_bytes"]
     kv_heads = runner.tp.layout.kv_heads_per_device if runner.tp else m.num_kv_heads
-    kv_per_token = m.num_layers * 2 * kv_heads * m.head_dim * runner.kv_pages.dtype.itemsize
+    kv_per_token = m.num_layers * 2 * kv_heads * runner.kv_width * runner.kv_pages.dtype.itemsize
     rng = np.random.default_rng(0)
     rows = []
     for b in args.batch_size:
@@ -193,7 +203,8 @@ def main() -> None:
     result = {"C_bytes_per_s": C, "weight_bytes_per_device": weight_bytes,
               "total_weight_bytes": runner.weight_bytes, "tensor_parallel_size": args.tensor_parallel_size,
               "rows": rows, "compiles_after_warmup": st["compiles_after_warmup"],
-              "warmup_s": st["warmup_seconds"], "attention_backend": args.attention_backend}
+              "warmup_s": st["warmup_seconds"], "attention_backend": args.attention_backend,
+              "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype}
     save(result, args.output_json)  # before the peer: its failure must not lose these figures
     if args.hf:
         del llm
@@ -211,7 +222,8 @@ def main() -> None:
             result["hf"].append({"batch": b, "step_s": t, "x_floor": t / floor})
     if not args.output_json:
         print(json.dumps(result, indent=2))
-    print(f"\nC = {C / 1e12:.2f} TB/s, tp {args.tensor_parallel_size}, weights per device "
+    print(f"\nC = {C / 1e12:.2f} TB/s, tp {args.tensor_parallel_size}, quantization {args.quantization}, "
+          f"kv {args.kv_cache_dtype}, weights per device "
           f"{weight_bytes / 1e9:.2f} GB, compiles after warm-up {result['compiles_after_warmup']}")
     print(f"{'batch':>6}{'ctx':>6}{'async':>6}{'step ms':>10}{'floor ms':>10}{'x floor':>9}")
     for r in rows:

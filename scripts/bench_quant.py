@@ -1,0 +1,245 @@
+"""GPU: quantized-weight matmuls and quantized-KV decode attention against their byte floors.
+
+    python scripts/bench_quant.py matmul [--tokens 1 64 8192]   Llama-3-8B linears
+    python scripts/bench_quant.py attention [--batch 64 --ctx 2048]
+
+matmul: the four Llama-3-8B linear shapes (qkv, o, gate_up, down) at each token count, per
+path: bf16 x @ W; fp8 W8A8 through XLA's fp8 dot (W stored [N, K], dynamic per-token
+activation scales, per-channel weight scales; the compiled HLO is checked for the cuBLASLt
+fp8 GEMM); int8 / int4 weight-only through XLA (dequantize-then-dot); int8 through JAX's
+bundled Hopper mixed-type Mosaic kernel; torch `_scaled_mm` fp8 (per-tensor and rowwise
+scales) and torch bf16 as peers. Kernel time (profiler, launch gaps excluded), weights
+rotated over several copies so L2 never holds them. Floors: weight bytes incl. scales over
+4.25 TB/s and over C, the copy bandwidth measured in the same run; TFLOP/s where compute-bound.
+
+attention: decode, one token per request, batch B at context ctx, Llama-3-8B heads
+(32 q / 8 kv, D 128, 16-token pages): the Mosaic decode kernel (bf16 pages) and the Pallas
+kernel on bf16 / fp8 / int8 / int4 pages; each quantized run checked against the reference
+on the same pages. Ratios are to the bf16 Mosaic kernel and to the pages' byte floor.
+Every measurement is in its own try/except: one failure prints and the rest go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_kernels import copy_bandwidth, decode_case, gpu_time, rel_err  # noqa: E402
+
+from jaxllm.kernels import kv_quant  # noqa: E402
+from jaxllm.quantization.kernels import fp8_w8a8, int8_mgpu, matmul  # noqa: E402
+from jaxllm.quantization.quantize import quantize_fp8, quantize_int4, quantize_int8  # noqa: E402
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+HBM = 4.25e12
+COPIES = 3  # weight sets rotated per call
+
+
+def cycle_time(fn, xs, ws) -> float:
+    """Kernel seconds per call, cycling weight copies (so the L2 never holds W)."""
+    it = [0]
+
+    def call():
+        it[0] += 1
+        return fn(xs, ws[it[0] % len(ws)])
+    return gpu_time(call, calls=2 * len(ws))
+
+
+def torch_time(fn, reps: int = 60) -> float:
+    import torch
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 1e3 / reps
+
+
+def qbytes(q) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(q))
+
+
+def bench_matmul(tokens: list[int], C: float) -> list[dict]:
+    rows = []
+    key = jax.random.key(0)
+    for name, (K, N) in SHAPES.items():
+        ws = [jax.random.normal(jax.random.fold_in(key, i), (K, N), jnp.bfloat16) * 0.02
+              for i in range(COPIES)]
+        quant = {}
+        for mode, qf in (("fp8", quantize_fp8), ("int8", quantize_int8), ("int4", quantize_int4)):
+            try:
+                quant[mode] = [jax.jit(lambda w, qf=qf: qf(w, jnp))(w) for w in ws]
+            except Exception as e:  # noqa: BLE001
+                print(f"{name} quantize {mode}: {e!r}", flush=True)
+        for M in tokens:
+            x = jax.random.normal(jax.random.fold_in(key, 99), (M, K), jnp.bfloat16)
+            flops = 2 * M * K * N
+            act = M * K * 2 + M * N * 2
+            paths = {"bf16": (lambda x, w: x @ w, ws, K * N * 2)}
+            if "fp8" in quant:
+                paths["fp8_w8a8_xla"] = (lambda x, w: fp8_w8a8(x, w), quant["fp8"], qbytes(quant["fp8"][0]))
+            if "int8" in quant:
+                paths["int8_w8a16_xla"] = (lambda x, w: matmul(x, w, "xla"), quant["int8"], qbytes(quant["int8"][0]))
+                paths["int8_w8a16_mgpu"] = (lambda x, w: int8_mgpu(x, w), quant["int8"], qbytes(quant["int8"][0]))
+            if "int4" in quant:
+                paths["int4_w4a16_xla"] = (lambda x, w: matmul(x, w, "xla"), quant["int4"], qbytes(quant["int4"][0]))
+            ref = None
+            for path, (fn, wl, wbytes) in paths.items():
+                row = {"shape": name, "K": K, "N": N, "tokens": M, "path": path, "weight_bytes": wbytes}
+                try:
+                    f = jax.jit(fn)
+                    out = f(x, wl[0]).astype(jnp.float32)
+                    if path == "bf16":
+                        ref = out
+                    elif ref is not None:
+                        want = x.astype(jnp.float32) @ (wl[0].dequantize(jnp.float32))
+                        row["rel_err_vs_dequant"] = rel_err(out, want)
+                    if path == "fp8_w8a8_xla":
+                        hlo = f.lower(x, wl[0]).compile().as_text()
+                        row["fp8_gemm_in_hlo"] = "f8e4m3" in hlo and ("cublas" in hlo.lower() or "gemm" in hlo.lower())
+                        row["transpose_in_hlo"] = " transpose(" in hlo
+                    t = cycle_time(f, x, wl)
+                    floor = (wbytes + act) / HBM
+                    row.update(seconds=t, x_floor_4_25=t / floor, x_floor_C=t / ((wbytes + act) / C),
+                               tflops=flops / t / 1e12)
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            rows += torch_peers(name, K, N, M, C)
+    return rows
+
+
+def torch_peers(name: str, K: int, N: int, M: int, C: float) -> list[dict]:
+    out = []
+    try:
+        import torch
+    except Exception as e:  # noqa: BLE001
+        return [{"shape": name, "tokens": M, "path": "torch", "error": repr(e)}]
+    Mp = max(16, -(-M // 16) * 16)  # cuBLASLt fp8 wants multiples of 16
+    act = M * K * 2 + M * N * 2
+    try:
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(COPIES)]
+        x = torch.randn(Mp, K, device="cuda", dtype=torch.bfloat16)
+        w8 = [w.to(torch.float8_e4m3fn) for w in ws]
+        x8 = x.to(torch.float8_e4m3fn)
+        one = torch.ones((), device="cuda", dtype=torch.float32)
+        sa, sb = torch.ones(Mp, 1, device="cuda"), torch.ones(1, N, device="cuda")
+        i = [0]
+
+        def nxt(lst):
+            i[0] += 1
+            return lst[i[0] % len(lst)]
+        cases = {
+            "torch_bf16": (lambda: x[:M] @ nxt(ws).t(), K * N * 2),
+            "torch_fp8_tensor": (lambda: torch._scaled_mm(x8, nxt(w8).t(), scale_a=one, scale_b=one,
+                                                          out_dtype=torch.bfloat16), K * N),
+            "torch_fp8_rowwise": (lambda: torch._scaled_mm(x8, nxt(w8).t(), scale_a=sa, scale_b=sb,
+                                                           out_dtype=torch.bfloat16), K * N + 4 * N),
+        }
+        for path, (fn, wbytes) in cases.items():
+            row = {"shape": name, "K": K, "N": N, "tokens": M, "path": path, "weight_bytes": wbytes}
+            try:
+                t = torch_time(fn)
+                row.update(seconds=t, x_floor_4_25=t / ((wbytes + act) / HBM),
+                           x_floor_C=t / ((wbytes + act) / C), tflops=2 * M * K * N / t / 1e12)
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            out.append(row)
+            print(json.dumps(row), flush=True)
+        del ws, w8
+        torch.cuda.empty_cache()
+    except Exception as e:  # noqa: BLE001
+        out.append({"shape": name, "tokens": M, "path": "torch", "error": repr(e)})
+    return out
+
+
+def bench_attention(batch: int, ctx: int, C: float) -> list[dict]:
+    from jaxllm.kernels import mosaic_decode, pallas_ragged, ref
+
+    case = decode_case(batch, ctx, 16)
+    kv_bf16, qs, md, layers = case["kv"], case["qs"], case["md"], case["layers"]
+    scale = 128 ** -0.5
+    rows, base = [], None
+    for fmt in ("auto", "fp8", "int8", "int4"):
+        try:
+            dtype, width = kv_quant.page_layout(fmt, jnp.bfloat16, 128)
+            kv = kv_bf16 if fmt == "auto" else jax.jit(lambda k: kv_quant.encode(k, dtype, width))(kv_bf16)
+        except Exception as e:  # noqa: BLE001
+            rows.append({"kv": fmt, "error": repr(e)})
+            continue
+        page_bytes = batch * ctx * 8 * 2 * width * jnp.dtype(dtype).itemsize
+        kernels = {"pallas": lambda q, kv, l: pallas_ragged.ragged_paged_attention(q, kv, l, md, sm_scale=scale)}
+        if fmt == "auto":
+            kernels["mosaic"] = lambda q, kv, l: mosaic_decode.paged_decode_attention(q, kv, l, md, sm_scale=scale)
+        want = jax.jit(lambda q, kv: ref.ragged_paged_attention(q, kv, jnp.int32(0), md, sm_scale=scale))(qs[0], kv)
+        for kname, fn in kernels.items():
+            row = {"kv": fmt, "kernel": kname, "batch": batch, "ctx": ctx, "page_bytes": page_bytes}
+            try:
+                f = jax.jit(fn)
+                row["rel_err_vs_ref_same_pages"] = rel_err(f(qs[0], kv, jnp.int32(0)), want)
+                it = [0]
+
+                def call():
+                    it[0] += 1
+                    return f(qs[it[0] % (layers + 1)], kv, jnp.int32(it[0] % layers))
+                t = gpu_time(call, calls=2 * layers + 2)
+                row.update(seconds=t, x_floor_C=t / (page_bytes / C))
+                if fmt == "auto" and kname == "mosaic":
+                    base = t
+                if base:
+                    row["x_bf16_mosaic"] = t / base
+            except Exception as e:  # noqa: BLE001
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                traceback.print_exc()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del kv
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("what", choices=["matmul", "attention"])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 8192])
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--ctx", type=int, default=2048)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    C = copy_bandwidth(2.0)["C"]
+    print(f"C = {C / 1e12:.2f} TB/s", flush=True)
+    rows = bench_matmul(a.tokens, C) if a.what == "matmul" else bench_attention(a.batch, a.ctx, C)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"C": C, "rows": rows}, f, indent=1)
+    print("\nsummary")
+    for r in rows:
+        if "error" in r:
+            print(f"  {r.get('shape', r.get('kv'))} {r.get('tokens', '')} {r.get('path', r.get('kernel'))}: "
+                  f"ERROR {r['error'][:120]}")
+        elif a.what == "matmul":
+            print(f"  {r['shape']:>8} M={r['tokens']:<5} {r['path']:<20} {r['seconds'] * 1e6:9.1f} us "
+                  f"{r['x_floor_4_25']:6.2f}x floor(4.25) {r['x_floor_C']:6.2f}x floor(C) "
+                  f"{r['tflops']:7.1f} TFLOP/s")
+        else:
+            print(f"  kv={r['kv']:<5} {r['kernel']:<7} {r['seconds'] * 1e6:8.1f} us  "
+                  f"{r['x_floor_C']:5.2f}x floor  {r.get('x_bf16_mosaic', float('nan')):5.2f}x bf16 mosaic  "
+                  f"err {r['rel_err_vs_ref_same_pages']:.1e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Quality of each quantization mode on the embedded SmolLM2, held at the measured figures
+(scripts/eval_quant.py; docs/benchmarks.md has the full run): perplexity of a short fixed
+text within 2% of the float model for fp8 / int8 KV and weights, within 10% for int4.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+
+from eval_quant import MODES, TEXT, evaluate  # noqa: E402
+
+SHORT = TEXT[:300]  # ~60 tokens: one compile per mode stays small
+LIMIT = {"kv_fp8": 1.02, "kv_int8": 1.02, "w_fp8": 1.02, "w_int8": 1.02,
+         "kv_int4": 1.10, "w_int4": 1.10}
+
+
+@pytest.fixture(scope="module")
+def figures():
+    modes = [m for m in MODES if m[0] in LIMIT]
+    return evaluate(None, modes, SHORT, gen_tokens=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", sorted(LIMIT))
+def test_perplexity_within_limit(figures, mode):
+    r = figures[mode]
+    assert "error" not in r, r
+    assert r["ppl_ratio"] < LIMIT[mode], r
+    assert r["kl"] > 0  # the mode really changed the model
+
+
+@pytest.mark.slow
+def test_int4_costs_more_than_int8(figures):
+    assert figures["kv_int4"]["kl"] > figures["kv_int8"]["kl"]
+    assert figures["w_int4"]["kl"] > figures["w_int8"]["kl"]
