@@ -9,7 +9,8 @@ continuation of a fixed prompt:
   prefix     how many of those tokens the mode's own free-running greedy output shares
              with the reference before the first difference (--free-run only).
 Distributions come from one forward of the engine's own model (same weights, same KV page
-format, same attention backend) over the whole sequence.
+format, same attention backend) over the whole sequence, padded to PAD tokens so each mode
+compiles one forward.
 
     python scripts/eval_quant.py                       # embedded SmolLM2 on CPU, every mode
     python scripts/eval_quant.py --model /path/llama3-8b --dtype bfloat16 --json out.json
@@ -48,6 +49,9 @@ MODES = [
 GGUF_MODE = ("w_gguf", {"quantization": "gguf"})  # the GGUF's own blocks kept quantized
 
 
+PAD = 256  # every forward is padded to this many tokens: one compile per mode
+
+
 def full_logprobs(llm, ids: list[int]):
     """log p(. | ids[:i+1]) for every position i: float32 [len(ids), V], one forward."""
     import jax
@@ -58,13 +62,18 @@ def full_logprobs(llm, ids: list[int]):
 
     runner = llm.engine.runner
     n, S = len(ids), runner.block_size
-    blocks = -(-n // S)
+    if n > PAD:
+        raise ValueError(f"{n} tokens: more than the padded length {PAD}")
+    blocks = PAD // S
     L, two, K = runner.kv_pages.shape[:3]
     kv = jnp.zeros((L, two, K, blocks, S, runner.kv_pages.shape[-1]), runner.kv_pages.dtype)
-    pos = np.arange(n, dtype=np.int32)
-    md = AttentionMetadata(pos, np.zeros(n, np.int32), pos.copy(),
+    pos = np.full(PAD, -1, np.int32)
+    pos[:n] = np.arange(n, dtype=np.int32)
+    md = AttentionMetadata(pos, np.zeros(PAD, np.int32), pos.copy(),
                            np.arange(blocks, dtype=np.int32)[None, :], np.array([n], np.int32),
                            np.array([0, n], np.int32), np.array([1], np.int32))
+    tokens = np.zeros(PAD, np.int32)
+    tokens[:n] = ids
 
     def fwd(params, kv, tokens, md):
         params, layers = params if isinstance(params, tuple) else (params, None)
@@ -73,8 +82,9 @@ def full_logprobs(llm, ids: list[int]):
             _, logits = model(kv, tokens, md, jnp.arange(tokens.shape[0], dtype=jnp.int32), layers)
         return jax.nn.log_softmax(logits, axis=-1)
 
-    out = jax.jit(fwd)(runner.step_params, kv, jnp.asarray(ids, jnp.int32), jax.device_put(md))
-    return np.asarray(out, np.float32)
+    fn = llm.__dict__.setdefault("_eval_fwd", jax.jit(fwd))  # one compile per engine
+    out = fn(runner.step_params, kv, jnp.asarray(tokens), jax.device_put(md))
+    return np.asarray(out[:n], np.float32)
 
 
 def make_llm(model, dtype, max_model_len, **kw):
@@ -143,7 +153,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--gen-tokens", type=int, default=128)  # prompt + these must fit PAD
     p.add_argument("--text-file", default=None)
     p.add_argument("--modes", nargs="*", default=None, help="subset of mode names")
     p.add_argument("--free-run", action="store_true", help="also compare free-running greedy outputs")
