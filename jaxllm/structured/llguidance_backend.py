@@ -128,4 +128,5 @@ class LLGuidanceBackend(Backend):
         scratch = self._scratch[:n]
         fill_next_token_bitmask_par(self.executor, [(m.inner, i) for i, (m, _) in enumerate(matchers)], scratch)
         rows = np.fromiter((r for _, r in matchers), np.int64, n)
-        bitmask[rows, : self.words] = scratch
+        w = min(self.words, bitmask.shape[1])  # a model vocab smaller than the tokenizer's drops ids
+        bitmask[rows, :w] = scratch[:, :w]
