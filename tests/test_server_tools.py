@@ -278,3 +278,15 @@ def test_constrained_generation_through_the_client(srv, client):
     assert finish == "stop" and streamed["tool_calls"][0]["name"] == "set_unit"
     jsonschema.validate(json.loads(streamed["tool_calls"][0]["arguments"]), UNIT["function"]["parameters"])
     srv.wait_idle()
+
+
+def test_completions_constraint_and_continue_final_message(srv, client):
+    r = client.completions.create(model=MODEL, prompt="Pick one:", max_tokens=8, temperature=1.0, seed=5, n=3,
+                                  extra_body={"guided_choice": ["alpha", "beta"]})
+    assert all(c.text in ("alpha", "beta") and c.finish_reason == "stop" for c in r.choices), r.choices
+    msgs = ASK + [{"role": "assistant", "content": "The weather in Paris is"}]
+    with canned(srv, " sunny.") as seen:
+        r = client.chat.completions.create(model=MODEL, messages=msgs,
+                                           extra_body={"continue_final_message": True})
+    prompt = srv.engine.tokenizer.decode(seen["prompt_ids"], skip_special_tokens=False)
+    assert prompt.endswith("The weather in Paris is") and r.choices[0].message.content == " sunny."
