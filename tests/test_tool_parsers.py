@@ -125,3 +125,15 @@ def test_reasoning_then_tool_call_and_required_and_named():
     assert not named.tools_called(named.view('{"city": "Oslo"}', True))  # named: finish_reason stays "stop"
     streamed = _stream(ChoiceText(ToolMode("named", "get_weather"), None, None, False), '{"city": "Oslo"}')
     assert streamed["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+
+
+def test_eos_text_kept_by_special_token_parsers_is_not_content():
+    text = '[TOOL_CALLS][{"name": "f", "arguments": {}}]</s>'
+    msg = ChoiceText(ToolMode("auto"), get_tool_parser("mistral"), None, False, "</s>").message(text)
+    assert msg["content"] is None and msg["tool_calls"][0]["function"]["name"] == "f"
+    plain = ChoiceText(ToolMode("auto"), get_tool_parser("mistral"), None, False, "</s>")
+    assert plain.message("Hello.</s>")["content"] == "Hello."
+    reader = ChoiceText(ToolMode("auto"), get_tool_parser("mistral"), None, False, "</s>")
+    first, _ = reader.delta("Hello.", final=False)  # the EOS token's text comes whole, with the last delta
+    last, _ = reader.delta("Hello.</s>", final=True)
+    assert first.get("content", "") + last.get("content", "") == "Hello."

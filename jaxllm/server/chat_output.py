@@ -49,13 +49,18 @@ class ChoiceText:
     """Reads one choice's generated text; `view(text, final)` is its message so far."""
 
     def __init__(self, mode: ToolMode, tool_parser: ToolParser | None, reasoning: ReasoningParser | None,
-                 starts_open: bool) -> None:
+                 starts_open: bool, eos_text: str | None = None) -> None:
+        """`eos_text`: the end-of-sequence token's text, when special tokens stay in the text (the tool
+        parser's markers are special): it ends the output, it is not part of the message."""
         self.mode, self.tool_parser, self.reasoning, self.open = mode, tool_parser, reasoning, starts_open
+        self.eos_text = eos_text
         self.ids: list[str] = []
         self.sent = View(reasoning="", content="")
         self.sent_args: list[str] = []
 
     def view(self, text: str, final: bool) -> View:
+        if final and self.eos_text and text.endswith(self.eos_text):
+            text = text[:-len(self.eos_text)]
         reasoning, rest = None, text
         if self.reasoning is not None:
             reasoning, rest = self.reasoning.split(text, final, self.open)

@@ -103,14 +103,16 @@ class ChatServing(ServingBase):
             params = req.sampling_params(max_tokens, k, structured=structured)
         except ValueError as exc:
             raise bad_request(exc) from None
+        eos_text = None
         if mode.kind == "auto" and not self.tool_parser.skip_special_tokens:
             params.skip_special_tokens = False  # the parser's markers are special tokens
+            eos_text = getattr(self.engine.tokenizer, "eos_token", None)
         rid = new_id("chatcmpl")
         streams = self.admit(rid, [(None, ids)], params, req.priority)
         starts_open = rp.starts_open(text) if rp is not None else False
 
         def reader() -> ChoiceText:
-            return ChoiceText(mode, self.tool_parser, rp, starts_open)
+            return ChoiceText(mode, self.tool_parser, rp, starts_open, eos_text)
         if req.stream:
             return sse(self._stream(rid, req, len(ids), streams, reader))
         return await until_disconnect(raw, self._full(rid, req, len(ids), streams, reader))
