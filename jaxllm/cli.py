@@ -1,4 +1,4 @@
-"""`jaxllm` command line: generate, serve, convert."""
+"""`jaxllm` command line: generate, serve, proxy, convert."""
 
 from __future__ import annotations
 
@@ -69,6 +69,14 @@ def main(argv: list[str] | None = None) -> int:
         s.set_defaults(fn=run_serve)
     except ImportError:  # the server extra (fastapi, uvicorn) is not installed
         s.set_defaults(fn=lambda a: sys.exit("jaxllm serve needs: pip install 'jaxllm[serve]'"))
+
+    x = sub.add_parser("proxy", help="prefill/decode disaggregation proxy (OpenAI API)")
+    try:
+        from jaxllm.server.proxy import add_proxy_args, run_proxy
+        add_proxy_args(x)
+        x.set_defaults(fn=run_proxy)
+    except ImportError:
+        x.set_defaults(fn=lambda a: sys.exit("jaxllm proxy needs: pip install 'jaxllm[serve]'"))
 
     args = parser.parse_args(argv)
     if getattr(args, "num_processes", 1) > 1 and args.process_id != 0:

@@ -167,7 +167,7 @@ class AsyncLLM:
     def add_request(self, request_id: str | None, prompt_token_ids: list[int],
                     params: SamplingParams | None = None, *, prompt: str | None = None,
                     priority: int = 0, cache_salt: str | None = None,
-                    check_capacity: bool = True) -> RequestStream:
+                    check_capacity: bool = True, kv_transfer_params: dict | None = None) -> RequestStream:
         """Admit a tokenized request; raises ValueError (bad input) or EngineOverloadedError.
 
         Must be called on the event loop. Iterate the returned stream for outputs.
@@ -197,7 +197,7 @@ class AsyncLLM:
                 plp = self._score(ids, params.prompt_logprobs) if params.prompt_logprobs is not None else None
                 stream.prompt_logprobs = plp
                 e.add_request(request_id, ids, params, arrival_time=arrival, priority=priority,
-                              cache_salt=cache_salt)
+                              cache_salt=cache_salt, kv_transfer_params=kv_transfer_params)
             except Exception as exc:  # bad input that slipped past validation
                 self._loop.call_soon_threadsafe(self._finish_failed, request_id, exc)
         self._cmds.put((add, None))

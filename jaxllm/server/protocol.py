@@ -111,6 +111,9 @@ class SamplingFields(ConstraintFields, _Req):
                                                 f"{RESTRICTED['logit_bias']}; only null or {{}}.")
     user: str | None = Field(None, description="end-user identifier; accepted, no effect on generation")
     priority: Int(-INT64 - 1, INT64) = Field(0, json_schema_extra={"x-bound": "priority"})
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None, description="vLLM's P/D field: {\"do_remote_decode\": true} on a prefill server; the "
+                          "returned parameters on a decode server (needs --kv-transfer-config)")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         prompt_logprobs: int | None = None, structured: Any = None) -> SamplingParams:

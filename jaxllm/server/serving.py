@@ -199,7 +199,8 @@ class ServingBase:
         return requested
 
     def admit(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
-              params: SamplingParams, priority: int = 0) -> list[RequestStream]:
+              params: SamplingParams, priority: int = 0,
+              kv_transfer_params: dict | None = None) -> list[RequestStream]:
         """Admit one sequence group per prompt, all or none; 400 / 503 on failure."""
         if params.n > self.engine.max_num_seqs:
             raise APIError(400, f"n={params.n} exceeds max_num_seqs={self.engine.max_num_seqs}", param="n")
@@ -216,7 +217,8 @@ class ServingBase:
             for i, (text, ids) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(self.engine.add_request(rid, ids, params, prompt=text, priority=priority,
-                                                       check_capacity=False))
+                                                       check_capacity=False,
+                                                       kv_transfer_params=kv_transfer_params))
         except ValueError as exc:
             for s in streams:
                 s.abort()

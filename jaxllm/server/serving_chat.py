@@ -108,7 +108,7 @@ class ChatServing(ServingBase):
             params.skip_special_tokens = False  # the parser's markers are special tokens
             eos_text = getattr(self.engine.tokenizer, "eos_token", None)
         rid = new_id("chatcmpl")
-        streams = self.admit(rid, [(None, ids)], params, req.priority)
+        streams = self.admit(rid, [(None, ids)], params, req.priority, req.kv_transfer_params)
         starts_open = rp.starts_open(text) if rp is not None else False
 
         def reader() -> ChoiceText:
@@ -133,8 +133,11 @@ class ChatServing(ServingBase):
             choices.append({"index": c.index, "message": message, "logprobs": chat_logprobs(c, k),
                             "finish_reason": finish, "stop_reason": c.stop_reason})
         generated = sum(len(c.token_ids) for c in final.outputs)
-        return JSONResponse({"id": rid, "object": "chat.completion", "created": now(), "model": self.model_name,
-                             "choices": choices, "usage": usage(prompt_tokens, generated)})
+        body = {"id": rid, "object": "chat.completion", "created": now(), "model": self.model_name,
+                "choices": choices, "usage": usage(prompt_tokens, generated)}
+        if req.kv_transfer_params is not None:
+            body["kv_transfer_params"] = final.kv_transfer_params or None
+        return JSONResponse(body)
 
     async def _stream(self, rid: str, req: ChatCompletionRequest, prompt_tokens: int,
                       streams: list, reader) -> AsyncIterator[dict]:

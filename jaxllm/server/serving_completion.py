@@ -100,7 +100,8 @@ class CompletionServing(ServingBase):
         rid = new_id("cmpl")
         if score_only:
             return await self._score(rid, req, prompts)
-        streams = self.admit(rid, [(q.text, q.ids) for q in prompts], params, req.priority)
+        streams = self.admit(rid, [(q.text, q.ids) for q in prompts], params, req.priority,
+                             req.kv_transfer_params)
         if req.stream:
             return sse(self._stream(rid, req, prompts, streams))
         return await until_disconnect(raw, self._full(rid, req, prompts, streams))
@@ -123,7 +124,10 @@ class CompletionServing(ServingBase):
                 choices.append(_Choice(req, prompt).render(i * req.n + c.index, c, out.prompt_logprobs))
                 generated += len(c.token_ids)
         prompt_tokens = sum(len(q.ids) for q in prompts)
-        return JSONResponse(self._body(rid, now(), choices, usage(prompt_tokens, generated), True))
+        body = self._body(rid, now(), choices, usage(prompt_tokens, generated), True)
+        if req.kv_transfer_params is not None:
+            body["kv_transfer_params"] = finals[0].kv_transfer_params or None
+        return JSONResponse(body)
 
     async def _stream(self, rid: str, req: CompletionRequest, prompts: list[_Prompt],
                       streams: list) -> AsyncIterator[dict]:
