@@ -47,6 +47,7 @@ def _scatter_list(pages: jax.Array, blocks: list[jax.Array], dst: jax.Array) -> 
 
 
 class KVOps:
+    chunk = SWAP_CHUNK  # blocks per gather / scatter call
     def __init__(self, num_blocks: int, max_copies: int, num_host_blocks: int,
                  pages: jax.Array, block_io: bool = False, compiler_options: dict | None = None) -> None:
         self.num_blocks = num_blocks

@@ -1,8 +1,10 @@
 """OffloadingConnector: device blocks offloaded to a host LRU and, written through, to disk.
 
 Saves: when a request finishes, its full blocks that the host tier lacks are queued; the
-worker copies them out before the next step's page writes (so a block freed and reused
-that step is read first), puts them in the host tier and queues them for the disk tier.
+worker gathers them on the device before the next step's page writes (so a block freed
+and reused that step is read first) and starts their copy to the host; a saver thread
+waits for the copy, puts the blocks in the host tier and queues them for the disk tier,
+so the dispatch thread never waits for a save.
 Every block a device eviction drops has been offered this way, since a cached block is
 evictable only once its owner finished or was preempted (preemption finishes its use too:
 `request_finished` is called then as well).
@@ -24,6 +26,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from jaxllm.kv_transfer.base import ConnectorContext, KVConnectorBase
 from jaxllm.kv_transfer.config import KVTransferConfig
 from jaxllm.kv_transfer.disk_store import DiskStore
@@ -31,6 +35,10 @@ from jaxllm.kv_transfer.host_store import HostStore
 
 log = logging.getLogger("jaxllm")
 GIB = 1 << 30
+
+
+def mover_chunk(mover) -> int:
+    return getattr(mover, "chunk", 16)
 
 
 @dataclasses.dataclass
@@ -66,6 +74,7 @@ class OffloadingConnector(KVConnectorBase):
         self._ready: set[str] = set()
         self._gone: set[str] = set()  # finished while promoting
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-kv-read") if self.disk is not None else None
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-kv-save")
         self.queries = self.hits = 0
         self.io = {f"kv_offload_{t}_{d}_{u}": 0 for t in ("cpu", "disk") for d in ("load", "save")
                    for u in ("bytes", "seconds")}
@@ -179,18 +188,33 @@ class OffloadingConnector(KVConnectorBase):
 
     # -- worker side --------------------------------------------------------
     def save_kv_layer(self, layer_name, pages, meta: OffloadMeta | None) -> None:
+        """Gather the blocks on the device (before this step's writes, in dispatch order) and
+        start their copies to the host; the saver thread waits for them, so this does not."""
         if not meta or not meta.saves:
             return
+        mover, n = self.ctx.mover, mover_chunk(self.ctx.mover)
+        for i in range(0, len(meta.saves), n):
+            part = meta.saves[i:i + n]
+            dev = mover.gather_chunk(pages, [b for _, _, b in part])
+            dev.copy_to_host_async()
+            self._saver.submit(self._finish_save, part, dev)
+
+    def _finish_save(self, part: list[tuple[int, int | None, int]], dev) -> None:
         t0 = time.perf_counter()
-        blocks = self.ctx.mover.read_blocks(pages, [b for _, _, b in meta.saves])
-        self.io["kv_offload_cpu_save_seconds"] += time.perf_counter() - t0
-        for (key, parent, _), block in zip(meta.saves, blocks):
-            self.host.put(key, block)
-            self.io["kv_offload_cpu_save_bytes"] += block.nbytes
-            if self.disk is not None:
-                self.disk.write_async(key, parent, block)
-        with self._lock:
-            self._queued.difference_update(k for k, _, _ in meta.saves)
+        try:
+            arr = np.asarray(dev)
+            for j, (key, parent, _) in enumerate(part):
+                block = np.array(arr[j])  # its own array: the host tier drops blocks one by one
+                self.host.put(key, block)
+                self.io["kv_offload_cpu_save_bytes"] += block.nbytes
+                if self.disk is not None:
+                    self.disk.write_async(key, parent, block)
+        except Exception:
+            log.exception("KV host tier: a save failed; those blocks stay device-only")
+        finally:
+            with self._lock:
+                self._queued.difference_update(k for k, _, _ in part)
+            self.io["kv_offload_cpu_save_seconds"] += time.perf_counter() - t0
 
     def start_load_kv(self, pages, meta: OffloadMeta | None):
         if not meta or not meta.loads:
@@ -211,7 +235,8 @@ class OffloadingConnector(KVConnectorBase):
 
     # -- both ---------------------------------------------------------------
     def flush(self) -> None:
-        """Wait for the disk writes queued so far (tests, shutdown)."""
+        """Wait for the saves and disk writes queued so far (tests, shutdown)."""
+        self._saver.submit(lambda: None).result()
         if self.disk is not None:
             self.disk.flush()
 
@@ -230,5 +255,6 @@ class OffloadingConnector(KVConnectorBase):
 
     def shutdown(self) -> None:
         self.flush()
+        self._saver.shutdown(wait=True)
         if self._reader is not None:
             self._reader.shutdown(wait=True)
