@@ -137,6 +137,24 @@ def test_invalid_constraints_raise_and_the_engine_keeps_serving(llm) -> None:
     _clean(llm)
 
 
+def test_a_grammar_failing_after_admission_aborts_only_its_request(llm) -> None:
+    eng = llm.engine
+    bad = SamplingParams(max_tokens=4, structured_outputs=S(regex="(never closed [a-z]"))
+    try:
+        eng.add_request("bad", "x", bad)  # compiles on a worker thread; fails there
+    except ValueError:  # the compile already failed when the engine looked: refused at once
+        pass
+    eng.add_request("good", "Hi", SamplingParams(max_tokens=3, structured_outputs=S(choice=["ok"])))
+    finished = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if o.finished:
+                finished[o.request_id] = o.outputs[0]
+    assert finished["good"].text == "ok"
+    assert finished.get("bad") is None or finished["bad"].finish_reason == "abort"
+    _clean(llm)
+
+
 def test_sync_scheduling_gives_the_same_constrained_output(llm) -> None:
     sp = SamplingParams(n=3, temperature=1.0, seed=21, max_tokens=24,
                         structured_outputs=S(regex=r"[a-z]{3,8}( [a-z]{3,8}){2}\."))
