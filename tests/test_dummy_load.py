@@ -67,6 +67,7 @@ def test_random_shape_generates():
     assert len(out[0].outputs[0].token_ids) == 3
 
 
+@pytest.mark.slow
 def test_cli_generate_dummy(cfg_dir, capsys):
     from jaxllm.cli import main
     assert main(["generate", "Hi", "--model", cfg_dir, "--load-format", "dummy", "--max-tokens", "4",
@@ -76,6 +77,7 @@ def test_cli_generate_dummy(cfg_dir, capsys):
     assert len(res[0]["token_ids"]) <= 4 and res[0]["prompt"] == "Hi"
 
 
+@pytest.mark.slow
 def test_serve_dummy_answers_completion(cfg_dir):
     """`jaxllm serve <config folder> --load-format dummy`, flags parsed as the CLI parses them."""
     import uvicorn
