@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     rates = None
     if cfg is not None:
         from jaxllm.benchmarks.roofline import measure_rates
-        rates = measure_rates()
+        rates = measure_rates(copy_gib=1.0)  # beside a server on the same device: a small share
     if args.structured_output == "json":
         summary = run_structured(args)
     else:

@@ -59,7 +59,7 @@ SERVE="scripts/bench_serving.py --base-url http://127.0.0.1:$PORT --dataset-name
 for spec in "4 40" "16 100" "inf 100"; do
   set -- $spec
   echo "-- rate $1 ($2 prompts)"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.06 timeout ${T5:-30} python3 $SERVE --request-rate $1 --num-prompts $2 \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.08 timeout ${T5:-30} python3 $SERVE --request-rate $1 --num-prompts $2 \
     --result-json "$OUT/serving_rate_$1.json" > "$OUT/serving_rate_$1.log" 2>&1
   echo "rc $?"; tail -7 "$OUT/serving_rate_$1.log"
 done
