@@ -211,3 +211,21 @@ def test_config_errors():
         EngineConfig(kv_events_config={"publisher": "kafka"})
     with pytest.raises(ValueError, match="kv_connector"):
         make(kv_transfer_config={"kv_connector": "NoSuchConnector"})
+
+
+def test_disk_tier_lru_bound(tmp_path):
+    import numpy as np
+    shape = (2, 2, 2, 16, 16)
+    nbytes = int(np.prod(shape)) * 4
+    cap = 3 * (HEADER_BYTES + nbytes)
+    s = DiskStore(str(tmp_path), cap, "fp", nbytes, shape, "float32")
+    for k in (1, 2, 3):
+        s.write_async(k, None, np.full(shape, k, np.float32))
+    s.flush()
+    assert s.read(1) is not None  # 1 becomes the most recently used
+    for k in (4, 5):
+        s.write_async(k, None, np.full(shape, k, np.float32))
+    s.flush()
+    assert sorted(k for k in range(1, 6) if k in s) == [1, 4, 5] and s.nbytes <= cap
+    assert sorted(os.listdir(s.root)) == sorted(f"{k:032x}.kv" for k in (1, 4, 5))
+    assert s.failed is None  # evicting to stay under the bound is not a failure

@@ -9,9 +9,10 @@ moves them in `kv_pages [L, 2, K, P, S, D]`:
   a block freed this step is another copy's destination.
 * `swap_out` / `swap_in`: pages of a preempted request to and from a bounded
   host pool `[H, L, 2, K, S, D]` (numpy; H from `swap_space`).
-* `read_blocks` / `write_blocks`: blocks to and from separate host arrays `[L, 2, K, S, D]`
-  for KV connectors (`jaxllm/kv_transfer/`). A write sends each block as it is (no host
-  copy into a staging buffer) and stacks them on the device.
+* `gather_chunk` / `scatter_chunk` / `write_blocks`: blocks for KV connectors
+  (`jaxllm/kv_transfer/`): gathered into a device array of SWAP_CHUNK blocks, scattered
+  back from one, or written from separate host arrays `[L, 2, K, S, D]` (each block sent
+  as it is, no host copy into a staging buffer, and stacked on the device).
 
 Every function has fixed shapes (copies padded to `max_copies`, swaps moved in
 chunks of `SWAP_CHUNK` blocks; padding writes go to block index P and are
@@ -104,15 +105,6 @@ class KVOps:
             blocks[:len(host)] = self.host[list(host)]
             pages = self._scatter(pages, blocks, self._pad(dev, SWAP_CHUNK, self.num_blocks))
         return pages
-
-    def read_blocks(self, pages: jax.Array, ids: list[int]) -> list[np.ndarray]:
-        """Device blocks -> one host array each (waits for the copies)."""
-        out = []
-        for i in range(0, len(ids), SWAP_CHUNK):
-            chunk = ids[i:i + SWAP_CHUNK]
-            blocks = np.asarray(self._gather(pages, self._pad(chunk, SWAP_CHUNK, 0)))
-            out.extend(np.array(blocks[j]) for j in range(len(chunk)))
-        return out
 
     def write_blocks(self, pages: jax.Array, blocks: list[np.ndarray], ids: list[int]) -> jax.Array:
         """Host arrays [L, 2, K, S, D] -> device blocks `ids`."""
