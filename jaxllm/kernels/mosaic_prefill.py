@@ -44,8 +44,8 @@ _WG_ROWS = 64  # rows per consumer warpgroup (wgmma M)
 _ROWS = 2 * _WG_ROWS  # rows per CTA
 _LOG2E = math.log2(math.e)
 # Lane semantics, named: jax 0.11 changed plgpu.CompilerParams' default to Warpgroup, under which
-# this kernel fails to lower (an AssertionError on jax 0.11.2, seen on the H200; layout
-# inference fails on jax 0.10.2), while it lowers under Lane, 0.10.2's default.
+# this kernel fails to lower (layout inference fails on jax 0.10.2; most likely also the bare
+# AssertionError seen on jax 0.11.2 on the H200), while it lowers under Lane, 0.10.2's default.
 SEMANTICS = plgpu.LoweringSemantics.Lane
 
 
