@@ -263,3 +263,46 @@ def test_draft_checks_at_start_up(tiny, tmp_path):
         spec = {"method": "draft_model", "num_speculative_tokens": 2, **extra}
         with pytest.raises(ValueError, match=msg):
             make_llm(tiny, skip_warmup=True, seq_buckets=(24,), speculative_config=spec)
+
+
+class _Oracle:
+    """Proposes the true greedy continuation (every draft accepted): stops then fire mid-step."""
+
+    def __init__(self, full: list[int], k: int):
+        self.full, self.k = full, k
+
+    def propose(self, histories, k=None):
+        caps = np.broadcast_to(np.asarray(self.k if k is None else k), (len(histories),))
+        return [self.full[len(h):len(h) + int(c)] if list(h) == self.full[:len(h)] else []
+                for h, c in zip(histories, caps)]
+
+
+def test_stop_strings_identical(tiny, prompts, monkeypatch):
+    """A stop string completed inside a run of accepted drafts ends the text there, and drops
+    the tokens after it, as decoding without drafts does."""
+    from jaxllm.models.loader import embedded_model_path
+    from jaxllm.models.tokenizer import Tokenizer
+    llm = make_llm(tiny, **KW, skip_warmup=True, tokenizer_obj=Tokenizer.from_gguf(embedded_model_path()))
+    eng, cut = llm.engine, []
+    on_tokens = eng._on_tokens
+
+    def spy(seq, sout, rows, first):  # counts steps whose later accepted tokens a stop dropped
+        n = len(seq.req.output_token_ids)
+        on_tokens(seq, sout, rows, first)
+        cut.append(len(seq.req.output_token_ids) < n)
+
+    monkeypatch.setattr(eng, "_on_tokens", spy)
+    for prompt in (prompts[2], prompts[5]):
+        full = _plain(llm, [prompt], GREEDY, monkeypatch)[0].outputs[0]
+        monkeypatch.setattr(eng.spec, "proposer", _Oracle(prompt + full.token_ids, 3))
+        t = full.text  # two-character stops, each where it first occurs, spread over the text
+        first = [t[e - 2:e] for e in range(3, len(t) - 3) if t.find(t[e - 2:e]) == e - 2]
+        for j, stop in enumerate(first[::max(1, len(first) // 5)]):
+            p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
+                               include_stop_str_in_output=j % 2 == 1)
+            want = _plain(llm, [prompt], p, monkeypatch)[0].outputs[0]
+            got = llm.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+            assert (got.text, got.token_ids, got.finish_reason, got.stop_reason) == (
+                want.text, want.token_ids, "stop", stop)
+            assert full.text.startswith(got.text)
+    assert any(cut) and eng.spec.metrics.num_accepted_tokens > 0
