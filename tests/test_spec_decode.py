@@ -306,3 +306,29 @@ def test_stop_strings_identical(tiny, prompts, monkeypatch):
                 want.text, want.token_ids, "stop", stop)
             assert full.text.startswith(got.text)
     assert any(cut) and eng.spec.metrics.num_accepted_tokens > 0
+
+
+def test_streamed_through_the_async_engine(llm, prompts, reference):
+    """Several tokens per step reach an AsyncLLM stream as one delta each; the concatenated
+    deltas are the greedy output, and the metrics come through /metrics' renderer."""
+    import asyncio
+    from jaxllm.engine.async_engine import AsyncLLM
+    from jaxllm.server.metrics import ServerMetrics
+
+    async def run() -> tuple[list[int], int]:
+        engine = AsyncLLM(llm.engine)
+        try:
+            ids, chunks = [], 0
+            async for o in engine.generate(prompts[0], GREEDY, delta=True):
+                ids += o.outputs[0].token_ids
+                chunks += 1
+            return ids, chunks
+        finally:
+            await engine.shutdown()
+
+    ids, chunks = asyncio.run(run())
+    assert ids == reference[0][0] and chunks < len(ids)  # some deltas carried accepted drafts
+    text = ServerMetrics("m").render(llm.stats()).decode()
+    drafted = llm.stats()["spec_decode_num_draft_tokens"]
+    assert f'jaxllm:spec_decode_num_draft_tokens_total{{model_name="m"}} {float(drafted)}' in text
+    assert 'jaxllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"}' in text
