@@ -6,7 +6,7 @@ Names follow vLLM's engine arguments so flags and keyword arguments carry over.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from jaxllm.spec.config import SpeculativeConfig
@@ -56,6 +56,11 @@ class EngineConfig:
     cache_dir: str | None = None  # converted-checkpoint cache ($JAXLLM_CACHE, ~/.cache/jaxllm)
     skip_warmup: bool = False
     tensor_parallel_size: int = 1  # devices (over all processes) one model is split across
+    # MoE: whole experts per device (attention stays tensor-parallel); off: experts split by
+    # their intermediate dimension. EPLB: redundant expert slots placed by measured load.
+    enable_expert_parallel: bool = False
+    enable_eplb: bool = False
+    eplb_config: Any = None  # dict (JSON flag) -> jaxllm.eplb.config.EPLBConfig
     # Multi-host (jax.distributed): process 0 schedules and serves, the others follow its steps.
     distributed_coordinator: str | None = None  # "host:port" of process 0's coordinator service
     num_processes: int = 1
@@ -72,6 +77,13 @@ class EngineConfig:
     def __post_init__(self):
         from jaxllm.spec.config import as_spec_config
         object.__setattr__(self, "speculative_config", as_spec_config(self.speculative_config))
+        from jaxllm.eplb.config import EPLBConfig
+        object.__setattr__(self, "eplb_config", EPLBConfig.parse(self.eplb_config))
+        if self.enable_expert_parallel and self.tensor_parallel_size < 2:
+            raise ValueError("enable_expert_parallel needs tensor_parallel_size > 1 (experts are "
+                             f"spread over the tensor-parallel devices), got {self.tensor_parallel_size}")
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ValueError("enable_eplb needs enable_expert_parallel (it balances experts over devices)")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -70,6 +70,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=json_arg, default=None, metavar="JSON",
                    help='speculative decoding, vLLM keys, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
+    p.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                   help="MoE: place whole experts on the tensor-parallel devices (attention stays TP)")
+    p.add_argument("--enable-eplb", action="store_true", default=None,
+                   help="MoE + expert parallel: replicate hot experts into redundant slots by load")
+    p.add_argument("--eplb-config", type=json_arg, default=None,
+                   help='JSON: {"window_size": W, "step_interval": K, "num_redundant_experts": R}')
     g = p.add_argument_group("multi-host", "run one model over several processes (jax.distributed); "
                              "start every process with the same flags but its own --process-id")
     g.add_argument("--distributed-coordinator", default=None, metavar="HOST:PORT",

@@ -122,19 +122,25 @@ class ModelRunner:
         check_weights_device(cfg.quantization, state)
         attn = pick_attention(cfg.attention_backend, self.platform)
         self.tp = self.channel = None
+        self.model_entry = registry.get(model_cfg.architecture)
+        if cfg.enable_expert_parallel and model_cfg.moe is None:
+            raise ValueError(f"enable_expert_parallel: {model_cfg.architecture} is a dense model "
+                             "(no experts to place); drop the flag")
         if cfg.tensor_parallel_size > 1 or jax.process_count() > 1:
             from jaxllm.parallel import TensorParallel, leader_channel
-            self.tp = TensorParallel(model_cfg, cfg.tensor_parallel_size)
+            self.tp = TensorParallel(model_cfg, cfg.tensor_parallel_size,
+                                     split_axes=self.model_entry.split_axes(cfg.enable_expert_parallel),
+                                     expert_parallel=cfg.enable_expert_parallel)
             attn = self.tp.attention(attn)
             if self.tp.multi_process:
                 self.channel = leader_channel(self.max_blocks, cfg.max_num_seqs)
         ckpt_cfg, model_cfg = model_cfg, (self.tp.model_cfg if self.tp else model_cfg)
         self.model_cfg = model_cfg  # with tp > K: the stored (repeated) KV head count
         embed_fn = self.tp.embedding() if self.tp else None
-        self.model_entry = registry.get(model_cfg.architecture)
         model_cls = self.model_entry.model_cls
+        hooks = self.tp.model_hooks() if self.tp else {}
         make = lambda c=model_cfg: model_cls(c, self.dtype, rngs=nnx.Rngs(cfg.seed), attention_fn=attn,
-                                             embed_fn=embed_fn)
+                                             embed_fn=embed_fn, **hooks)
         if self.tp is not None:
             self.graphdef, self.params = self.tp.build_params(make, lambda: make(ckpt_cfg), state)
         elif state is None:  # random weights (load_format="dummy", tests): drawn on the device

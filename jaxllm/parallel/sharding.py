@@ -43,9 +43,12 @@ KV_WEIGHTS = ("wk", "wv", "bk", "bv")  # last axis is K * D: repeated under head
 KV_PAGES_SPEC = P(None, None, AXIS)  # [L, 2, K', P, S, D]: split by KV head
 
 
-def param_spec(name: str, shape: tuple[int, ...], tp: int) -> P:
-    """The PartitionSpec for one stacked parameter (by its attribute name)."""
-    axis = _SPLIT_AXIS.get(name)
+def param_spec(name: str, shape: tuple[int, ...], tp: int, axes: dict[str, int] | None = None) -> P:
+    """The PartitionSpec for one stacked parameter (by its attribute name).
+
+    `axes` adds a model's own rules (the registry entry's `split_axes`, e.g. expert weights).
+    """
+    axis = (axes or {}).get(name, _SPLIT_AXIS.get(name))
     if axis is None or tp == 1:
         return P()
     if shape[axis] % tp:
@@ -70,18 +73,18 @@ def repeat_kv_heads(x: Any, layout: HeadLayout, head_dim: int, xp: Any = np) -> 
     return xp.repeat(heads, r, axis=-2).reshape(*lead, layout.num_kv_heads * r * head_dim)
 
 
-def state_shardings(abstract_state: nnx.State, mesh: Mesh) -> dict:
+def state_shardings(abstract_state: nnx.State, mesh: Mesh, axes: dict[str, int] | None = None) -> dict:
     """NamedSharding for every parameter, as a pure dict shaped like `nnx.to_pure_dict(state)`."""
     tp = mesh.shape[AXIS]
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, param_spec(str(path[-1].key), x.shape, tp)),
+        lambda path, x: NamedSharding(mesh, param_spec(str(path[-1].key), x.shape, tp, axes)),
         nnx.to_pure_dict(abstract_state))
 
 
 def place_state(abstract_state: nnx.State, state: dict, mesh: Mesh, layout: HeadLayout,
-                head_dim: int) -> nnx.State:
+                head_dim: int, axes: dict[str, int] | None = None) -> nnx.State:
     """Put a nested dict of host arrays (from `hf_to_state`) straight into per-device shards."""
-    shardings = state_shardings(abstract_state, mesh)
+    shardings = state_shardings(abstract_state, mesh, axes)
     expected = nnx.to_pure_dict(abstract_state)
 
     def place(tree: dict, shard_tree: dict, want: dict, prefix: str = "") -> dict:
@@ -107,14 +110,15 @@ def place_state(abstract_state: nnx.State, state: dict, mesh: Mesh, layout: Head
 
 
 def init_random_state(make_unsharded: Callable[[], nnx.Module], abstract_state: nnx.State,
-                      mesh: Mesh, layout: HeadLayout, head_dim: int) -> nnx.State:
+                      mesh: Mesh, layout: HeadLayout, head_dim: int,
+                      axes: dict[str, int] | None = None) -> nnx.State:
     """Random weights (tests, benchmarks) created already sharded.
 
     The model is initialised inside one jit with the checkpoint's K heads (so the
     values equal the unsharded model's for the same seed), KV heads repeated, and
     the outputs given their shardings: XLA computes each device's part there.
     """
-    shardings = state_shardings(abstract_state, mesh)
+    shardings = state_shardings(abstract_state, mesh, axes)
 
     def init() -> dict:
         pure = nnx.to_pure_dict(nnx.state(make_unsharded()))

@@ -23,6 +23,7 @@ from jaxllm.models.config import ModelConfig
 from jaxllm.models.llama import value
 from jaxllm.parallel.attention import shard_attention
 from jaxllm.parallel.embedding import shard_embedding
+from jaxllm.parallel.experts import check_experts, shard_experts
 from jaxllm.parallel.mesh import AXIS, HeadLayout, head_layout, make_mesh, sharded_model_config
 from jaxllm.parallel.sharding import (KV_PAGES_SPEC, bytes_on_device, init_random_state,
                                       param_spec, place_state)
@@ -34,8 +35,13 @@ _MiB = float(1 << 20)
 class TensorParallel:
     """One model's mesh, head layout and shardings (tp >= 1, one or several processes)."""
 
-    def __init__(self, model_cfg: ModelConfig, tp: int, devices: list | None = None):
+    def __init__(self, model_cfg: ModelConfig, tp: int, devices: list | None = None,
+                 split_axes: dict[str, int] | None = None, expert_parallel: bool = False,
+                 num_expert_slots: int | None = None):
         self.layout: HeadLayout = head_layout(model_cfg, tp)
+        self.expert_parallel = expert_parallel
+        check_experts(model_cfg, tp, expert_parallel, num_expert_slots)
+        self.split_axes = split_axes or {}
         self.mesh = make_mesh(tp, devices)
         self.tp = tp
         self.checkpoint_cfg = model_cfg
@@ -57,6 +63,12 @@ class TensorParallel:
     def attention(self, fn: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
         return shard_attention(fn, self.mesh)
 
+    def model_hooks(self) -> dict[str, Any]:
+        """Extra constructor arguments of the model class (MoE: the sharded experts)."""
+        if self.checkpoint_cfg.moe is None:
+            return {}
+        return {"experts_fn": shard_experts(self.mesh, self.expert_parallel)}
+
     def embedding(self) -> Callable[[jax.Array, jax.Array], jax.Array] | None:
         """The vocabulary-parallel lookup, or None where the table is replicated (V % N)."""
         if self.checkpoint_cfg.vocab_size % self.tp:
@@ -74,9 +86,10 @@ class TensorParallel:
         graphdef, abstract = nnx.split(nnx.eval_shape(make_sharded))
         D = self.model_cfg.head_dim
         if state is None:
-            params = init_random_state(make_unsharded, abstract, self.mesh, self.layout, D)
+            params = init_random_state(make_unsharded, abstract, self.mesh, self.layout, D,
+                                       self.split_axes)
         else:
-            params = place_state(abstract, state, self.mesh, self.layout, D)
+            params = place_state(abstract, state, self.mesh, self.layout, D, self.split_axes)
         return graphdef, params
 
     def place_layers(self, params: nnx.State, layers: list[dict[str, jax.Array]]
@@ -85,7 +98,8 @@ class TensorParallel:
         array to its weight's split without the layer axis, and put the emptied stacked
         placeholders on the mesh, so that all the step's inputs share one mesh.
         """
-        for var in params["layers"].values():
+        stacks = [v for k in ("layers", "experts") if k in params for v in params[k].values()]
+        for var in stacks:
             empty = jax.device_put(np.zeros((0,), value(var).dtype), self.replicated)
             if hasattr(var, "set_value"):
                 var.set_value(empty)
@@ -93,7 +107,8 @@ class TensorParallel:
                 var.value = empty
         num_layers = len(layers)
         return [{name: jax.device_put(a, NamedSharding(self.mesh, P(*param_spec(
-                    name, (num_layers, *a.shape), self.tp)[1:]))) for name, a in w.items()}
+                    name, (num_layers, *a.shape), self.tp, self.split_axes)[1:])))
+                 for name, a in w.items()}
                 for w in layers]
 
     def zeros(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:

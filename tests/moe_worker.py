@@ -1,0 +1,71 @@
+"""MoE checks that need forced host devices, run as a subprocess by test_moe_parallel.py.
+
+    python tests/moe_worker.py ep     tp / ep layouts on 4 devices vs one device
+    python tests/moe_worker.py eplb   a biased router, rebalanced: load and outputs
+
+JSON on the last line of stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+TOKENS = 8
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(1)
+    return [rng.integers(0, vocab, size=n).tolist() for n in (3, 11, 29, 40)]
+
+
+def _llm(cfg, sd, **kw):
+    from jaxllm import LLM
+
+    args = dict(hf_config=cfg, weights=sd, dtype="float32", max_model_len=128, max_num_seqs=4,
+                max_num_batched_tokens=32, token_buckets=(32,), seq_buckets=(4,), skip_warmup=True)
+    return LLM(**(args | kw))
+
+
+def _expert_shards(runner) -> dict:
+    from flax import nnx
+
+    pure = nnx.to_pure_dict(runner.params)["experts"]
+    return {k: {"global": list(v.shape), "shard": list(v.addressable_shards[0].data.shape)}
+            for k, v in pure.items()}
+
+
+def run_ep() -> dict:
+    from hf_tiny import make
+
+    from jaxllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    out = {}
+    for arch, layouts in (("qwen2_moe", [(1, False), (4, False), (4, True), (2, True)]),
+                          ("qwen3_moe_mixed", [(1, False), (4, True)])):
+        _, cfg, sd = make(arch)
+        prompts = _prompts(cfg["vocab_size"])
+        for tp, ep in layouts:
+            warm = arch == "qwen2_moe" and tp == 4 and ep
+            llm = _llm(cfg, sd, tensor_parallel_size=tp, enable_expert_parallel=ep, skip_warmup=not warm)
+            toks = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+            run = {"tokens": toks, "device_bytes": llm.engine.runner.device_bytes}
+            if tp > 1:
+                run["experts"] = _expert_shards(llm.engine.runner)
+            if warm:
+                run["stats"] = llm.stats()
+            out[f"{arch}_tp{tp}{'_ep' if ep else ''}"] = run
+    return out
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    res = {"ep": run_ep}[sys.argv[1]]()
+    print(json.dumps(res))

@@ -1,0 +1,122 @@
+"""MoE over several devices (issue 15): expert vs tensor parallelism, EPLB, and their errors.
+
+The multi-device runs happen in subprocesses with 4 forced host devices
+(tests/moe_worker.py): the device count is fixed when jax starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def _worker(which: str) -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, os.path.join(HERE, "moe_worker.py"), which], env=env,
+                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def ep() -> dict:
+    return _worker("ep")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", ["qwen2_moe_tp4", "qwen2_moe_tp4_ep", "qwen2_moe_tp2_ep",
+                                 "qwen3_moe_mixed_tp4_ep"])
+def test_greedy_ids_equal_one_device(ep, run):
+    ref = ep[run.split("_tp")[0] + "_tp1"]["tokens"]
+    assert len({tuple(t) for t in ref}) > 1
+    assert ep[run]["tokens"] == ref
+
+
+@pytest.mark.slow
+def test_expert_layouts(ep):
+    ex = ep["qwen2_moe_tp4_ep"]["experts"]  # whole experts: 8 over 4 devices, 2 each
+    for name in ("e_gate", "e_up", "e_down"):
+        assert ex[name]["shard"][1] * 4 == ex[name]["global"][1] == 8
+        assert ex[name]["shard"][2:] == ex[name]["global"][2:]
+    tp = ep["qwen2_moe_tp4"]["experts"]  # without the flag: split along the intermediate dim
+    assert tp["e_gate"]["shard"][3] * 4 == tp["e_gate"]["global"][3]
+    assert tp["e_down"]["shard"][2] * 4 == tp["e_down"]["global"][2]
+    assert tp["e_gate"]["shard"][1] == 8  # every device holds (a slice of) every expert
+    assert ex["router"]["shard"] == ex["router"]["global"]  # the router is replicated
+    # Memory accounting is per device: a quarter of the experts' bytes each.
+    one = ep["qwen2_moe_tp1"]["device_bytes"]["weight_bytes"]
+    assert ep["qwen2_moe_tp4_ep"]["device_bytes"]["weight_bytes"] < one / 3.5
+    two = ep["qwen2_moe_tp2_ep"]["device_bytes"]["weight_bytes"]
+    assert one / 2.1 < two < one / 1.9
+
+
+@pytest.mark.slow
+def test_no_compiles_after_warmup_ep(ep):
+    assert ep["qwen2_moe_tp4_ep"]["stats"]["compiles_after_warmup"] == 0
+
+
+# -- errors (one device, no subprocess) ------------------------------------------------------------
+
+def _tiny(arch="qwen3_moe"):
+    from hf_tiny import make
+
+    _, cfg, sd = make(arch)
+    return cfg, sd
+
+
+def test_expert_parallel_needs_several_devices():
+    from jaxllm.config import EngineConfig
+
+    with pytest.raises(ValueError, match="enable_expert_parallel needs tensor_parallel_size > 1"):
+        EngineConfig(enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="enable_eplb needs enable_expert_parallel"):
+        EngineConfig(enable_eplb=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="eplb_config.num_redundant_experts"):
+        EngineConfig(eplb_config={"num_redundant_experts": -1})
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['window'\]"):
+        EngineConfig(eplb_config={"window": 3})
+
+
+def test_expert_layout_errors():
+    from jaxllm.models import registry
+    from jaxllm.parallel.experts import check_experts
+    from tp_worker import tiny_model
+
+    cfg, _ = _tiny()
+    mc = registry.config_from_hf(cfg)  # 8 experts, moe_intermediate_size 32
+    with pytest.raises(ValueError, match=r"num_experts=8 is not divisible by the expert-parallel size "
+                                         r"\(tensor_parallel_size=3\)"):
+        check_experts(mc, 3, True)
+    check_experts(mc, 3, True, num_slots=9)  # one redundant slot makes 9 = 3 x 3
+    with pytest.raises(ValueError, match=r"num_experts=8 \+ num_redundant_experts=2"):
+        check_experts(mc, 4, True, num_slots=10)
+    with pytest.raises(ValueError, match="moe_intermediate_size=32 is not divisible"):
+        check_experts(mc, 3, False)
+    dense = registry.config_from_hf(tiny_model("llama", 8, 2)[0] | {"architectures": ["LlamaForCausalLM"]})
+    with pytest.raises(ValueError, match="LlamaForCausalLM is a dense model"):
+        check_experts(dense, 2, True)
+
+
+def test_cli_flags():
+    import argparse
+
+    from jaxllm.engine.arg_utils import add_engine_args, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    kw = engine_kwargs(p.parse_args(["-tp", "4", "--enable-expert-parallel", "--enable-eplb", "--eplb-config",
+                                     '{"window_size": 8, "step_interval": 4, "num_redundant_experts": 4}']))
+    assert kw["enable_expert_parallel"] and kw["enable_eplb"]
+    from jaxllm.config import EngineConfig
+    cfg = EngineConfig(**kw)
+    assert (cfg.eplb_config.window_size, cfg.eplb_config.step_interval,
+            cfg.eplb_config.num_redundant_experts) == (8, 4, 4)
+    assert "enable_expert_parallel" not in engine_kwargs(p.parse_args([]))
