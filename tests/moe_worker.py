@@ -65,7 +65,47 @@ def run_ep() -> dict:
     return out
 
 
+def biased(hot=(0, 2)) -> tuple[dict, dict]:
+    """Tiny Qwen3-MoE whose router sends nearly every token to experts `hot`.
+
+    Hidden dimension 0 of the embeddings gets a constant (2.5x the embeddings' std), and the
+    router rows of the hot experts read it strongly, so their logits lead for (almost)
+    every token while the model's outputs stay varied.
+    """
+    from hf_tiny import make
+
+    _, cfg, sd = make("qwen3_moe")
+    sd["model.embed_tokens.weight"][:, 0] += 0.05
+    for i in range(cfg["num_hidden_layers"]):
+        gate = sd[f"model.layers.{i}.mlp.gate.weight"]
+        gate[list(hot), 0] += 30.0
+    return cfg, sd
+
+
+def run_eplb() -> dict:
+    from jaxllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    cfg, sd = biased()
+    prompts = _prompts(cfg["vocab_size"])
+    ref = _llm(cfg, sd)
+    out = {"ref": [o.outputs[0].token_ids for o in ref.generate(prompts, greedy, use_tqdm=False)]}
+    eplb = {"window_size": 6, "step_interval": 4, "num_redundant_experts": 4}
+    llm = _llm(cfg, sd, tensor_parallel_size=4, enable_expert_parallel=True, enable_eplb=True,
+               eplb_config=eplb, skip_warmup=False)
+    bal = llm.engine.runner.eplb
+    compiles = bal.num_compiles()
+    initial = bal.phys_to_log.tolist()
+    toks = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    out |= {"tokens": toks, "history": bal.history, "initial": initial,
+            "final": bal.phys_to_log.tolist(), "stats": llm.stats(),
+            "balancer_compiles": [compiles, bal.num_compiles()],
+            "per_fn": [f._cache_size() for f in (bal._record, bal._take_stacked, bal._take_layer)], "steps": bal.steps,
+            "slots": bal.num_slots}
+    return out
+
+
 if __name__ == "__main__":
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-    res = {"ep": run_ep}[sys.argv[1]]()
+    res = {"ep": run_ep, "eplb": run_eplb}[sys.argv[1]]()
     print(json.dumps(res))

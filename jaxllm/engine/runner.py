@@ -126,11 +126,19 @@ class ModelRunner:
         if cfg.enable_expert_parallel and model_cfg.moe is None:
             raise ValueError(f"enable_expert_parallel: {model_cfg.architecture} is a dense model "
                              "(no experts to place); drop the flag")
+        self.eplb = None  # jaxllm.eplb.balancer.ExpertBalancer when enable_eplb
+        if cfg.enable_eplb:
+            from jaxllm.eplb.balancer import ExpertBalancer
+            if jax.process_count() > 1:
+                raise ValueError("enable_eplb with several processes is not implemented")
+            self.eplb = ExpertBalancer(model_cfg.moe, cfg.eplb_config, cfg.tensor_parallel_size)
+            state = self.eplb.expand_state(state) if state is not None else None
         if cfg.tensor_parallel_size > 1 or jax.process_count() > 1:
             from jaxllm.parallel import TensorParallel, leader_channel
             self.tp = TensorParallel(model_cfg, cfg.tensor_parallel_size,
                                      split_axes=self.model_entry.split_axes(cfg.enable_expert_parallel),
-                                     expert_parallel=cfg.enable_expert_parallel)
+                                     expert_parallel=cfg.enable_expert_parallel,
+                                     num_expert_slots=self.eplb.num_slots if self.eplb else None)
             attn = self.tp.attention(attn)
             if self.tp.multi_process:
                 self.channel = leader_channel(self.max_blocks, cfg.max_num_seqs)
@@ -138,7 +146,7 @@ class ModelRunner:
         self.model_cfg = model_cfg  # with tp > K: the stored (repeated) KV head count
         embed_fn = self.tp.embedding() if self.tp else None
         model_cls = self.model_entry.model_cls
-        hooks = self.tp.model_hooks() if self.tp else {}
+        hooks = (self.tp.model_hooks() if self.tp else {}) | (self.eplb.model_hooks() if self.eplb else {})
         make = lambda c=model_cfg: model_cls(c, self.dtype, rngs=nnx.Rngs(cfg.seed), attention_fn=attn,
                                              embed_fn=embed_fn, **hooks)
         if self.tp is not None:
@@ -195,7 +203,8 @@ class ModelRunner:
     def _jit_step(self, options: dict):
         if self.tp is None:
             return jax.jit(self._step_flat, donate_argnums=(1,), compiler_options=options or None)
-        return self.tp.jit_step(self._step_flat, self.flat_params, compiler_options=options or None)
+        return self.tp.jit_step(self._step_flat, self.flat_params, compiler_options=options or None,
+                                num_aux=1 if self.eplb else 0)
 
     def _compile_probe(self, num_blocks: int, options: dict):
         """The largest (tokens, rows) step compiled, not run, against a pool of `num_blocks`."""
@@ -280,8 +289,8 @@ class ModelRunner:
         # float32 means float32: without this, GPUs run f32 matmuls as TF32.
         precision = "highest" if self.dtype == jnp.float32 else None
         with jax.default_matmul_precision(precision):
-            kv_pages, logits = model(kv_pages, batch.tokens(prev_ids), batch.md, batch.logits_indices,
-                                     layers)
+            kv_pages, logits, *aux = model(kv_pages, batch.tokens(prev_ids), batch.md,
+                                           batch.logits_indices, layers)
         if self.tp is not None:
             # Logits computed per vocabulary shard, then gathered once, and the argmax taken on
             # the gathered copy. Unpinned, XLA either all-gathers the whole LM head (replicated
@@ -289,7 +298,8 @@ class ModelRunner:
             logits = jax.lax.with_sharding_constraint(logits, self.tp.vocab_sharded)
             logits = jax.lax.with_sharding_constraint(logits, self.tp.replicated)
         # Greedy ids come out of the same program: a greedy batch needs no second dispatch.
-        return kv_pages, logits, pad_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32), self.max_rows)
+        # aux: the model's extra outputs (MoE with EPLB: rows per expert), for `after_step`.
+        return kv_pages, logits, pad_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32), self.max_rows), *aux
 
     @property
     def step_params(self):
@@ -314,15 +324,22 @@ class ModelRunner:
         """The jitted step alone (followers call this for each broadcast batch)."""
         prev_ids = self.no_ids if prev_ids is None else prev_ids
         if self.tp is None:
-            self.kv_pages, logits, ids = self._step(self.flat_params, self.kv_pages, Batch.from_host(hb),
-                                                    prev_ids)
+            self.kv_pages, logits, ids, *aux = self._step(self.flat_params, self.kv_pages,
+                                                          Batch.from_host(hb), prev_ids)
+            self._after_step(aux)
             return logits, ids
         batch = Batch.from_host(hb, self.tp.replicated)
         prev_ids = jax.device_put(prev_ids, self.tp.replicated)  # a no-op for the step's own ids
-        self.kv_pages, logits, ids = self._step(self.flat_params, self.kv_pages, batch, prev_ids)
+        self.kv_pages, logits, ids, *aux = self._step(self.flat_params, self.kv_pages, batch, prev_ids)
+        self._after_step(aux)
         # One process: the ids stay replicated, so the next step takes them as they are.
         # Several: only this process's copy can be read on the host.
         return self.tp.local_logits(logits), self.tp.local_logits(ids) if self.tp.multi_process else ids
+
+    def _after_step(self, aux: list) -> None:
+        if self.eplb is not None:
+            self.eplb.record(aux[0])
+            self.eplb.after_step(self)
 
     def warmup_sampler(self, sampler, num_rows: int) -> None:
         """Compile the sampler for logits as `execute` returns them.
@@ -362,4 +379,6 @@ class ModelRunner:
                     seq_lens=np.zeros(R, np.int32), query_start_loc=np.zeros(R + 1, np.int32),
                     num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(R, np.int32), num_rows=0)
                 jax.block_until_ready(self.execute(hb))
+        if self.eplb is not None:
+            self.eplb.warmup(self)
         return time.perf_counter() - t0

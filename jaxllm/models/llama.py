@@ -194,11 +194,13 @@ class Llama(nnx.Module):
         inv_freq = rope_inv_freq(cfg)
         embed = value(self.embed)
         x = embed[tokens] if self.embed_fn is None else self.embed_fn(embed, tokens)
-        x, kv_pages = self._layers(x, kv_pages, md, inv_freq, layer_weights)
+        # A subclass's `_layers` may return extra outputs after (x, kv_pages): they follow the
+        # logits (MoE: per-expert loads for EPLB).
+        x, kv_pages, *aux = self._layers(x, kv_pages, md, inv_freq, layer_weights)
         h = rms_norm(x[logits_indices], value(self.norm), cfg.rms_norm_eps)
         head = embed.T if cfg.tie_word_embeddings else value(self.lm_head)
         logits = jnp.dot(h, head, preferred_element_type=jnp.float32)
-        return kv_pages, logits
+        return (kv_pages, logits, *aux)
 
 
 def fuse_layer(w: dict[str, jax.Array], shards: int = 1) -> dict[str, jax.Array]:

@@ -26,8 +26,8 @@ from flax import nnx
 from jaxllm.kernels.metadata import AttentionMetadata
 from jaxllm.models import llama
 from jaxllm.models.config import ModelConfig
-from jaxllm.models.llama import Llama, LayerStack, _param, value
-from jaxllm.models.moe import experts as moe_experts, route
+from jaxllm.models.llama import Llama, LayerStack, _param, rms_norm, value
+from jaxllm.models.moe import expert_loads, experts as moe_experts, route
 from jaxllm.models.moe_config import MoEConfig
 
 EXPERT_WEIGHTS = ("e_gate", "e_up", "e_down")
@@ -53,16 +53,30 @@ def segments(cfg: ModelConfig) -> list[tuple[bool, int, int, int]]:
 
 
 class ExpertStack(nnx.Module):
-    """The MoE layers' weights, each with a leading [Lm] axis; `num_slots` physical experts."""
+    """The MoE layers' weights, each with a leading [Lm] axis.
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, num_slots: int | None = None):
+    `placement` ([Lm, S] physical slot -> logical expert, EPLB) stores S slots per
+    layer instead of E experts, plus the map arrays `log2phys` / `log_count`
+    (eplb/balancer.py); random weights are drawn per expert and copied to its slots.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, placement: np.ndarray | None = None):
         m: MoEConfig = cfg.moe
         Lm, H, F, E = len(m.moe_layers), cfg.hidden_size, m.moe_intermediate_size, m.num_experts
-        S = num_slots or E
         self.router = _param((Lm, H, E), dtype, rngs)
-        self.e_gate = _param((Lm, S, H, F), dtype, rngs)
-        self.e_up = _param((Lm, S, H, F), dtype, rngs)
-        self.e_down = _param((Lm, S, F, H), dtype, rngs)
+        self.e_gate = _param((Lm, E, H, F), dtype, rngs)
+        self.e_up = _param((Lm, E, H, F), dtype, rngs)
+        self.e_down = _param((Lm, E, F, H), dtype, rngs)
+        if placement is not None:
+            from jaxllm.eplb.placement import maps
+
+            rows = np.arange(Lm)[:, None]
+            for name in ("e_gate", "e_up", "e_down"):
+                var = getattr(self, name)
+                var.set_value(value(var)[rows, placement])
+            l2p, cnt = maps(placement, E)
+            self.log2phys = nnx.Variable(jnp.asarray(l2p))
+            self.log_count = nnx.Variable(jnp.asarray(cnt))
         Fs = m.shared_expert_intermediate_size
         if Fs:
             self.s_gate = _param((Lm, H, Fs), dtype, rngs)
@@ -77,33 +91,49 @@ class ExpertStack(nnx.Module):
 class MoeLlama(Llama):
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs,
                  attention_fn=None, embed_fn=None, experts_fn: Callable | None = None,
-                 expert_map: Callable | None = None, num_slots: int | None = None):
+                 expert_map: Callable | None = None, num_slots: int | None = None,
+                 placement: np.ndarray | None = None, count_loads: bool = False):
         super().__init__(cfg, dtype, rngs=rngs, attention_fn=attention_fn, embed_fn=embed_fn)
         m: MoEConfig = cfg.moe
         self.layers = LayerStack(cfg, dtype, rngs, mlp_layers=cfg.num_layers - len(m.moe_layers))
-        self.experts = ExpertStack(cfg, dtype, rngs, num_slots)
+        self.experts = ExpertStack(cfg, dtype, rngs, placement)
         self.experts_fn = experts_fn or moe_experts
-        # expert_map(ids [T, k], layer-of-kind, md) -> physical slot ids [T, k] (EPLB); None: identity
+        # expert_map(ids [T, k], layer weights, md) -> physical slot ids [T, k] (EPLB); None: identity
         self.expert_map = expert_map
+        self.count_loads = count_loads  # also return rows per logical expert [Lm, E] (EPLB)
 
-    def _mlp(self, h: jax.Array, w: dict[str, jax.Array], md: AttentionMetadata) -> jax.Array:
-        if "router" not in w:
-            return super()._mlp(h, w, md)
+    def _moe(self, h: jax.Array, w: dict[str, jax.Array], md: AttentionMetadata):
+        """The expert block: (output [T, H], rows per logical expert [E])."""
         m: MoEConfig = self.cfg.moe
         logits = jnp.dot(h, w["router"], preferred_element_type=jnp.float32)
         weights, ids = route(logits, m.top_k, m.routing, m.norm_topk_prob)
+        valid = md.positions >= 0
+        load = expert_loads(ids, m.num_experts, valid)
         if self.expert_map is not None:
             ids = self.expert_map(ids, w, md)
-        valid = md.positions >= 0
         y = self.experts_fn(h, weights, ids, w["e_gate"], w["e_up"], w["e_down"], valid)
         if m.shared_expert_intermediate_size:
             shared = (jax.nn.silu(h @ w["s_gate"]) * (h @ w["s_up"])) @ w["s_down"]
             y = y + jax.nn.sigmoid(h @ w["s_router"]) * shared
-        return y
+        return y, load
+
+    def _layer(self, x, w, kv_pages, layer, md, inv_freq):
+        """One decoder layer: (x, kv_pages, expert load [E] or None for a dense layer)."""
+        x, kv_pages = self._attention(x, w, kv_pages, layer, md, inv_freq)
+        h = rms_norm(x, w["ln_mlp"], self.cfg.rms_norm_eps)
+        if "router" not in w:
+            return x + self._mlp(h, w, md), kv_pages, None
+        y, load = self._moe(h, w, md)
+        return x + y, kv_pages, load
 
     def _layers(self, x, kv_pages, md, inv_freq, layer_weights):
+        loads = []
         if layer_weights is not None:
-            return super()._layers(x, kv_pages, md, inv_freq, layer_weights)
+            for i, w in enumerate(layer_weights):
+                x, kv_pages, load = self._layer(x, w, kv_pages, jnp.int32(i), md, inv_freq)
+                if load is not None:
+                    loads.append(load[None])
+            return (x, kv_pages, jnp.concatenate(loads)) if self.count_loads else (x, kv_pages)
         attn, experts = self.layers.weights(), self.experts.weights()
         dense = {k: attn.pop(k) for k in ("w_gate", "w_up", "w_down") if k in attn}
         L = self.cfg.num_layers
@@ -111,8 +141,8 @@ class MoeLlama(Llama):
         def body(carry, xs):
             x, kv = carry
             w, layer = xs
-            x, kv = self._layer(x, w, kv, layer, md, inv_freq)
-            return (x, kv), None
+            x, kv, load = self._layer(x, w, kv, layer, md, inv_freq)
+            return (x, kv), load
 
         def part(tree: dict, start: int, n: int, total: int) -> dict:
             if start == 0 and n == total:
@@ -124,8 +154,10 @@ class MoeLlama(Llama):
             total = len(self.cfg.moe.moe_layers) if is_moe else L - len(self.cfg.moe.moe_layers)
             w = part(attn, first, n, L) | part(mlp, j, n, total)
             layer_ids = jnp.arange(first, first + n, dtype=jnp.int32)
-            (x, kv_pages), _ = jax.lax.scan(body, (x, kv_pages), (w, layer_ids))
-        return x, kv_pages
+            (x, kv_pages), load = jax.lax.scan(body, (x, kv_pages), (w, layer_ids))
+            if is_moe:
+                loads.append(load)
+        return (x, kv_pages, jnp.concatenate(loads)) if self.count_loads else (x, kv_pages)
 
 
 def split_model_layers(params, cfg: ModelConfig) -> list[dict[str, jax.Array]]:

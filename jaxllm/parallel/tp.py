@@ -115,7 +115,8 @@ class TensorParallel:
         """The KV page array, allocated shard by shard (never whole on one device)."""
         return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=self.kv_sharding)()
 
-    def jit_step(self, fn: Callable, params: Any, compiler_options: dict | None = None) -> Callable:
+    def jit_step(self, fn: Callable, params: Any, compiler_options: dict | None = None,
+                 num_aux: int = 0) -> Callable:
         """jit `fn(params, kv_pages, batch, prev_ids) -> (kv_pages, logits, greedy_ids)`, fixed shardings.
 
         Fixed in/out shardings keep the donated pages in place and make a
@@ -124,7 +125,8 @@ class TensorParallel:
         param_shardings = jax.tree.map(lambda x: x.sharding, params)
         return jax.jit(fn, donate_argnums=(1,),
                        in_shardings=(param_shardings, self.kv_sharding, self.replicated, self.replicated),
-                       out_shardings=(self.kv_sharding, self.replicated, self.replicated),
+                       out_shardings=(self.kv_sharding, self.replicated, self.replicated,
+                                      *[self.replicated] * num_aux),
                        compiler_options=compiler_options)
 
     def put_batch(self, batch: Any) -> Any:
