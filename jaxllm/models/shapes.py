@@ -28,13 +28,30 @@ SMOLLM2_135M = dict(model_type="llama", vocab_size=49152, hidden_size=576, inter
                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                     rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
                     tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+QWEN3_30B_A3B = dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936,
+                     hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
+                     rope_theta=1000000.0, max_position_embeddings=40960, tie_word_embeddings=False,
+                     num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                     bos_token_id=151643, eos_token_id=151645)
+MIXTRAL_8X7B = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=32000,
+                    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+                    rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=False,
+                    num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
+                    bos_token_id=1, eos_token_id=2)
 TINY = dict(LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+TINY_MOE = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=32)
 
 SHAPES: dict[str, dict] = {
     "llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "llama2-7b": LLAMA2_7B,
     "mistral-7b": MISTRAL_7B, "qwen3-8b": QWEN3_8B, "qwen2.5-7b": QWEN2_5_7B,
     "smollm2-135m": SMOLLM2_135M, "tiny": TINY,
+    "qwen3-30b-a3b": QWEN3_30B_A3B, "mixtral-8x7b": MIXTRAL_8X7B, "tiny-moe": TINY_MOE,
 }
 
 

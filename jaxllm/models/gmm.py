@@ -1,0 +1,115 @@
+"""Grouped matmul implementations for the MoE layer, and the pick by measurement.
+
+`gmm(x [M, K] rows sorted by group, w [G, K, N], group_sizes [G]) -> [M, N]`:
+
+- "ragged_dot": `jax.lax.ragged_dot`, the reference and the CPU path.
+- "mgpu_<bm>x<bn>": JAX's bundled Mosaic GPU kernel
+  (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`) at one tiling. It needs the
+  group sizes to cover every row, so the rows no group covers (padding, other
+  devices' experts) are given to the last group here; `moe.experts` zeroes them.
+
+On a GPU, `Chooser.measure` times every available implementation on the
+model's real expert shapes for each row count the token buckets give (tokens x
+top_k) during warm-up, and the step's trace takes the fastest for its row count:
+the choice is static per compiled bucket, so it never costs a recompile.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+log = logging.getLogger("jaxllm")
+GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+# (block_m, block_n, block_k, max_concurrent_steps, grid_block_n)
+MGPU_TILINGS = ((64, 128, 64, 4, 1), (128, 128, 64, 4, 2), (128, 256, 64, 3, 1))
+
+
+def ragged_dot_ref(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    return jax.lax.ragged_dot(x, w, group_sizes)
+
+
+def _mgpu(tiling: tuple[int, ...]) -> GroupedMatmul:
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+
+    bm, bn, bk, steps, gbn = tiling
+
+    def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        sizes = group_sizes.at[-1].add(x.shape[0] - jnp.sum(group_sizes))
+        return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=sizes, block_m=bm, block_n=bn, block_k=bk,
+                                          max_concurrent_steps=steps, grid_block_n=gbn)
+    return gmm
+
+
+def candidates(M: int, E: int, H: int, F: int, platform: str | None = None) -> dict[str, GroupedMatmul]:
+    """Implementations that can run this layer shape here (all of them shape-checked)."""
+    platform = platform or jax.devices()[0].platform
+    out: dict[str, GroupedMatmul] = {"ragged_dot": ragged_dot_ref}
+    if platform != "gpu":
+        return out
+    try:
+        for t in MGPU_TILINGS:
+            bm, bn, bk, _, gbn = t
+            if H % bk or F % bk or (2 * F) % (bn * gbn) or H % (bn * gbn) or F % (bn * gbn):
+                continue
+            out[f"mgpu_{bm}x{bn}"] = _mgpu(t)
+    except Exception as e:  # an older / newer jax without the kernel
+        log.info("ragged_dot_mgpu unavailable: %s", e)
+    return out
+
+
+def swiglu(x, w_gu, w_d, sizes, gmm: GroupedMatmul):
+    """The benchmark's fused gate/up layout: w_gu [E, H, 2F] (gate first), w_d [E, F, H]."""
+    g, u = jnp.split(gmm(x, w_gu, sizes), 2, axis=-1)
+    return gmm(jax.nn.silu(g) * u, w_d, sizes)
+
+
+class Chooser:
+    """A `gmm` that dispatches, at trace time, on the row count to the measured fastest."""
+
+    def __init__(self):
+        self.choice: dict[int, str] = {}
+        self.impls: dict[str, GroupedMatmul] = {"ragged_dot": ragged_dot_ref}
+        self.timings: dict[int, dict[str, float]] = {}
+
+    def __call__(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        return self.impls[self.choice.get(x.shape[0], "ragged_dot")](x, w, group_sizes)
+
+    def measure(self, rows: list[int], E: int, H: int, F: int, dtype, reps: int = 10) -> None:
+        """Time each candidate on this expert shape at each row count; keep the fastest."""
+        cands = candidates(max(rows), E, H, F)
+        if len(cands) == 1:
+            return
+        self.impls.update(cands)
+        key = jax.random.key(0)
+        w_g = (jax.random.normal(key, (E, H, F), jnp.float32) / np.sqrt(H)).astype(dtype)
+        w_d = (jax.random.normal(key, (E, F, H), jnp.float32) / np.sqrt(F)).astype(dtype)
+        rng = np.random.default_rng(0)
+        for M in sorted(set(rows)):
+            ids = np.sort(rng.integers(0, E, M))
+            sizes = jnp.asarray(np.bincount(ids, minlength=E).astype(np.int32))
+            x = jax.random.normal(key, (M, H), jnp.float32).astype(dtype)
+            times = {}
+            for name, impl in cands.items():
+                try:
+                    f = jax.jit(lambda x, a, b, s, impl=impl: impl(jax.nn.silu(impl(x, a, s)), b, s))
+                    jax.block_until_ready(f(x, w_g, w_d, sizes))
+                    ts = []
+                    for _ in range(reps):
+                        t = time.perf_counter()
+                        jax.block_until_ready(f(x, w_g, w_d, sizes))
+                        ts.append(time.perf_counter() - t)
+                    times[name] = statistics.median(ts)
+                except Exception as e:  # a tiling that does not fit: skip it
+                    log.info("gmm %s at %d rows failed: %s", name, M, str(e)[:200])
+            if times:
+                self.choice[M] = min(times, key=times.get)
+                self.timings[M] = times
+        log.info("MoE grouped matmul by measurement (rows -> impl): %s", self.choice)

@@ -1,0 +1,267 @@
+"""MoE on one GPU: the grouped matmul of one layer, and the decode step, against touched bytes.
+
+    python scripts/bench_moe.py gmm    --tokens 1 64 512 8192 --output-json out.json
+    python scripts/bench_moe.py decode --random-shape qwen3-30b-a3b --batch-size 1 64
+
+gmm: one Qwen3-30B-A3B layer's expert matmuls (E=128, top-8, hidden 2048, expert
+intermediate 768, bf16, gate/up fused [E, H, 2F]) on rows already sorted by
+expert, random routing. Variants: XLA `jax.lax.ragged_dot`, JAX's bundled Mosaic
+GPU `ragged_dot_mgpu` (a few tilings, best kept), a gather of each row's expert
+weights then an einsum (only where rows x expert bytes stay small), and torch
+`_grouped_mm` (eager and CUDA graph) as the peer. Each figure is a ratio to the
+touched-bytes floor: (distinct experts touched x expert bytes + activations) /
+copy bandwidth measured in the same run; TFLOP/s for the large batches.
+
+decode: the engine's decode step at context 2048 against (non-expert weights +
+the distinct experts the batch's tokens touched, read from the step's own
+per-expert loads + K/V) / copy bandwidth; prints the touched-expert count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def save(result: dict, path: str | None) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1, default=float)
+
+
+def timed(fn, *args, reps: int = 20) -> float:
+    """Median seconds of fn(*args) (jitted; blocked on), after ~0.3 s of warm-up."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    t = time.perf_counter()
+    while time.perf_counter() - t < 0.3:
+        jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts)
+
+
+def looped(step, reps: int):
+    """jit of `reps` dependent applications of step(x, *w) -> x (amortises dispatch)."""
+    import jax
+
+    def run(x, *w):
+        return jax.lax.fori_loop(0, reps, lambda i, x: step(x, *w), x)
+    return jax.jit(run)
+
+
+def gmm_bench(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from bench_latency import copy_bandwidth
+    from jaxllm.models import gmm as gmm_impls
+
+    E, k, H, F = args.experts, args.top_k, args.hidden, args.inter
+    C = copy_bandwidth(args.copy_gib)
+    expert_bytes = (H * 2 * F + F * H) * 2
+    res = {"C_bytes_per_s": C, "shape": dict(E=E, k=k, H=H, F=F), "rows": []}
+    key = jax.random.key(0)
+    w_gu = (jax.random.normal(key, (E, H, 2 * F), jnp.float32) / np.sqrt(H)).astype(jnp.bfloat16)
+    w_d = (jax.random.normal(jax.random.key(1), (E, F, H), jnp.float32) / np.sqrt(F)).astype(jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    for T in args.tokens:
+        M = T * k
+        ids = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).reshape(-1)
+        order = np.argsort(ids, kind="stable")
+        sizes = jnp.asarray(np.bincount(ids, minlength=E).astype(np.int32))
+        touched = int(np.count_nonzero(np.asarray(sizes)))
+        x = (jax.random.normal(jax.random.key(2), (M, H), jnp.float32)).astype(jnp.bfloat16)
+        floor = (touched * expert_bytes + 2 * M * H * 2 + M * 2 * F * 2) / C
+        flops = 2 * M * H * 3 * F
+        row = {"tokens": T, "rows": M, "touched_experts": touched, "floor_s": floor}
+        reps = 10 if T <= 512 else 3
+        row_ids = jnp.asarray(ids[order].astype(np.int32))
+        for name, impl in gmm_impls.candidates(M, E, H, F).items():
+            try:
+                def step(x, w_gu, w_d, sizes, impl=impl):
+                    return gmm_impls.swiglu(x, w_gu, w_d, sizes, impl).astype(x.dtype) * 0.5 + x * 0.5
+                f = looped(step, reps)
+                t = timed(f, x, w_gu, w_d, sizes) / reps
+                ref = gmm_impls.swiglu(x, w_gu, w_d, sizes, gmm_impls.ragged_dot_ref)
+                got = gmm_impls.swiglu(x, w_gu, w_d, sizes, impl)
+                err = float(jnp.linalg.norm((got - ref).astype(jnp.float32)) /
+                            jnp.linalg.norm(ref.astype(jnp.float32)))
+                row[name] = {"s": t, "x_floor": t / floor, "tflops": flops / t / 1e12, "rel_err": err}
+            except Exception as e:  # one variant's failure must not lose the others
+                row[name] = {"error": f"{type(e).__name__}: {e}"[:400]}
+        if M <= 512:
+            try:
+                def gather_step(x, w_gu, w_d, row_ids):
+                    gu = jnp.einsum("mh,mhf->mf", x, w_gu[row_ids])
+                    g, u = jnp.split(gu, 2, axis=-1)
+                    y = jnp.einsum("mf,mfh->mh", jax.nn.silu(g) * u, w_d[row_ids])
+                    return y.astype(x.dtype) * 0.5 + x * 0.5
+                f = looped(gather_step, reps)
+                t = timed(f, x, w_gu, w_d, row_ids) / reps
+                row["gather"] = {"s": t, "x_floor": t / floor, "tflops": flops / t / 1e12}
+            except Exception as e:
+                row["gather"] = {"error": f"{type(e).__name__}: {e}"[:400]}
+        row["torch"] = torch_grouped(np.asarray(x.astype(jnp.float32)), np.asarray(w_gu.astype(jnp.float32)),
+                                     np.asarray(w_d.astype(jnp.float32)), np.asarray(sizes), floor, flops)
+        res["rows"].append(row)
+        print(fmt_row(row), flush=True)
+        save(res, args.output_json)
+    return res
+
+
+def torch_grouped(x, w_gu, w_d, sizes, floor, flops) -> dict:
+    try:
+        import torch
+        import torch.nn.functional as Fn
+
+        dev = "cuda"
+        xt = torch.tensor(x, device=dev, dtype=torch.bfloat16)
+        # _grouped_mm wants the second operand's last dim contiguous-by-column: transpose views.
+        gu = torch.tensor(w_gu, device=dev, dtype=torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)
+        dn = torch.tensor(w_d, device=dev, dtype=torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)
+        offs = torch.tensor(np.cumsum(sizes), device=dev, dtype=torch.int32)
+
+        def run():
+            h = torch._grouped_mm(xt, gu, offs=offs)
+            g, u = h.chunk(2, dim=-1)
+            return torch._grouped_mm(Fn.silu(g) * u, dn, offs=offs)
+
+        out = {}
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        ts = []
+        for _ in range(20):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(); run(); b.record(); torch.cuda.synchronize()
+            ts.append(a.elapsed_time(b) / 1e3)
+        t = statistics.median(ts)
+        out["eager"] = {"s": t, "x_floor": t / floor, "tflops": flops / t / 1e12}
+        try:
+            g = torch.cuda.CUDAGraph()
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                run()
+            torch.cuda.current_stream().wait_stream(s)
+            with torch.cuda.graph(g):
+                run()
+            ts = []
+            for _ in range(20):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record(); g.replay(); b.record(); torch.cuda.synchronize()
+                ts.append(a.elapsed_time(b) / 1e3)
+            t = statistics.median(ts)
+            out["graph"] = {"s": t, "x_floor": t / floor, "tflops": flops / t / 1e12}
+        except Exception as e:
+            out["graph"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        return out
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"[:400]}
+
+
+def fmt_row(row: dict) -> str:
+    parts = [f"T={row['tokens']:5d} touched={row['touched_experts']:3d} floor={row['floor_s'] * 1e3:.3f}ms"]
+    for name, r in row.items():
+        if isinstance(r, dict):
+            subs = r.items() if name == "torch" and "error" not in r else [(None, r)]
+            for sub, v in subs:
+                label = f"torch-{sub}" if sub else name
+                if not isinstance(v, dict):
+                    continue
+                parts.append(f"{label}: {v['error'][:60]}" if "error" in v else
+                             f"{label} {v['s'] * 1e3:.3f}ms ({v['x_floor']:.2f}x, {v['tflops']:.0f} TF/s)")
+    return " | ".join(parts)
+
+
+def decode_bench(args) -> dict:
+    import jax
+
+    from bench_latency import copy_bandwidth, decode_steps, fill_random
+    from jaxllm import LLM
+    from jaxllm.models import moe_model
+
+    init = moe_model.MoeLlama.__init__
+    # The step also returns each layer's per-expert row counts (as under EPLB): touched experts.
+    moe_model.MoeLlama.__init__ = lambda self, *a, **kw: init(self, *a, **{**kw, "count_loads": True})
+    C = copy_bandwidth(args.copy_gib)
+    max_b = max(args.batch_size)
+    max_len = args.input_len + args.num_iters + 8
+    seqs = tuple(sorted({max(b, 8) for b in args.batch_size}))
+    llm = LLM(random_shape=args.random_shape, dtype="bfloat16", max_model_len=max_len, max_num_seqs=max_b,
+              num_gpu_blocks_override=max_b * -(-max_len // 16) + 16, max_num_batched_tokens=256,
+              token_buckets=tuple(sorted({*seqs, 256})), seq_buckets=seqs)
+    moe_model.MoeLlama.__init__ = init
+    runner = llm.engine.runner
+    loads: list = []
+    runner._after_step = lambda aux: loads.append(aux[0]) if aux else None
+    fill_random(runner)
+    m = runner.model_cfg
+    moe = m.moe
+    expert_bytes = 3 * m.hidden_size * moe.moe_intermediate_size * 2
+    all_expert_bytes = len(moe.moe_layers) * moe.num_experts * expert_bytes
+    other_bytes = runner.weight_bytes - all_expert_bytes
+    kv_per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * runner.kv_pages.dtype.itemsize
+    rng = np.random.default_rng(0)
+    chooser = getattr(runner, "gmm_chooser", None)
+    res = {"C_bytes_per_s": C, "shape": args.random_shape, "weight_bytes": runner.weight_bytes,
+           "expert_bytes_all": all_expert_bytes, "rows": [],
+           "gmm_choice": chooser.choice if chooser else None,
+           "gmm_timings": chooser.timings if chooser else None}
+    print("engine grouped matmul by measurement (rows -> impl):", res["gmm_choice"], flush=True)
+    for b in args.batch_size:
+        loads.clear()
+        r = decode_steps(llm, b, args.input_len, args.num_iters, rng)
+        touched = [int(np.count_nonzero(np.asarray(jax.device_get(lo)))) for lo in loads[2:args.num_iters]]
+        t_mean = float(np.mean(touched)) if touched else float("nan")
+        floor = (other_bytes + t_mean * expert_bytes + b * args.input_len * kv_per_token) / C
+        row = {"batch": b, "ctx": args.input_len, "step_s": r["median_s"], "touched_experts": t_mean,
+               "touched_of": len(moe.moe_layers) * moe.num_experts, "floor_s": floor,
+               "x_floor": r["median_s"] / floor}
+        res["rows"].append(row)
+        print(f"decode b={b} ctx={args.input_len}: {r['median_s'] * 1e3:.2f} ms, floor {floor * 1e3:.2f} ms "
+              f"({row['x_floor']:.2f}x), touched experts {t_mean:.0f} of {row['touched_of']}", flush=True)
+        save(res, args.output_json)
+    res["compiles_after_warmup"] = llm.stats()["compiles_after_warmup"]
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("what", choices=["gmm", "decode"])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 512, 8192])
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--inter", type=int, default=768)
+    p.add_argument("--random-shape", default="qwen3-30b-a3b")
+    p.add_argument("--batch-size", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--input-len", type=int, default=2048)
+    p.add_argument("--num-iters", type=int, default=20)
+    p.add_argument("--output-json", default=None)
+    p.add_argument("--copy-gib", type=float, default=4.0, help="size of the copy-bandwidth pass")
+    args = p.parse_args()
+    try:
+        res = gmm_bench(args) if args.what == "gmm" else decode_bench(args)
+    except Exception:
+        traceback.print_exc()
+        raise
+    save(res, args.output_json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# MoE on one H200 (< 5 minutes): (1) the grouped matmul of one Qwen3-30B-A3B layer (128 experts,
+# top-8, hidden 2048, expert intermediate 768, bf16) at 1, 64, 512, 8192 tokens: XLA ragged_dot,
+# JAX's bundled ragged_dot_mgpu (3 tilings), a gather of each row's expert, torch _grouped_mm
+# (eager and CUDA graph), each against the touched-bytes floor from the copy bandwidth measured in
+# the same process; (2) the engine's decode step, Qwen3-30B-A3B shape (random bf16 weights drawn
+# on the device), context 2048, batch 1 and 64, against (non-expert weights + distinct experts
+# touched + K/V) / copy bandwidth, printing the touched-expert count and the grouped-matmul
+# implementation the engine picked by measurement. Results: $OUT/moe_gmm.json, $OUT/moe_decode.json
+# and $OUT/moe.txt.
+set -o pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
+{
+  echo "== grouped matmul, one Qwen3-30B-A3B layer"
+  timeout ${T1:-150} python3 scripts/bench_moe.py gmm --tokens 1 64 512 8192 \
+    --output-json "$OUT/moe_gmm.json" 2>&1 | grep -v -i warn | tail -12 || echo "gmm: failed or timed out ($?)"
+  echo "== decode step, qwen3-30b-a3b shape, ctx 2048"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${T2:-130} python3 scripts/bench_moe.py decode \
+    --random-shape qwen3-30b-a3b --batch-size 1 64 --input-len 2048 --num-iters 20 \
+    --output-json "$OUT/moe_decode.json" 2>&1 | grep -v -i warn | tail -8 || echo "decode: failed or timed out ($?)"
+} | tee "$OUT/moe.txt"
