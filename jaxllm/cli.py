@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(args, "num_processes", 1) > 1 and args.process_id != 0:
         # A follower: same engine, no scheduler/server; runs process 0's steps until it stops.
-        from jaxllm.parallel import run_follower
+        from jaxllm.engine.multihost import run_follower
         # The leader's defaults (token budget, buckets) depend on its entry point: match them.
         usage = "serve" if args.cmd == "serve" else "llm"
         run_follower(getattr(args, "model_tag", None) or args.model, usage_context=usage, **engine_kwargs(args))

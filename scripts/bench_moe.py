@@ -203,8 +203,8 @@ def decode_bench(args) -> dict:
     max_len = args.input_len + args.num_iters + 8
     seqs = tuple(sorted({max(b, 8) for b in args.batch_size}))
     llm = LLM(random_shape=args.random_shape, dtype="bfloat16", max_model_len=max_len, max_num_seqs=max_b,
-              num_gpu_blocks_override=max_b * -(-max_len // 16) + 16, max_num_batched_tokens=256,
-              token_buckets=tuple(sorted({*seqs, 256})), seq_buckets=seqs)
+              num_gpu_blocks_override=max_b * -(-max_len // 16) + 16, max_num_batched_tokens=max(seqs),
+              token_buckets=seqs, seq_buckets=seqs)  # decode buckets only: fewer start-up compiles
     moe_model.MoeLlama.__init__ = init
     runner = llm.engine.runner
     loads: list = []

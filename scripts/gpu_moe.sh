@@ -14,10 +14,10 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 {
   echo "== grouped matmul, one Qwen3-30B-A3B layer"
-  timeout ${T1:-150} python3 scripts/bench_moe.py gmm --tokens 1 64 512 8192 \
+  timeout ${T1:-110} python3 scripts/bench_moe.py gmm --tokens 1 64 512 8192 \
     --output-json "$OUT/moe_gmm.json" 2>&1 | grep -v -i warn | tail -12 || echo "gmm: failed or timed out ($?)"
   echo "== decode step, qwen3-30b-a3b shape, ctx 2048"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${T2:-130} python3 scripts/bench_moe.py decode \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${T2:-170} python3 scripts/bench_moe.py decode \
     --random-shape qwen3-30b-a3b --batch-size 1 64 --input-len 2048 --num-iters 20 \
     --output-json "$OUT/moe_decode.json" 2>&1 | grep -v -i warn | tail -8 || echo "decode: failed or timed out ($?)"
 } | tee "$OUT/moe.txt"

@@ -61,6 +61,9 @@ def run_ep() -> dict:
                 run["experts"] = _expert_shards(llm.engine.runner)
             if warm:
                 run["stats"] = llm.stats()
+            if tp == 4 and arch == "qwen2_moe":
+                from tp_worker import collectives
+                run["collectives"] = collectives(llm.engine.runner, 32, 4)
             out[f"{arch}_tp{tp}{'_ep' if ep else ''}"] = run
     return out
 

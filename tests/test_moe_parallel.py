@@ -59,6 +59,16 @@ def test_expert_layouts(ep):
 
 
 @pytest.mark.slow
+def test_expert_parallel_dispatches_with_all_to_all(ep):
+    """EP: rows go to their experts' devices and back by all-to-all (two per MoE layer in the
+    scan body: rows and their expert ids out, outputs back), then an all-gather; TP experts: psum."""
+    ep_ops = [o.split()[0] for o in ep["qwen2_moe_tp4_ep"]["collectives"]]
+    tp_ops = [o.split()[0] for o in ep["qwen2_moe_tp4"]["collectives"]]
+    assert ep_ops.count("all-to-all") >= 3, ep_ops
+    assert "all-to-all" not in tp_ops, tp_ops
+
+
+@pytest.mark.slow
 def test_no_compiles_after_warmup_ep(ep):
     assert ep["qwen2_moe_tp4_ep"]["stats"]["compiles_after_warmup"] == 0
 

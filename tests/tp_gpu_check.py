@@ -70,7 +70,7 @@ def single() -> None:
 
 def multi_child(pid: int, port: int) -> None:
     from jaxllm import LLM
-    from jaxllm.parallel import run_follower
+    from jaxllm.engine.multihost import run_follower
 
     cfg, w = model()
     dist = dict(distributed_coordinator=f"127.0.0.1:{port}", num_processes=2, process_id=pid,

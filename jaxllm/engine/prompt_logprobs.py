@@ -54,7 +54,7 @@ class PromptScorer:
         self.num_compiles += 1  # runs while tracing only
         params, layers = params if isinstance(params, tuple) else (params, None)
         model = nnx.merge(self.graphdef, params)
-        kv, logits = model(kv, tokens, md, jnp.arange(tokens.shape[0], dtype=jnp.int32), layers)
+        kv, logits, *_ = model(kv, tokens, md, jnp.arange(tokens.shape[0], dtype=jnp.int32), layers)
         lp = jax.nn.log_softmax(logits, axis=-1)
         tgt = jnp.take_along_axis(lp, targets[:, None], axis=1)[:, 0]
         rank = (lp > tgt[:, None]).sum(-1) + 1

@@ -15,6 +15,7 @@ shard, attention runs per shard, and KV blocks are sized from per-device memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -134,7 +135,8 @@ class ModelRunner:
             self.eplb = ExpertBalancer(model_cfg.moe, cfg.eplb_config, cfg.tensor_parallel_size)
             state = self.eplb.expand_state(state) if state is not None else None
         if cfg.tensor_parallel_size > 1 or jax.process_count() > 1:
-            from jaxllm.parallel import TensorParallel, leader_channel
+            from jaxllm.engine.multihost import leader_channel
+            from jaxllm.parallel import TensorParallel
             self.tp = TensorParallel(model_cfg, cfg.tensor_parallel_size,
                                      split_axes=self.model_entry.split_axes(cfg.enable_expert_parallel),
                                      expert_parallel=cfg.enable_expert_parallel,
@@ -147,6 +149,12 @@ class ModelRunner:
         embed_fn = self.tp.embedding() if self.tp else None
         model_cls = self.model_entry.model_cls
         hooks = (self.tp.model_hooks() if self.tp else {}) | (self.eplb.model_hooks() if self.eplb else {})
+        self.gmm_chooser = None  # one GPU, MoE: grouped matmul picked by measurement at warm-up
+        if model_cfg.moe is not None and self.tp is None and self.platform == "gpu":
+            from jaxllm.models.gmm import Chooser
+            from jaxllm.models.moe import experts
+            self.gmm_chooser = Chooser()
+            hooks["experts_fn"] = functools.partial(experts, gmm=self.gmm_chooser)
         make = lambda c=model_cfg: model_cls(c, self.dtype, rngs=nnx.Rngs(cfg.seed), attention_fn=attn,
                                              embed_fn=embed_fn, **hooks)
         if self.tp is not None:
@@ -312,7 +320,7 @@ class ModelRunner:
         `prev_ids` ([max_rows], on device) are the sampled ids of the step before,
         read where `hb.prev_index` >= 0 (overlapped steps; single process only).
         With several processes this is the leader's call: the batch is broadcast
-        first, so the followers run the same step (`jaxllm.parallel.follow`).
+        first, so the followers run the same step (`jaxllm.engine.multihost.follow`).
         """
         if self.channel is not None:
             if prev_ids is not None:
@@ -368,6 +376,10 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.channel is not None and not self.channel.is_leader:
             return 0.0
+        if self.gmm_chooser is not None:
+            m = self.model_cfg
+            self.gmm_chooser.measure([T * m.moe.top_k for T in token_buckets], m.moe.num_experts,
+                                     m.hidden_size, m.moe.moe_intermediate_size, self.dtype)
         for T in token_buckets:
             for R in seq_buckets:
                 if R > pick_bucket(seq_buckets, min(T, seq_buckets[-1])):

@@ -12,14 +12,19 @@ knows every token's experts without communication. Two layouts:
   intermediate dimension (gate/up by columns, down by rows); every device
   computes every row on its slice.
 
-Either way each device holds a partial sum of the block's output, and one
-all-reduce (psum) combines it -- the same collective the dense MLP ends in, and
-what vLLM's expert parallelism does when attention is not data-parallel.
+Expert parallel dispatches with all-to-all (`dispatch_all_to_all`): each device
+sends its share of the tokens' rows to the devices of their experts and gets the
+outputs back, then an all-gather rebuilds the replicated output. Otherwise
+(tensor-parallel experts, or a token bucket the mesh does not divide) each device
+holds a partial sum of the block's output over the whole batch, and one psum
+combines it -- the collective the dense MLP ends in, and what vLLM's expert
+parallelism does when attention is not data-parallel.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxllm.models.config import ModelConfig
@@ -48,14 +53,60 @@ def check_experts(model_cfg: ModelConfig, tp: int, expert_parallel: bool,
                          f"tensor_parallel_size={tp}; try enable_expert_parallel")
 
 
-def shard_experts(mesh: Mesh, expert_parallel: bool):
-    """`experts_fn(x, weights, ids, w_gate, w_up, w_down, valid)` over the mesh (see module doc)."""
+def dispatch_all_to_all(x, weights, ids, w_gate, w_up, w_down, valid, n: int):
+    """One device's part of expert-parallel MoE with all-to-all dispatch and combine.
+
+    Device d takes tokens d*T/n .. (d+1)*T/n of the (replicated) batch. Each of its
+    T/n * k rows goes to the device owning its expert: a fixed [n, C, H] send buffer
+    (C = T/n * k, so even every row to one device fits: dropless), row r at
+    [owner, rank of r among the rows to that owner]. One all-to-all delivers the
+    rows, the owner runs the grouped matmul over the rows it received (n * C, the
+    empty places in the uncovered group), a second all-to-all returns the outputs
+    to the same places, the source weights and sums each token's k rows, and an
+    all-gather rebuilds the replicated [T, H] output.
+    """
+    d = jax.lax.axis_index(AXIS)
+    T, k = ids.shape
+    H, El = x.shape[1], w_gate.shape[0]
+    Tl = T // n
+    C = Tl * k
+    take = lambda a: jax.lax.dynamic_slice_in_dim(a, d * Tl, Tl, 0)
+    xl, wl, il = take(x), take(weights), take(ids)
+    live = jnp.repeat(take(valid), k)
+    slot = il.reshape(C)
+    owner = jnp.where(live, slot // El, n)  # n: not sent (padding)
+    ranks = jnp.cumsum(owner[:, None] == jnp.arange(n)[None, :], axis=0) - 1  # [C, n]
+    place = jnp.take_along_axis(ranks, jnp.minimum(owner, n - 1)[:, None], 1)[:, 0]
+    rows = jnp.arange(C) // k
+    send_x = jnp.zeros((n, C, H), x.dtype).at[owner, place].set(xl[rows], mode="drop")
+    send_e = jnp.full((n, C), El, jnp.int32).at[owner, place].set(slot % El, mode="drop")
+    recv_x = jax.lax.all_to_all(send_x, AXIS, 0, 0)  # [n, C, H]: recv[j] = device j's rows
+    recv_e = jax.lax.all_to_all(send_e, AXIS, 0, 0)
+    ones = jnp.ones((n * C, 1), jnp.float32)
+    out = experts(recv_x.reshape(n * C, H), ones, recv_e.reshape(n * C, 1), w_gate, w_up, w_down)
+    back = jax.lax.all_to_all(out.reshape(n, C, H), AXIS, 0, 0)  # back[j]: my rows' outputs from j
+    mine = back[jnp.minimum(owner, n - 1), place]
+    mine = jnp.where((owner < n)[:, None], mine, 0).reshape(Tl, k, H)
+    y = jnp.einsum("tkh,tk->th", mine, wl.astype(mine.dtype))
+    return jax.lax.all_gather(y, AXIS, axis=0, tiled=True)
+
+
+def shard_experts(mesh: Mesh, expert_parallel: bool, all_to_all: bool = True):
+    """`experts_fn(x, weights, ids, w_gate, w_up, w_down, valid)` over the mesh (see module doc).
+
+    Expert parallel with `all_to_all` (and a token count the mesh divides) dispatches
+    rows with all-to-all (`dispatch_all_to_all`); otherwise every device computes its
+    experts' rows of the whole batch and one psum combines.
+    """
+    n = mesh.shape[AXIS]
     if expert_parallel:
         w_specs = (P(AXIS), P(AXIS), P(AXIS))  # [E, H, F], [E, H, F], [E, F, H]: split by expert
     else:
         w_specs = (P(None, None, AXIS), P(None, None, AXIS), P(None, AXIS, None))  # by F
 
     def local(x, weights, ids, w_gate, w_up, w_down, valid):
+        if expert_parallel and all_to_all and x.shape[0] % n == 0:
+            return dispatch_all_to_all(x, weights, ids, w_gate, w_up, w_down, valid, n)
         first = jax.lax.axis_index(AXIS) * w_gate.shape[0] if expert_parallel else 0
         part = experts(x, weights, ids, w_gate, w_up, w_down, valid, first_expert=first)
         return jax.lax.psum(part, AXIS)
