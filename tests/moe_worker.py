@@ -100,6 +100,18 @@ def run_eplb() -> dict:
     compiles = bal.num_compiles()
     initial = bal.phys_to_log.tolist()
     toks = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    # The accelerator layout (one array per layer, unrolled), forced on CPU: weights move per layer.
+    from jaxllm.engine.runner import ModelRunner
+
+    init = ModelRunner.__init__
+    ModelRunner.__init__ = lambda self, *a, **k: init(self, *a, **{**k, "unroll_layers": True})
+    try:
+        un = _llm(cfg, sd, tensor_parallel_size=4, enable_expert_parallel=True, enable_eplb=True,
+                  eplb_config=eplb)
+    finally:
+        ModelRunner.__init__ = init
+    out["unrolled_tokens"] = [o.outputs[0].token_ids for o in un.generate(prompts, greedy, use_tqdm=False)]
+    out["unrolled_history"] = un.engine.runner.eplb.history
     out |= {"tokens": toks, "history": bal.history, "initial": initial,
             "final": bal.phys_to_log.tolist(), "stats": llm.stats(),
             "balancer_compiles": [compiles, bal.num_compiles()],

@@ -148,6 +148,27 @@ def test_greedy_parity_with_hf(arch):
     assert llm.stats()["compiles_after_warmup"] == 0  # routings changed from step to step
 
 
+@pytest.mark.slow
+def test_unrolled_layers_match_scan():
+    """The accelerator layout (per-layer arrays, dense and MoE layers mixed) = the scan."""
+    from jaxllm.engine.runner import ModelRunner
+
+    _, cfg, sd = make("qwen3_moe_mixed")
+    prompts = random_prompts(2, cfg["vocab_size"], 3, 40, seed=2)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    scan = make_llm((cfg, sd), token_buckets=(64,), max_model_len=128, skip_warmup=True)
+    ref = [o.outputs[0].token_ids for o in scan.generate(prompts, greedy, use_tqdm=False)]
+    init = ModelRunner.__init__
+    ModelRunner.__init__ = lambda self, *a, **k: init(self, *a, **{**k, "unroll_layers": True})
+    try:
+        llm = make_llm((cfg, sd), token_buckets=(64,), max_model_len=128, skip_warmup=True)
+    finally:
+        ModelRunner.__init__ = init
+    layers = llm.engine.runner.layer_params
+    assert "router" in layers[1] and "w_gate" in layers[0] and "router" not in layers[3]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == ref
+
+
 def _checkpoint_layout(sd: dict, mixtral: bool) -> dict:
     """transformers-5 fused expert tensors -> the per-expert names of HF checkpoint files."""
     out = {}

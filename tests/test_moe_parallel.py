@@ -160,6 +160,7 @@ def test_eplb_balances_a_biased_router(eplb):
 def test_eplb_keeps_outputs_and_compiles(eplb):
     assert len({tuple(t) for t in eplb["ref"]}) == len(eplb["ref"])  # varied outputs
     assert eplb["tokens"] == eplb["ref"]  # weights moved mid-generation: same greedy ids
+    assert eplb["unrolled_tokens"] == eplb["ref"] and len(eplb["unrolled_history"]) >= 2  # GPU layout
     assert eplb["stats"]["compiles_after_warmup"] == 0
     before, after = eplb["balancer_compiles"]
     assert after == before, "the ring update or the weight gather compiled again"
