@@ -151,7 +151,9 @@ def test_tool_choice_none_and_a_tool_result_turn(srv, client):
         {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"}]
     r = client.chat.completions.create(model=MODEL, messages=turn, tools=TOOLS, tool_choice="none", max_tokens=4)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 4
-    ids = httpx.post(f"{srv.url}/tokenize", json={"messages": turn}).json()["tokens"]
+    tok = httpx.post(f"{srv.url}/tokenize", json={"messages": turn, "return_token_strs": True}).json()
+    ids = tok["tokens"]
+    assert len(tok["token_strs"]) == len(ids) and all(isinstance(t, str) for t in tok["token_strs"])
     prompt = httpx.post(f"{srv.url}/detokenize", json={"tokens": ids}).json()["prompt"]
     assert "18 degrees and sunny" in prompt and prompt.index("Weather in Paris?") < prompt.index("18 degrees")
 

@@ -180,7 +180,10 @@ def build_app(engine: AsyncLLM, model_names: list[str], api_key: str | None = No
         else:
             text, special = req.prompt, req.add_special_tokens
             ids = await engine.call(lambda e: list(e.tokenizer.encode(text, add_special_tokens=special)))
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        out = {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        if req.return_token_strs:
+            out["token_strs"] = await engine.call(lambda e: list(e.tokenizer.convert_ids_to_tokens(ids)))
+        return out
 
     @app.get("/tokenizer_info", dependencies=auth, responses=responses(401))
     async def tokenizer_info() -> dict:

@@ -162,3 +162,4 @@ class TokenizeChatRequest(_Req):
     add_generation_prompt: bool = True
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False

@@ -157,6 +157,7 @@ class TokenizeCompletionRequest(_Req):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(_Req):
