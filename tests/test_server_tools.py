@@ -67,7 +67,7 @@ def canned(srv, text: str, tool_parser: str | None = None, reasoning: str | None
     saved = chat.admit, chat.tool_parser, chat.auto_tools, chat.reasoning_parser
     seen: dict = {}
 
-    def admit(rid, prompts, params, priority=0):
+    def admit(rid, prompts, params, *args, **kwargs):
         seen["params"], seen["prompt_ids"] = params, prompts[0][1]
         return [_Canned(text)]
     chat.admit = admit
