@@ -156,7 +156,8 @@ class LLMEngine:
             self.runner.warmup_sampler(self.sampler, r)  # as the runner's logits are placed
         self.runner.kv_pages = self.kv_ops.warmup(self.runner.kv_pages)
         if self.spec is not None:
-            self.spec.warmup(self.sampler, self.seq_buckets)
+            tp = self.runner.tp
+            self.spec.warmup(self.sampler, self.seq_buckets, tp.local_devices[0] if tp is not None else None)
         channel = self.runner.channel
         if channel is not None and channel.is_leader:
             channel.send_copies([])  # compiles the copy broadcast (followers copy nothing)

@@ -93,13 +93,18 @@ class SpecDecoder:
         self.log_interval = 10.0  # seconds between "spec decode:" log lines (vLLM's cadence)
         self._last_log = time.monotonic()
 
-    def warmup(self, sampler, seq_buckets: tuple[int, ...]) -> None:
-        """Compile verification for every request bucket, with and without penalties."""
+    def warmup(self, sampler, seq_buckets: tuple[int, ...], device=None) -> None:
+        """Compile verification for every request bucket, with and without penalties;
+        `device`: where the step's logits live (tensor parallel: committed to a mesh device,
+        which jit keys its cache on)."""
+        import jax
         import jax.numpy as jnp
         from jaxllm.engine.sampler import SampleRow
         from jaxllm.sampling_params import SamplingParams
         for R in seq_buckets:
             logits = jnp.zeros((R, sampler.vocab_size), jnp.float32)
+            if device is not None:
+                logits = jax.device_put(logits, device)
             for params in (SamplingParams(), SamplingParams(repetition_penalty=1.1)):
                 for masked in (False, True):  # with a structured-outputs row in the batch
                     batch = sampler.prepare([SampleRow(params, [0], [], 0, None)], R)
