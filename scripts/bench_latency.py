@@ -55,11 +55,13 @@ def fill_random(runner) -> None:
     import jax.numpy as jnp
 
     def rnd(kv):
-        if kv.dtype == jnp.uint8:  # int8/int4 rows: random value bytes, a fixed valid scale
+        if kv.dtype == jnp.uint8:  # int8/int4 rows: random value bytes, valid scale (and minimum)
             from jaxllm.kernels import kv_quant
+            fmt = kv_quant.page_format(kv.dtype, kv.shape[-1], runner.model_cfg.head_dim)
+            meta = kv_quant.META_BYTES[fmt]
             bits = jax.random.bits(jax.random.key(1), kv.shape, jnp.uint8)
             scale = jax.lax.bitcast_convert_type(jnp.bfloat16(0.01), jnp.uint8)
-            return bits.at[..., -kv_quant.SCALE_BYTES:].set(scale)
+            return bits.at[..., -meta:].set(jnp.tile(scale, meta // 2))
         return jax.random.normal(jax.random.key(1), kv.shape, jnp.bfloat16).astype(kv.dtype)
 
     # Keep the pages' sharding (tensor parallel; one device: uncommitted, as the runner's):

@@ -94,7 +94,9 @@ def bench_matmul(tokens: list[int], C: float) -> list[dict]:
                 paths["fp8_w8a8_xla"] = (lambda x, w: fp8_w8a8(x, w), quant["fp8"], qbytes(quant["fp8"][0]))
             if "int8" in quant:
                 paths["int8_w8a16_xla"] = (lambda x, w: matmul(x, w, "xla"), quant["int8"], qbytes(quant["int8"][0]))
-                paths["int8_w8a16_mgpu"] = (lambda x, w: int8_mgpu(x, w), quant["int8"], qbytes(quant["int8"][0]))
+                pairs = [(q, jnp.asarray(q.values.T)) for q in quant["int8"]]  # W^T stored once
+                paths["int8_w8a16_mgpu"] = (lambda x, p: int8_mgpu(x, p[0], p[1]), pairs,
+                                            qbytes(quant["int8"][0]))
             if "int4" in quant:
                 paths["int4_w4a16_xla"] = (lambda x, w: matmul(x, w, "xla"), quant["int4"], qbytes(quant["int4"][0]))
             ref = None
@@ -106,7 +108,8 @@ def bench_matmul(tokens: list[int], C: float) -> list[dict]:
                     if path == "bf16":
                         ref = out
                     elif ref is not None:
-                        want = x.astype(jnp.float32) @ (wl[0].dequantize(jnp.float32))
+                        q0 = wl[0][0] if isinstance(wl[0], tuple) else wl[0]
+                        want = x.astype(jnp.float32) @ q0.dequantize(jnp.float32)
                         row["rel_err_vs_dequant"] = rel_err(out, want)
                     if path == "fp8_w8a8_xla":
                         hlo = f.lower(x, wl[0]).compile().as_text()

@@ -86,7 +86,7 @@ def test_pool_block_count_per_dtype_at_a_fixed_budget(tiny):
         llm = make_llm(tiny, kv_cache_dtype=name, kv_cache_memory_bytes=budget, skip_warmup=True)
         blocks[name] = llm.engine.runner.num_blocks
     # Per token and layer: 2 (K, V) x 2 KV heads x row bytes; 2 layers, 16 tokens a block.
-    row = {"auto": HEAD_DIM * 4, "fp8": HEAD_DIM, "int8": HEAD_DIM + 2, "int4": HEAD_DIM // 2 + 2}
+    row = {"auto": HEAD_DIM * 4, "fp8": HEAD_DIM, "int8": HEAD_DIM + 2, "int4": HEAD_DIM // 2 + 4}
     for name, r in row.items():
         assert blocks[name] == budget // (2 * 2 * 2 * 16 * r), name
     assert blocks["int4"] > blocks["int8"] > blocks["fp8"] * 0.8 and blocks["fp8"] == 4 * blocks["auto"]

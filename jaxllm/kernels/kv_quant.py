@@ -13,10 +13,12 @@ count carry the scales with the pages without knowing about them.
                no calibration pass): values are clipped to the format's range and cast.
     int8       W = D + 2 bytes (uint8): D int8 values, then the row's scale as bfloat16 bytes
                (little-endian). Symmetric, per token and KV head: s = amax / 127.
-    int4       W = D / 2 + 2 bytes: byte d holds element d (low nibble) and d + D/2 (high
-               nibble), stored as q + 8 with q in [-8, 7]; then the bfloat16 scale, s = amax / 7.
-               Splitting halves (not neighbours) lets a kernel run two D/2-wide dots instead
-               of interleaving nibbles.
+    int4       W = D / 2 + 4 bytes: byte d holds element d (low nibble) and d + D/2 (high
+               nibble), q in [0, 15]; then the bfloat16 scale s = (max - min) / 15 and the
+               bfloat16 minimum m, per token and KV head: x = q * s + m. Asymmetric because
+               a symmetric per-row scale cost SmolLM2 57% perplexity, this one 6%
+               (docs/benchmarks.md). Splitting halves (not neighbours) lets a kernel run
+               two D/2-wide dots instead of interleaving nibbles.
 
 The bfloat16 scale is read back with integer ops and one same-width bitcast
 (`(b0 << 16 | b1 << 24)` viewed as float32), which every lowering (XLA, Triton) has.
@@ -30,9 +32,9 @@ from jax import lax
 
 from jaxllm.quantization.methods import check_kv_cache_dtype, check_fp8_device
 
-SCALE_BYTES = 2  # a bfloat16 per row
+SCALE_BYTES = 2  # a bfloat16 scale per row (int4 adds a bfloat16 minimum: 4 bytes)
+META_BYTES = {"int8": 2, "int4": 4}
 _FP8 = {"fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn, "fp8_e5m2": jnp.float8_e5m2}
-_QMAX = {"int8": 127.0, "int4": 7.0}
 
 
 def page_layout(kv_cache_dtype: str, model_dtype, head_dim: int) -> tuple[object, int]:
@@ -47,7 +49,7 @@ def page_layout(kv_cache_dtype: str, model_dtype, head_dim: int) -> tuple[object
     if head_dim % 2:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} needs an even head_dim, got {head_dim}")
     width = head_dim if kv_cache_dtype == "int8" else head_dim // 2
-    return jnp.uint8, width + SCALE_BYTES
+    return jnp.uint8, width + META_BYTES[kv_cache_dtype]
 
 
 def page_format(dtype, width: int, head_dim: int) -> str:
@@ -56,9 +58,9 @@ def page_format(dtype, width: int, head_dim: int) -> str:
     if dtype in (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)):
         return "fp8"
     if dtype == jnp.dtype(jnp.uint8):
-        if width == head_dim + SCALE_BYTES:
+        if width == head_dim + META_BYTES["int8"]:
             return "int8"
-        if width == head_dim // 2 + SCALE_BYTES:
+        if width == head_dim // 2 + META_BYTES["int4"]:
             return "int4"
     if width != head_dim:
         raise ValueError(f"page rows of {width} x {dtype} match no KV format for head_dim {head_dim}")
@@ -96,33 +98,35 @@ def encode(x: jax.Array, dtype, width: int) -> jax.Array:
     if fmt == "fp8":
         top = float(jnp.finfo(dtype).max)
         return jnp.clip(xf, -top, top).astype(dtype)
-    qmax = _QMAX[fmt]
-    amax = jnp.max(jnp.abs(xf), axis=-1)
-    # Round the scale to bfloat16 first, so values are quantized by the scale that is stored.
-    s = (jnp.maximum(amax, 1e-30) / qmax).astype(jnp.bfloat16).astype(jnp.float32)
-    q = jnp.clip(jnp.round(xf / s[..., None]), -qmax, qmax).astype(jnp.int32)
     if fmt == "int8":
-        vals = lax.bitcast_convert_type(q.astype(jnp.int8), jnp.uint8)
-    else:
-        half = head_dim // 2
-        u = (q + 8).astype(jnp.uint8)
-        vals = u[..., :half] | (u[..., half:] << 4)
-    return jnp.concatenate([vals, _scale_bytes(s)], axis=-1)
+        amax = jnp.max(jnp.abs(xf), axis=-1)
+        # Round the scale to bfloat16 first, so values are quantized by the scale that is stored.
+        s = (jnp.maximum(amax, 1e-30) / 127.0).astype(jnp.bfloat16).astype(jnp.float32)
+        q = jnp.clip(jnp.round(xf / s[..., None]), -127, 127).astype(jnp.int8)
+        return jnp.concatenate([lax.bitcast_convert_type(q, jnp.uint8), _scale_bytes(s)], axis=-1)
+    lo = jnp.min(xf, axis=-1).astype(jnp.bfloat16).astype(jnp.float32)
+    s = (jnp.maximum(jnp.max(xf, axis=-1) - lo, 1e-30) / 15.0).astype(jnp.bfloat16).astype(jnp.float32)
+    q = jnp.clip(jnp.round((xf - lo[..., None]) / s[..., None]), 0, 15).astype(jnp.uint8)
+    half = head_dim // 2
+    vals = q[..., :half] | (q[..., half:] << 4)
+    return jnp.concatenate([vals, _scale_bytes(s), _scale_bytes(lo)], axis=-1)
 
 
-def row_scale(rows: jax.Array, fmt: str) -> jax.Array:
-    """The float32 scale [...] of stored int rows [..., W]."""
-    return scale_from_bytes(rows[..., -2], rows[..., -1])
+def row_scale(rows: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array | None]:
+    """(scale, minimum or None) float32 [...] of stored int rows [..., W]."""
+    n = rows.shape[-1] - META_BYTES[fmt]
+    s = scale_from_bytes(rows[..., n], rows[..., n + 1])
+    if fmt == "int8":
+        return s, None
+    return s, scale_from_bytes(rows[..., n + 2], rows[..., n + 3])
 
 
 def unpack_values(rows: jax.Array, fmt: str) -> list[jax.Array]:
     """Integer values of stored rows as float32 chunks along D (int8: [D]; int4: [D/2, D/2])."""
-    vals = rows[..., :-SCALE_BYTES]
+    vals = rows[..., :rows.shape[-1] - META_BYTES[fmt]]
     if fmt == "int8":
         return [lax.bitcast_convert_type(vals, jnp.int8).astype(jnp.float32)]
-    lo = (vals & 15).astype(jnp.float32) - 8.0
-    hi = (vals >> 4).astype(jnp.float32) - 8.0
-    return [lo, hi]
+    return [(vals & 15).astype(jnp.float32), (vals >> 4).astype(jnp.float32)]
 
 
 def decode(rows: jax.Array, head_dim: int, out_dtype=jnp.float32) -> jax.Array:
@@ -131,4 +135,6 @@ def decode(rows: jax.Array, head_dim: int, out_dtype=jnp.float32) -> jax.Array:
     if fmt in ("plain", "fp8"):
         return rows.astype(out_dtype)
     vals = jnp.concatenate(unpack_values(rows, fmt), axis=-1)
-    return (vals * row_scale(rows, fmt)[..., None]).astype(out_dtype)
+    s, m = row_scale(rows, fmt)
+    out = vals * s[..., None]
+    return (out if m is None else out + m[..., None]).astype(out_dtype)

@@ -61,24 +61,25 @@ def block_schedule(query_start_loc: jax.Array, num_tokens: int, bq: int) -> jax.
 
 
 def _load_rows(kv_ref, layer, which: int, kvh, slot, fmt: str, dtype):
-    """A [BK] row tile of keys (which=0) or values (1): (chunks [BK, D/n] in `dtype`, scale).
+    """A [BK] row tile of keys (which=0) or values (1): (chunks [BK, D/n] in `dtype`, scale, min).
 
     Quantized rows are dequantized here, in registers: integer values become `dtype`
-    exactly and the per-row scale ([BK] float32, None for plain/fp8 pages) is applied to
-    the scores (keys) or the probabilities (values), a [M, BK] product instead of [BK, D].
+    exactly, and the per-row scale and int4 minimum ([BK] float32; None for plain/fp8
+    pages) are applied to the scores (keys) or the probabilities (values): [M, BK]
+    products instead of [BK, D].
     """
     if fmt in ("plain", "fp8"):
-        return [kv_ref[layer, which, kvh, slot, :].astype(dtype)], None
-    nval = kv_ref.shape[-1] - kv_quant.SCALE_BYTES
+        return [kv_ref[layer, which, kvh, slot, :].astype(dtype)], None, None
+    nval = kv_ref.shape[-1] - kv_quant.META_BYTES[fmt]
     c = jnp.arange(nval, dtype=jnp.int32)
     raw = kv_ref[layer, which, kvh, slot[:, None], c[None, :]]  # [BK, nval] uint8
-    scale = kv_quant.scale_from_bytes(kv_ref[layer, which, kvh, slot, nval],
-                                      kv_ref[layer, which, kvh, slot, nval + 1])
+    byte = lambda i: kv_ref[layer, which, kvh, slot, nval + i]  # [BK]
+    scale = kv_quant.scale_from_bytes(byte(0), byte(1))
     if fmt == "int8":
-        return [jax.lax.bitcast_convert_type(raw, jnp.int8).astype(dtype)], scale
-    lo = ((raw & 15).astype(jnp.int32) - 8).astype(dtype)  # int4: elements d and d + D/2
-    hi = ((raw >> 4).astype(jnp.int32) - 8).astype(dtype)
-    return [lo, hi], scale
+        return [jax.lax.bitcast_convert_type(raw, jnp.int8).astype(dtype)], scale, None
+    lo = (raw & 15).astype(dtype)  # int4: elements d and d + D/2, x = q * s + min
+    hi = (raw >> 4).astype(dtype)
+    return [lo, hi], scale, kv_quant.scale_from_bytes(byte(2), byte(3))
 
 
 def _kernel(sched_ref, pos_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, *,
@@ -104,6 +105,7 @@ def _kernel(sched_ref, pos_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, *,
         qs = [q_ref[tok, head, :]]  # [M, D]
     else:
         qs = [q_ref[tok[:, None], head[:, None], d[None, :]] for d in dims]
+    q_sum = sum(jnp.sum(qc.astype(jnp.float32), axis=1) for qc in qs)  # [M], for int4's minimum
     pos = jnp.where(valid, pos_ref[tok], -1)  # [M]
     num_steps = (jnp.max(pos) + keys) // keys  # keys 0..max(pos) inclusive
     layer = layer_ref[0]
@@ -115,20 +117,27 @@ def _kernel(sched_ref, pos_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, *,
         m, l, acc = carry
         col = jnp.minimum(j * ppb + kk // page_size, max_col)
         slot = bt_ref[req, col] * page_size + kk % page_size  # [BK] rows of the flat page array
-        ks, k_scale = _load_rows(kv_ref, layer, 0, kvh, slot, fmt, cdt)
+        ks, k_scale, k_min = _load_rows(kv_ref, layer, 0, kvh, slot, fmt, cdt)
         s = plt.dot(qs[0].astype(cdt), ks[0], trans_b=True)  # [M, BK] float32
         for qc, kc in zip(qs[1:], ks[1:]):
             s = s + plt.dot(qc.astype(cdt), kc, trans_b=True)
-        s = s * sm_scale if k_scale is None else s * (k_scale * sm_scale)[None, :]
+        if k_scale is not None:
+            s = s * k_scale[None, :]
+        if k_min is not None:  # q . (k_q * s + m) = s (q . k_q) + m * sum(q)
+            s = s + q_sum[:, None] * k_min[None, :]
+        s = s * sm_scale
         visible = (j * keys + kk)[None, :] <= pos[:, None]
         s = jnp.where(visible, s, _NEG)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
         l = l * alpha + jnp.sum(p, axis=1)
-        vs, v_scale = _load_rows(kv_ref, layer, 1, kvh, slot, fmt, cdt)
+        vs, v_scale, v_min = _load_rows(kv_ref, layer, 1, kvh, slot, fmt, cdt)
         pv = (p if v_scale is None else p * v_scale[None, :]).astype(cdt)
         acc = tuple(a * alpha[:, None] + plt.dot(pv, vc) for a, vc in zip(acc, vs))
+        if v_min is not None:  # sum_j p_j (v_q s + m)_j: the minimum adds p . m to every column
+            pm = jnp.sum(p * v_min[None, :], axis=1)[:, None]
+            acc = tuple(a + pm for a in acc)
         return m_new, l, acc
 
     init = (jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),

@@ -63,8 +63,13 @@ def fp8_w8a8(x: jax.Array, w: QArray, upcast: bool = False) -> jax.Array:
     return (y * sx * w.scale[..., 0]).astype(x.dtype)
 
 
-def int8_mgpu(x: jax.Array, w: QArray) -> jax.Array:
-    """int8 per-channel W8A16 on Hopper via JAX's mixed-type Mosaic GPU matmul."""
+def int8_mgpu(x: jax.Array, w: QArray, w_nk: jax.Array | None = None) -> jax.Array:
+    """int8 per-channel W8A16 on Hopper via JAX's mixed-type Mosaic GPU matmul.
+
+    The kernel takes the int8 operand on the left, so this computes (W^T x^T)^T; `w_nk`
+    is W^T stored once ([N, K] int8). Without it W is transposed per call (XLA copies it),
+    which is why the engine's table keeps "xla" until int8 is stored [N, K] for this path.
+    """
     from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as mm
 
     if w.kind != "int8" or w.group != w.shape[-2]:
@@ -78,6 +83,7 @@ def int8_mgpu(x: jax.Array, w: QArray) -> jax.Array:
         xt = jnp.pad(xt, ((0, 0), (0, pad)))
     cfg = mm.TuningConfig(tile_m=128, tile_n=tile_n, tile_k=64, max_concurrent_steps=4,
                           epi_tile_n=64, epi_tile_m=64)
-    yt = mm.mixed_matmul_kernel(w.values.T, xt, out_dtype=jnp.bfloat16, config=cfg)  # [N, T]
+    a = w.values.T if w_nk is None else w_nk
+    yt = mm.mixed_matmul_kernel(a, xt, out_dtype=jnp.bfloat16, config=cfg)  # [N, T]
     y = yt[:, :t].T.astype(jnp.float32) * w.scale[0]
     return y.reshape(*lead, -1).astype(x.dtype)
