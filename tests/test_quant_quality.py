@@ -1,5 +1,5 @@
 """Quality of each quantization mode on the embedded SmolLM2, held at the measured figures
-(scripts/eval_quant.py; docs/benchmarks.md has the full run): perplexity of a short fixed
+(scripts/eval_quant.py; docs/benchmarks.md has the full run): perplexity of the fixed
 text within 2% of the float model for fp8 / int8 KV and weights, within 10% for int4.
 """
 
@@ -14,19 +14,20 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from eval_quant import MODES, TEXT, evaluate  # noqa: E402
 
-SHORT = TEXT[:300]  # ~60 tokens: one compile per mode stays small
+# The whole fixed text (136 tokens): every forward is padded to 256 tokens anyway (one
+# compile per mode), and a 60-token slice moved the ratios by up to 1.5%.
 # The issue's targets: 2% for 8-bit, 10% for 4-bit. Two are missed on this model and held at
 # what was measured instead: fp8 weights (e4m3 per channel costs 3% even with bf16
 # activations) and int4 weights (SmolLM2 ships as 4-bit Q4_1 in groups of 32; re-quantizing
 # onto a coarser grid of 64 costs 70%; quantization="gguf" keeps its own blocks, lossless).
 LIMIT = {"kv_fp8": 1.02, "kv_int8": 1.02, "w_int8": 1.02, "kv_int4": 1.10,
-         "w_fp8": 1.06, "w_int4": 1.9}
+         "w_fp8": 1.06, "w_int4": 1.8}
 
 
 @pytest.fixture(scope="module")
 def figures():
     modes = [m for m in MODES if m[0] in LIMIT]
-    res = evaluate(None, modes, SHORT, gen_tokens=0)
+    res = evaluate(None, modes, TEXT, gen_tokens=0)
     print({k: round(v.get("ppl_ratio", 0), 4) for k, v in res.items() if not k.startswith("_")})
     return res
 
