@@ -62,23 +62,6 @@ def test_prefix_hits_and_preemption_keep_the_plain_output(tiny, prompts, kv_dtyp
     assert st["compiles_after_warmup"] == 0
 
 
-@pytest.mark.slow
-def test_quantized_cache_changes_the_numbers_but_not_much(tiny, prompts):
-    """The quantized runs are not the float run in disguise, yet agree with it closely."""
-    ref = make_llm(tiny, enable_prefix_caching=False)
-    out = {}
-    for name in ("auto", "int8", "int4"):
-        llm = ref if name == "auto" else make_llm(tiny, kv_cache_dtype=name,
-                                                  enable_prefix_caching=False)
-        res = llm.generate(prompts[:4], SamplingParams(temperature=0, max_tokens=4, logprobs=1,
-                                                       ignore_eos=True), use_tqdm=False)
-        out[name] = np.array([[next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs]
-                              for o in res])
-    assert not np.array_equal(out["int8"], out["auto"])
-    assert np.abs(out["int8"] - out["auto"]).max() < 0.05
-    assert np.abs(out["int4"] - out["auto"]).max() > np.abs(out["int8"] - out["auto"]).max()
-
-
 def test_pool_block_count_per_dtype_at_a_fixed_budget(tiny):
     budget = 1 << 20
     blocks = {}

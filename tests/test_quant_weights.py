@@ -78,7 +78,7 @@ def float_run(tiny):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("method", ["fp8", "int4"])  # int8 and every mode on SmolLM2: test_quant_quality
 def test_engine_online_quantization(tiny, float_run, method):
     llm = make_llm(tiny, quantization=method, **ONE_BUCKET)
     params = llm.engine.runner.params
