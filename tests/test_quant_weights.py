@@ -158,6 +158,21 @@ def test_gguf_blocks_stay_quantized_and_match_gguf_dequantize(qtype):
     assert rel(got, want) < 1e-6
 
 
+def test_gguf_q4_k_blocks_match_gguf_dequantize():
+    rng = np.random.default_rng(3)
+    rows, nb = 24, 2  # in = 512: two 256-value super-blocks per row
+    raw = rng.integers(0, 256, (rows, nb, 144), dtype=np.uint8)
+    raw[..., 0:2] = np.array([0.01], np.float16).view(np.uint8)  # d, dmin: finite
+    raw[..., 2:4] = np.array([0.02], np.float16).view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    qa = checkpoints.gguf_linear(raw, "Q4_K", "blk.0.ffn_up.weight")
+    assert qa.shape == (512, rows) and qa.values.shape == (256, rows)
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    want = x @ gguf_dequantize(raw, GT.Q4_K).T
+    got = jax.jit(lambda x, q: x @ q)(x, jax.tree.map(jnp.asarray, qa))
+    assert rel(got, want) < 1e-6
+
+
 def test_gguf_type_without_kernel_is_named():
     with pytest.raises(ValueError, match="Q6_K"):
         checkpoints.gguf_linear(np.zeros((4, 210), np.uint8), "Q6_K", "blk.0.ffn_down.weight")

@@ -13,8 +13,9 @@ Activation scales and k/v scales in the file are not used (activations are not q
 for block-scaled weights: W8A16). Other `quant_method`s (awq, gptq, ...) are refused.
 
 GGUF with `quantization="gguf"` (vLLM's name): Q8_0 -> int8 groups of 32, Q4_0 / Q4_1 ->
-int4 groups of 32 (w = d * (q - 8), w = d * q + m); their nibble order is QArray's.
-Any other type on a linear (Q4_K, Q6_K, ...) is refused, naming it. Without
+int4 groups of 32 (w = d * (q - 8), w = d * q + m); their nibble order is QArray's. Q4_K ->
+int4 with float32 scale / offset per 32 (d * sc, -dmin * m) and nibble runs of 64.
+Any other type on a linear (Q5_K, Q6_K, ...) is refused, naming it. Without
 `quantization="gguf"` GGUF files load dequantized to float (the default path).
 """
 
@@ -31,7 +32,7 @@ from jaxllm.quantization.methods import check_checkpoint_method
 from jaxllm.quantization.qarray import QArray
 from jaxllm.quantization.quantize import is_linear
 
-GGUF_KEPT = ("Q8_0", "Q4_0", "Q4_1")
+GGUF_KEPT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
 _ST_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
               "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
@@ -110,6 +111,18 @@ def gguf_linear(data: np.ndarray, qtype_name: str, name: str) -> QArray:
         qs = blocks[..., size - 16:].reshape(rows, -1)  # [out, in/2]; block j: rows j, j + 16
         return QArray(np.ascontiguousarray(qs.T), np.ascontiguousarray(d.T.astype(np.float16)),
                       np.ascontiguousarray(m.T.astype(np.float16)), kind="int4")
+    if qtype_name == "Q4_K":  # 256-value super-blocks: 8 sub-blocks of 32 with 6-bit scales/mins
+        from gguf.quants import Q4_K
+        blocks = data.reshape(rows, -1, 144)
+        nb = blocks.shape[1]
+        d = blocks[..., :2].copy().view(np.float16).astype(np.float32)  # [out, nb, 1]
+        dmin = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)
+        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[..., 4:16]).reshape(-1, 12))
+        scale = (d * sc.reshape(rows, nb, 8).astype(np.float32)).reshape(rows, nb * 8)
+        offset = -(dmin * mn.reshape(rows, nb, 8).astype(np.float32)).reshape(rows, nb * 8)
+        qs = blocks[..., 16:].reshape(rows, -1)  # [out, in/2]: 32-byte runs of rows j, j + 32
+        return QArray(np.ascontiguousarray(qs.T), np.ascontiguousarray(scale.T),
+                      np.ascontiguousarray(offset.T), kind="int4", pack=64)
     raise ValueError(f"GGUF tensor {name} is {qtype_name}: no quantized kernel for it "
                      f"(kept quantized: {GGUF_KEPT}); load without quantization='gguf' to "
                      f"dequantize it to float")

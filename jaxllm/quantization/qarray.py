@@ -14,7 +14,9 @@ model code is unchanged. Layouts (the leading [...] are the stacked layer axes):
     kind "int8"   values int8 [..., K, N]            scale [..., K/g, N]  (g = K: per channel)
     kind "int4"   values uint8 [..., K/2, N]         scale, offset [..., K/g, N]: w = q * s + o
                   with q in [0, 16); in each group of g rows along K, byte j holds rows j (low
-                  nibble) and j + g/2 (high) - GGUF Q4_0/Q4_1's own order, so those load as is.
+                  nibble) and j + g/2 (high) - GGUF Q4_0/Q4_1's own order, so those load as is
+                  (`pack` sets a nibble group other than the scale group: Q4_K packs 64 rows
+                  per 32-byte run and scales every 32).
 
 The matmuls here are the plain-jnp path (CPU and the XLA GPU path); `kernels.py` picks
 another implementation per mode from a measured table where one is faster.
@@ -39,6 +41,7 @@ class QArray:
     offset: jax.Array | None = None
     kind: str = dataclasses.field(default="int8", metadata=dict(static=True))
     act: str = dataclasses.field(default="none", metadata=dict(static=True))  # "fp8": W8A8
+    pack: int = dataclasses.field(default=0, metadata=dict(static=True))  # int4 nibble group; 0: = group
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -78,7 +81,7 @@ class QArray:
             w = self.values.astype(np.float32)
             w = w * _expand(self.scale, w.shape, xp)
             return xp.swapaxes(w, -1, -2).astype(dtype)
-        q = unpack_int4(self.values, self.group, xp) if self.kind == "int4" else self.values
+        q = unpack_int4(self.values, self.pack or self.group, xp) if self.kind == "int4" else self.values
         w = q.astype(np.float32) * _expand(self.scale, q.shape, xp)
         if self.offset is not None:
             w = w + _expand(self.offset, q.shape, xp)
