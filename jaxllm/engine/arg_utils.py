@@ -50,8 +50,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="KV page storage: auto, fp8, fp8_e4m3, fp8_e5m2, int8, int4")
     p.add_argument("--quantization", "-q", default=None,
-                   help="weight quantization: fp8 (W8A8), int8 (W8A16), int4 (W4A16, group 128); "
-                        "pre-quantized checkpoints (HF fp8, GGUF Q8_0/Q4_0) are detected")
+                   help="weight quantization: fp8 (W8A8), int8 (W8A16), int4 (W4A16, group 128), gguf (keep "
+                        "a GGUF's Q8_0/Q4_0/Q4_1/Q4_K blocks); HF FP8 checkpoints load as stored")
     p.add_argument("--attention-backend", default=None, choices=["reference", "pallas", "mosaic"])
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many devices (all processes' devices together)")

@@ -105,7 +105,8 @@ def _kernel(sched_ref, pos_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, *,
         qs = [q_ref[tok, head, :]]  # [M, D]
     else:
         qs = [q_ref[tok[:, None], head[:, None], d[None, :]] for d in dims]
-    q_sum = sum(jnp.sum(qc.astype(jnp.float32), axis=1) for qc in qs)  # [M], for int4's minimum
+    q_sum = (sum(jnp.sum(qc.astype(jnp.float32), axis=1) for qc in qs)  # [M]: int4's minimum
+             if fmt == "int4" else None)
     pos = jnp.where(valid, pos_ref[tok], -1)  # [M]
     num_steps = (jnp.max(pos) + keys) // keys  # keys 0..max(pos) inclusive
     layer = layer_ref[0]
