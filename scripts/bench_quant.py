@@ -45,6 +45,17 @@ HBM = 4.25e12
 COPIES = 3  # weight sets rotated per call
 
 
+SINK: dict = {"path": None, "rows": []}  # every row is saved as it comes: a timeout loses nothing
+
+
+def record(row: dict) -> None:
+    SINK["rows"].append(row)
+    print(json.dumps(row), flush=True)
+    if SINK["path"]:
+        with open(SINK["path"], "w") as f:
+            json.dump({"C": SINK.get("C"), "rows": SINK["rows"]}, f, indent=1)
+
+
 def cycle_time(fn, xs, ws) -> float:
     """Kernel seconds per call, cycling weight copies (so the L2 never holds W)."""
     it = [0]
@@ -52,7 +63,7 @@ def cycle_time(fn, xs, ws) -> float:
     def call():
         it[0] += 1
         return fn(xs, ws[it[0] % len(ws)])
-    return gpu_time(call, calls=2 * len(ws))
+    return gpu_time(call, calls=len(ws))
 
 
 def torch_time(fn, reps: int = 60) -> float:
@@ -122,7 +133,7 @@ def bench_matmul(tokens: list[int], C: float) -> list[dict]:
                 except Exception as e:  # noqa: BLE001
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 rows.append(row)
-                print(json.dumps(row), flush=True)
+                record(row)
             rows += torch_peers(name, K, N, M, C)
     return rows
 
@@ -163,7 +174,7 @@ def torch_peers(name: str, K: int, N: int, M: int, C: float) -> list[dict]:
             except Exception as e:  # noqa: BLE001
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             out.append(row)
-            print(json.dumps(row), flush=True)
+            record(row)
         del ws, w8
         torch.cuda.empty_cache()
     except Exception as e:  # noqa: BLE001
@@ -210,7 +221,7 @@ def bench_attention(batch: int, ctx: int, C: float) -> list[dict]:
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 traceback.print_exc()
             rows.append(row)
-            print(json.dumps(row), flush=True)
+            record(row)
         del kv
     return rows
 
@@ -224,6 +235,7 @@ def main() -> None:
     p.add_argument("--json", default=None)
     a = p.parse_args()
     C = copy_bandwidth(2.0)["C"]
+    SINK.update(path=a.json, C=C)
     print(f"C = {C / 1e12:.2f} TB/s", flush=True)
     rows = bench_matmul(a.tokens, C) if a.what == "matmul" else bench_attention(a.batch, a.ctx, C)
     if a.json:

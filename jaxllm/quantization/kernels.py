@@ -77,8 +77,8 @@ def int8_mgpu(x: jax.Array, w: QArray, w_nk: jax.Array | None = None) -> jax.Arr
     lead, k = x.shape[:-1], x.shape[-1]
     xt = x.reshape(-1, k).astype(jnp.bfloat16).T  # [K, T]
     t = xt.shape[1]
-    tile_n = 64 if t <= 64 else 128
-    pad = -t % tile_n
+    tile_n = 64 if t <= 128 else 128
+    pad = -t % (2 * tile_n)  # two consumer warpgroups split N (the tokens here)
     if pad:
         xt = jnp.pad(xt, ((0, 0), (0, pad)))
     cfg = mm.TuningConfig(tile_m=128, tile_n=tile_n, tile_k=64, max_concurrent_steps=4,
