@@ -7,7 +7,8 @@
 # on the device), context 2048, batch 1 and 64, against (non-expert weights + distinct experts
 # touched + K/V) / copy bandwidth, printing the touched-expert count and the grouped-matmul
 # implementation the engine picked by measurement. Results: $OUT/moe_gmm.json, $OUT/moe_decode.json
-# and $OUT/moe.txt.
+# and $OUT/moe.txt; whole logs
+# (nothing filtered) in $OUT/moe_gmm.log and moe_decode.log.
 set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -15,9 +16,11 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee 
 {
   echo "== grouped matmul, one Qwen3-30B-A3B layer"
   timeout ${T1:-110} python3 scripts/bench_moe.py gmm --tokens 1 64 512 8192 \
-    --output-json "$OUT/moe_gmm.json" 2>&1 | grep -v -i warn | tail -12 || echo "gmm: failed or timed out ($?)"
+    --output-json "$OUT/moe_gmm.json" > "$OUT/moe_gmm.log" 2>&1 || echo "gmm: failed or timed out ($?)"
+  tail -12 "$OUT/moe_gmm.log"
   echo "== decode step, qwen3-30b-a3b shape, ctx 2048"
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${T2:-170} python3 scripts/bench_moe.py decode \
     --random-shape qwen3-30b-a3b --batch-size 1 64 --input-len 2048 --num-iters 20 \
-    --output-json "$OUT/moe_decode.json" 2>&1 | grep -v -i warn | tail -8 || echo "decode: failed or timed out ($?)"
+    --output-json "$OUT/moe_decode.json" > "$OUT/moe_decode.log" 2>&1 || echo "decode: failed or timed out ($?)"
+  tail -8 "$OUT/moe_decode.log"
 } | tee "$OUT/moe.txt"
