@@ -12,7 +12,7 @@
 set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-show() { grep -v -i -e warn -e '^ *$' | tail -n "$1"; }
+show() { tail -n "$1"; }  # whole logs stay in $OUT (nothing filtered)
 
 echo "== 1. matmul"
 timeout ${T_MATMUL:-130} python3 scripts/bench_quant.py matmul --json "$OUT/quant_matmul.json" \
@@ -30,14 +30,14 @@ for q in none fp8 int4; do
   echo "== 3. decode step batch 1, weights $q"
   flag=""; [ "$q" != none ] && flag="--quantization $q"
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout ${T_LAT:-45} python3 $LAT --batch-size 1 $flag \
-    --output-json "$OUT/quant_latency_b1_$q.json" 2>&1 | show 3
+    --output-json "$OUT/quant_latency_b1_$q.json" 2>&1 | tee "$OUT/quant_latency_b1_$q.log" | show 3
 done
 if [ "${QUANT_EXTRA:-0}" = 1 ]; then
   for q in none fp8; do
     echo "== 3b. decode step batch 64, weights $q, kv $q"
     flag=""; [ "$q" != none ] && flag="--quantization fp8 --kv-cache-dtype fp8"
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout ${T_LAT:-60} python3 $LAT --batch-size 64 $flag \
-      --output-json "$OUT/quant_latency_b64_$q.json" 2>&1 | show 3
+      --output-json "$OUT/quant_latency_b64_$q.json" 2>&1 | tee "$OUT/quant_latency_b64_$q.log" | show 3
   done
 fi
 
