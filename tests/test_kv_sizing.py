@@ -92,3 +92,22 @@ def test_runner_sizes_from_its_compiled_step():
     assert blocks * per_block + step.extra_bytes <= free
     assert (blocks + 8) * per_block + step.extra_bytes > free  # close to the largest fit
     assert r.num_traces >= traces  # probes traced the step
+
+
+def test_engine_starts_when_the_pool_is_sized_from_the_compiled_step(monkeypatch):
+    """Accelerators size the pool inside the runner's constructor, before any step has run: the
+    probes' traces must not need state the constructor sets later (an H200 start-up failed so)."""
+    from jaxllm import LLM, SamplingParams
+    from jaxllm.engine.runner import ModelRunner
+    from jaxllm.models.shapes import TINY
+
+    monkeypatch.setattr(ModelRunner, "_memory_stats", lambda self: (4 << 30, 8 << 20))
+    monkeypatch.setattr(ModelRunner, "_num_blocks", lambda self, max_model_len: self._profiled_blocks(
+        *self._memory_stats(), min_blocks=self.max_blocks))
+    llm = LLM(hf_config=dict(TINY, max_position_embeddings=256), max_model_len=256, max_num_seqs=4,
+              max_num_batched_tokens=64, skip_warmup=True)
+    r = llm.engine.runner
+    assert r.num_blocks >= r.max_blocks and r.num_traces == 0  # the probes' traces are not counted
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, temperature=0),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3

@@ -188,6 +188,7 @@ class ModelRunner:
         self.no_ids = jnp.zeros(self.max_rows, jnp.int32)  # `prev_ids` when every token is known
         self.max_num_tokens = max_num_tokens or max(512, cfg.max_num_seqs)
         self.compiler_options: dict = {}  # set by the pool sizing (XLA's memory limit, GPU)
+        self.num_traces = 0  # counts step traces (compilations); set before the sizing's probes trace
         self.num_blocks = self._num_blocks(max_model_len)
         self.num_traces = 0  # the sizing's probe compiles do not count
         shape = self._pages_shape(self.num_blocks)
