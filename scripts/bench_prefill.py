@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench_kernels import gpu_time  # noqa: E402  (scripts/ is on sys.path: bench_quant does the same)
 from jaxllm.kernels import mosaic_prefill, pallas_prefill, pallas_ragged
 from jaxllm.kernels.metadata import AttentionMetadata
 
@@ -109,27 +110,6 @@ def sample_rows(case, n: int = 48) -> np.ndarray:
     ends = np.cumsum(case["news"]) - 1
     return np.unique(np.concatenate([rng.integers(0, T, n), ends, case["qstarts"],
                                      np.minimum(case["qstarts"] + 129, T - 1), [T - 1]]))
-
-
-def gpu_time(call, calls: int = 5) -> float:
-    """Seconds of GPU kernel time per call from a jax.profiler trace."""
-    import glob
-    import tempfile
-    jax.block_until_ready(call())
-    d = tempfile.mkdtemp()
-    jax.profiler.start_trace(d)
-    jax.block_until_ready([call() for _ in range(calls)])
-    jax.profiler.stop_trace()
-    data = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-    busy = 0
-    for plane in data.planes:
-        if plane.name.startswith("/device:GPU:0"):
-            for line in plane.lines:
-                if "Stream" in line.name:
-                    busy += sum(e.duration_ns for e in line.events if "emcpy" not in e.name)
-    if not busy:
-        raise RuntimeError("no GPU kernel events in the trace")
-    return busy * 1e-9 / calls
 
 
 def jax_fns(names: list[str]) -> dict:
