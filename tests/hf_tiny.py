@@ -61,6 +61,31 @@ def make(arch: str, seed: int = 0):
     return model, hf, sd
 
 
+def checkpoint_layout(sd: dict, mixtral: bool) -> dict:
+    """transformers-5 fused expert tensors -> the per-expert names of HF checkpoint files."""
+    out = {}
+    for name, w in sd.items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            p, F = name[: -len("mlp.experts.gate_up_proj")], w.shape[1] // 2
+            for e in range(w.shape[0]):
+                if mixtral:
+                    out[f"{p}block_sparse_moe.experts.{e}.w1.weight"] = w[e, :F]
+                    out[f"{p}block_sparse_moe.experts.{e}.w3.weight"] = w[e, F:]
+                else:
+                    out[f"{p}mlp.experts.{e}.gate_proj.weight"] = w[e, :F]
+                    out[f"{p}mlp.experts.{e}.up_proj.weight"] = w[e, F:]
+        elif name.endswith("mlp.experts.down_proj"):
+            p = name[: -len("mlp.experts.down_proj")]
+            for e in range(w.shape[0]):
+                key = f"{p}block_sparse_moe.experts.{e}.w2.weight" if mixtral else f"{p}mlp.experts.{e}.down_proj.weight"
+                out[key] = w[e]
+        elif mixtral and name.endswith("mlp.gate.weight"):
+            out[name.replace("mlp.gate", "block_sparse_moe.gate")] = w
+        else:
+            out[name] = w
+    return out
+
+
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     """n greedy tokens with no EOS handling (HF's own cached forward, argmax each step)."""
     import torch

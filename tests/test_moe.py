@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hf_tiny import hf_greedy, make, make_llm, random_prompts
+from hf_tiny import checkpoint_layout, hf_greedy, make, make_llm, random_prompts
 
 from jaxllm import SamplingParams
 from jaxllm.models import moe, registry
@@ -169,38 +169,13 @@ def test_unrolled_layers_match_scan():
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == ref
 
 
-def _checkpoint_layout(sd: dict, mixtral: bool) -> dict:
-    """transformers-5 fused expert tensors -> the per-expert names of HF checkpoint files."""
-    out = {}
-    for name, w in sd.items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            p, F = name[: -len("mlp.experts.gate_up_proj")], w.shape[1] // 2
-            for e in range(w.shape[0]):
-                if mixtral:
-                    out[f"{p}block_sparse_moe.experts.{e}.w1.weight"] = w[e, :F]
-                    out[f"{p}block_sparse_moe.experts.{e}.w3.weight"] = w[e, F:]
-                else:
-                    out[f"{p}mlp.experts.{e}.gate_proj.weight"] = w[e, :F]
-                    out[f"{p}mlp.experts.{e}.up_proj.weight"] = w[e, F:]
-        elif name.endswith("mlp.experts.down_proj"):
-            p = name[: -len("mlp.experts.down_proj")]
-            for e in range(w.shape[0]):
-                key = f"{p}block_sparse_moe.experts.{e}.w2.weight" if mixtral else f"{p}mlp.experts.{e}.down_proj.weight"
-                out[key] = w[e]
-        elif mixtral and name.endswith("mlp.gate.weight"):
-            out[name.replace("mlp.gate", "block_sparse_moe.gate")] = w
-        else:
-            out[name] = w
-    return out
-
-
 @pytest.mark.parametrize("arch", ["qwen2_moe", "mixtral"])
 def test_checkpoint_layout_stacks_the_same(arch):
     _, cfg, sd = make(arch)
     entry = registry.resolve(cfg)
     mc = entry.config(cfg)
     fused = entry.to_state(mc, sd, np.float32)
-    files = _checkpoint_layout(sd, arch == "mixtral")
+    files = checkpoint_layout(sd, arch == "mixtral")
     assert not any("gate_up_proj" in n for n in files)
     per_expert = entry.to_state(mc, files, np.float32, consume=True)
     assert not files  # consumed: every tensor moved into the stacked state exactly once

@@ -22,6 +22,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
+from jaxllm.models import gguf_moe
+
 logger = logging.getLogger(__name__)
 
 # llama.cpp architectures we can express as an HF config; "permute" says whether its converter
@@ -31,7 +33,7 @@ _ARCHS: dict[str, dict[str, Any]] = {
     "mistral": {"model_type": "mistral", "arch": "MistralForCausalLM", "permute": True},
     "qwen2": {"model_type": "qwen2", "arch": "Qwen2ForCausalLM", "permute": False},
     "qwen3": {"model_type": "qwen3", "arch": "Qwen3ForCausalLM", "permute": False},
-}
+} | gguf_moe.ARCHS
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -50,7 +52,7 @@ _BLOCK_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-}
+} | gguf_moe.BLOCK_NAMES
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 # gguf.quants' per-type classes (Q4_1, Q8_0, ...). ``dequantize`` runs them over groups of 16 rows,
@@ -132,12 +134,13 @@ def gguf_to_hf_config(meta: dict[str, Any], tensor_names: list[str]) -> dict[str
     arch = meta.get("general.architecture")
     if arch not in _ARCHS:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(_ARCHS)}")
-    info = _ARCHS[arch]
-    if arch == "llama" and "mistral" in str(meta.get("general.name", "")).lower():
-        info = _ARCHS["mistral"]  # llama.cpp files Mistral under "llama"
-
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
+
+    moe = gguf_moe.is_moe_file(arch, get)
+    info = gguf_moe.arch_info(arch) if moe else _ARCHS[arch]
+    if arch == "llama" and not moe and "mistral" in str(meta.get("general.name", "")).lower():
+        info = _ARCHS["mistral"]  # llama.cpp files Mistral under "llama"
 
     hidden = int(get("embedding_length"))
     heads = int(get("attention.head_count"))
@@ -160,12 +163,13 @@ def gguf_to_hf_config(meta: dict[str, Any], tensor_names: list[str]) -> dict[str
             rope_scaling["original_max_position_embeddings"] = int(original)
     has_bias = any(n.endswith(".attn_q.bias") for n in tensor_names)
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    return {
+    experts = gguf_moe.hf_keys(arch, get, tensor_names) if moe else {}
+    return experts | {
         "model_type": info["model_type"],
         "architectures": [info["arch"]],
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(get("feed_forward_length")),
+        "intermediate_size": int(get("feed_forward_length") or get("expert_feed_forward_length")),
         "num_hidden_layers": int(get("block_count")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv_heads),
@@ -208,11 +212,12 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
 def _dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """float32 copy of one tensor (never aliasing the file's read-only memory map)."""
     rows_fn = _ROW_DEQUANTIZERS.get(qtype)
-    if rows_fn is None or data.ndim != 2:
+    if rows_fn is None or data.ndim < 2:
         return np.array(dequantize(data, qtype), dtype=np.float32)
-    plain = data.view(np.ndarray)  # skip np.memmap's per-slice bookkeeping
+    plain = data.view(np.ndarray).reshape(-1, data.shape[-1])  # 3-D expert stacks: rows of rows
     chunks = [rows_fn.dequantize_rows(plain[i:i + _CHUNK_ROWS]) for i in range(0, plain.shape[0], _CHUNK_ROWS)]
-    return np.concatenate(chunks, axis=0).astype(np.float32, copy=False)
+    out = np.concatenate(chunks, axis=0).astype(np.float32, copy=False)
+    return out.reshape(*data.shape[:-1], out.shape[-1])
 
 
 def load_gguf(path: str, linear_fn: Any = None) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -240,7 +245,8 @@ def load_gguf(path: str, linear_fn: Any = None) -> tuple[dict[str, Any], dict[st
         shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         quantized = tensor.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
                                                GGMLQuantizationType.BF16)
-        if linear_fn is not None and quantized and hf.endswith("_proj.weight"):
+        if linear_fn is not None and quantized and hf.endswith("_proj.weight") \
+                and not gguf_moe.is_expert_tensor(tensor.name):  # expert stacks: dequantized
             rows = np.asarray(tensor.data).reshape(shape[0], -1)
             if permute and ".attn_q." in tensor.name:
                 rows = unpermute_rows(rows, heads)
@@ -249,6 +255,8 @@ def load_gguf(path: str, linear_fn: Any = None) -> tuple[dict[str, Any], dict[st
             return hf, linear_fn(rows, tensor.tensor_type.name, tensor.name)
         w = _dequantize(tensor.data, tensor.tensor_type)
         w = w.reshape(shape)
+        if hf.endswith("shared_expert_gate.weight"):
+            w = w.reshape(1, -1)  # [1, H] in HF; written as 1-D by some converters
         if permute and ".attn_q." in tensor.name:
             w = unpermute_rows(w, heads)
         elif permute and ".attn_k." in tensor.name:

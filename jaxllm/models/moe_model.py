@@ -195,7 +195,7 @@ def split_axes(expert_parallel: bool) -> dict[str, int]:
 
 
 def _expert_tensors(weights: dict, layer: int, E: int, consume: bool):
-    """Yield (expert, gate [H, F], up [H, F], down [F, H]) from either HF layout, popping if asked."""
+    """Yield (expert, gate [H, F], up [H, F], down [F, H]) from any known layout, popping if asked."""
     take = weights.pop if consume else weights.__getitem__
     p = f"model.layers.{layer}."
     fused = p + "mlp.experts.gate_up_proj"
@@ -204,6 +204,12 @@ def _expert_tensors(weights: dict, layer: int, E: int, consume: bool):
         F = gu.shape[1] // 2
         for e in range(E):
             yield e, gu[e, :F].T, gu[e, F:].T, down[e].T
+        return
+    stacked = p + "mlp.experts.gate_proj.weight"
+    if stacked in weights:  # llama.cpp's GGUF stacks (gguf_moe.py): [E, F, H], [E, F, H], [E, H, F]
+        g, u, d = (take(p + f"mlp.experts.{n}_proj.weight") for n in ("gate", "up", "down"))
+        for e in range(E):
+            yield e, g[e].T, u[e].T, d[e].T
         return
     if p + "block_sparse_moe.experts.0.w1.weight" in weights:  # Mixtral checkpoints
         q = p + "block_sparse_moe.experts.{}."
