@@ -262,10 +262,8 @@ def test_hf_sharded_folder(tmp_path, tok, dtype) -> None:
         assert w.dtype == np.float32 and np.array_equal(w, ref[name]), name
     assert config["num_hidden_layers"] == 2 and config["model_type"] == "llama" and "rope_theta" in config
     assert tok2.encode(TEXTS[2]) == tok.encode(TEXTS[2]) and tok2.chat_template == tok.chat_template
-    # The second load is served by the cache.
-    assert os.listdir(tmp_path / "cache")
-    config2, weights2, _ = load_model_files(str(folder), cache_dir=str(tmp_path / "cache"))
-    assert config2 == config and all(np.array_equal(weights2[k], weights[k]) for k in weights)
+    # HF folders are read lazily in place (no float32 copy in the cache).
+    assert not os.path.exists(tmp_path / "cache")
 
     # convert() writes a folder that is a model path of its own (no cache involved).
     dst = str(tmp_path / "converted")

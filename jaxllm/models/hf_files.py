@@ -1,4 +1,4 @@
-"""Load a Hugging Face model folder (config.json + safetensors) as a config dict and float32 numpy.
+"""Load a Hugging Face model folder (config.json + safetensors) as a config dict and lazy float32 numpy.
 
 Why numpy and no torch: the Flax model takes host arrays and shards them itself; reading
 safetensors through its numpy backend (bf16 via ml_dtypes) keeps torch out of the serving process.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -60,21 +61,52 @@ def safetensors_files(path: str) -> list[str]:
     raise FileNotFoundError(f"no safetensors weights in model folder {path}")
 
 
-def load_safetensors(files: list[str]) -> dict[str, np.ndarray]:
-    """Every tensor of ``files`` as a float32 numpy array (bf16/f16 upcast exactly)."""
-    from safetensors import safe_open
+class LazyTensors(Mapping[str, np.ndarray]):
+    """The tensors of safetensors files, each read (and upcast to float32) only when asked for.
 
-    weights: dict[str, np.ndarray] = {}
-    for file in files:
-        with safe_open(file, framework="np") as f:
-            for name in f.keys():
-                arr = f.get_tensor(name)
-                weights[name] = arr if arr.dtype == np.float32 else arr.astype(np.float32)
-    return weights
+    Why: a checkpoint is stacked into the model's layout one tensor at a time (`to_state` with
+    `consume=True` pops each as it is copied), so reading lazily means the checkpoint is never
+    held whole in host memory next to the stacked model -- nor ever as a float32 copy. `pop`
+    forgets a tensor once read; `reads` counts the tensors read (tests).
+    """
+
+    def __init__(self, files: list[str]):
+        from safetensors import safe_open
+
+        self._files = [safe_open(f, framework="np") for f in files]
+        self._where = {name: i for i, f in enumerate(self._files) for name in f.keys()}
+        self.reads = 0
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        arr = self._files[self._where[name]].get_tensor(name)
+        self.reads += 1
+        return arr if arr.dtype == np.float32 else arr.astype(np.float32)
+
+    def pop(self, name: str, *default: Any) -> np.ndarray:
+        if name not in self._where and default:
+            return default[0]
+        arr = self[name]
+        del self._where[name]
+        return arr
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._where))
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
-def load_hf_folder(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """``(config, weights)`` of an HF model folder; weights keep their HF names and layout."""
+def load_safetensors(files: list[str]) -> LazyTensors:
+    """Every tensor of ``files``, read as a float32 numpy array on access (bf16/f16 upcast exactly)."""
+    return LazyTensors(files)
+
+
+def load_hf_folder(path: str) -> tuple[dict[str, Any], Mapping[str, np.ndarray]]:
+    """``(config, weights)`` of an HF model folder; weights keep their HF names and layout
+    and are read lazily (`LazyTensors`)."""
     config = load_hf_config(path)
     weights = load_safetensors(safetensors_files(path))
     if not weights:

@@ -1,6 +1,8 @@
 """Find a model, turn it into (HF config, HF-named float32 numpy weights, Tokenizer), and cache that.
 
-Why a cache: dequantizing a GGUF (or upcasting bf16 safetensors) costs seconds on every start.
+Why a cache: dequantizing a GGUF costs seconds on every start. (HF safetensors folders are not
+cached: they are read lazily, one tensor at a time, while the model's arrays are stacked, so the
+checkpoint is never held twice in host memory; ``convert`` still writes them out on request.)
 The first load writes the result as an orbax checkpoint plus config.json and tokenizer files into
 ``$JAXLLM_CACHE`` (default ``~/.cache/jaxllm``), keyed by the source's path, size and mtime, so
 later starts just restore arrays. Such a folder (or one written by ``convert``) is itself a valid
@@ -138,6 +140,7 @@ def _write_converted(dst: str, src: str, config: dict[str, Any], weights: dict[s
     """Write a converted folder at ``dst`` atomically; raises FileExistsError if it already exists."""
     import orbax.checkpoint as ocp
 
+    weights = dict(weights)  # a lazy safetensors mapping is read whole here (an explicit convert)
     parent = os.path.dirname(os.path.abspath(dst))
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(dst)}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -211,6 +214,8 @@ def load_model_files(model: str | None, cache_dir: str | None = None
     src = resolve_model(model)
     if is_converted(src):
         return load_converted(src)
+    if os.path.isdir(src):  # safetensors: read lazily, tensor by tensor, while stacking (no copy)
+        return _read_source(src)
     cached = cache_path(src, cache_dir)
     if is_converted(cached):
         try:
