@@ -25,7 +25,8 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.config import EngineConfig
-from jaxllm.engine.batch import HostBatch, pick_bucket
+from jaxllm.engine.batch import HostBatch, compiled_pairs
+from jaxllm.engine.compile import compile_all, enable_persistent_cache
 from jaxllm.engine.memory import (GiB, StepMemory, base_limit, describe, plan_pool,
                                   xla_limit_options)
 from jaxllm.engine.sampler import pad_ids
@@ -188,6 +189,8 @@ class ModelRunner:
         self.no_ids = jnp.zeros(self.max_rows, jnp.int32)  # `prev_ids` when every token is known
         self.max_num_tokens = max_num_tokens or max(512, cfg.max_num_seqs)
         self.compiler_options: dict = {}  # set by the pool sizing (XLA's memory limit, GPU)
+        enable_persistent_cache(self.platform)
+        self._compiled: dict[tuple[int, int], object] = {}  # (T, R) -> executable, from `warmup`
         self.num_traces = 0  # counts step traces (compilations); set before the sizing's probes trace
         self.num_blocks = self._num_blocks(max_model_len)
         self.num_traces = 0  # the sizing's probe compiles do not count
@@ -332,14 +335,15 @@ class ModelRunner:
     def run_step(self, hb: HostBatch, prev_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         """The jitted step alone (followers call this for each broadcast batch)."""
         prev_ids = self.no_ids if prev_ids is None else prev_ids
+        step = self._compiled.get((len(hb.tokens), hb.block_tables.shape[0]), self._step)
         if self.tp is None:
-            self.kv_pages, logits, ids, *aux = self._step(self.flat_params, self.kv_pages,
-                                                          Batch.from_host(hb), prev_ids)
+            self.kv_pages, logits, ids, *aux = step(self.flat_params, self.kv_pages,
+                                                    Batch.from_host(hb), prev_ids)
             self._after_step(aux)
             return logits, ids
         batch = Batch.from_host(hb, self.tp.replicated)
         prev_ids = jax.device_put(prev_ids, self.tp.replicated)  # a no-op for the step's own ids
-        self.kv_pages, logits, ids, *aux = self._step(self.flat_params, self.kv_pages, batch, prev_ids)
+        self.kv_pages, logits, ids, *aux = step(self.flat_params, self.kv_pages, batch, prev_ids)
         self._after_step(aux)
         # One process: the ids stay replicated, so the next step takes them as they are.
         # Several: only this process's copy can be read on the host.
@@ -349,6 +353,15 @@ class ModelRunner:
         if self.eplb is not None:
             self.eplb.record(aux[0])
             self.eplb.after_step(self)
+
+    def _empty_batch(self, T: int, R: int) -> HostBatch:
+        """A (T, R) batch of padding only: it reads and writes no page."""
+        return HostBatch(
+            tokens=np.zeros(T, np.int32), positions=np.full(T, -1, np.int32),
+            token_req=np.zeros(T, np.int32), slot_mapping=np.full(T, -1, np.int32),
+            block_tables=np.zeros((R, self.max_blocks), np.int32),
+            seq_lens=np.zeros(R, np.int32), query_start_loc=np.zeros(R + 1, np.int32),
+            num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(R, np.int32), num_rows=0)
 
     def warmup_sampler(self, sampler, num_rows: int) -> None:
         """Compile the sampler for logits as `execute` returns them.
@@ -370,9 +383,10 @@ class ModelRunner:
             del sampler.sample  # back to the class's method
 
     def warmup(self, token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...]) -> float:
-        """Compile every (T, R) bucket pair with R <= T, writing nothing to the cache.
-
-        Followers skip this: they compile as the leader's warm-up batches reach them.
+        """Compile every (T, R) pair of `compiled_pairs`, then run each once, writing nothing
+        to the cache. One process: compiled ahead of time on a thread pool (`engine/compile.py`)
+        and kept per pair. Several: the leader runs the steps, so that the followers compile
+        each as its broadcast batch reaches them.
         """
         t0 = time.perf_counter()
         if self.channel is not None and not self.channel.is_leader:
@@ -381,17 +395,14 @@ class ModelRunner:
             m = self.model_cfg
             self.gmm_chooser.measure([T * m.moe.top_k for T in token_buckets], m.moe.num_experts,
                                      m.hidden_size, m.moe.moe_intermediate_size, self.dtype)
-        for T in token_buckets:
-            for R in seq_buckets:
-                if R > pick_bucket(seq_buckets, min(T, seq_buckets[-1])):
-                    continue
-                hb = HostBatch(
-                    tokens=np.zeros(T, np.int32), positions=np.full(T, -1, np.int32),
-                    token_req=np.zeros(T, np.int32), slot_mapping=np.full(T, -1, np.int32),
-                    block_tables=np.zeros((R, self.max_blocks), np.int32),
-                    seq_lens=np.zeros(R, np.int32), query_start_loc=np.zeros(R + 1, np.int32),
-                    num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(R, np.int32), num_rows=0)
-                jax.block_until_ready(self.execute(hb))
+        pairs = compiled_pairs(token_buckets, seq_buckets)
+        if self.channel is None:
+            place = (lambda hb: Batch.from_host(hb)) if self.tp is None else \
+                (lambda hb: Batch.from_host(hb, self.tp.replicated))
+            self._compiled = compile_all(lambda T, R: self._step.lower(
+                self.flat_params, self.kv_pages, place(self._empty_batch(T, R)), self.no_ids), pairs)
+        for T, R in pairs:
+            jax.block_until_ready(self.execute(self._empty_batch(T, R)))
         if self.eplb is not None:
             self.eplb.warmup(self)
         return time.perf_counter() - t0
