@@ -56,6 +56,9 @@ class Dispatcher:
         self.connector = connector  # worker side of the KV connector, or None
         self._pool = None
         self.threaded = threaded
+        # A speculative proposer with KV of its own (jaxllm/spec: a draft model): it sees
+        # each step's page moves (`on_kv_ops(out)`) and batch (`after_forward(hb, prev_ids)`).
+        self.spec_hook = None
 
     @property
     def threaded(self) -> bool:
@@ -94,6 +97,8 @@ class Dispatcher:
         if hb.prev_index is not None and (hb.prev_index >= 0).any():
             prev_ids = resolved(prev).token_ids  # submitted earlier on this thread: done
         logits, greedy_ids = self.runner.execute(hb, prev_ids)
+        if self.spec_hook is not None:
+            self.spec_hook.after_forward(hb, prev_ids)
         if mask is not None:
             sbatch.bitmask = mask.result()
         return (sampler or self.sampler).launch(logits, sbatch, greedy_ids)
@@ -117,3 +122,5 @@ class Dispatcher:
             conn.wait_for_layer_load(None)
             conn.wait_for_save()
         runner.kv_pages = pages
+        if self.spec_hook is not None:
+            self.spec_hook.on_kv_ops(out)

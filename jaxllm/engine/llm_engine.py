@@ -86,8 +86,15 @@ class LLMEngine:
             dtype = resolve_dtype(cfg.dtype, jax.devices()[0].platform)
             state = self.model_entry.to_state(self.model_cfg, weights, dtype, consume=owned)
             del weights
+        draft_hf, draft_bytes = None, 0  # a draft model's config and KV bytes per block (spec/)
+        if spec_cfg is not None:
+            from jaxllm.engine.runner import resolve_dtype
+            from jaxllm.spec.build import draft_config
+            draft_hf, draft_bytes = draft_config(spec_cfg, cfg, self.model_cfg,
+                                                 resolve_dtype(cfg.dtype, jax.devices()[0].platform))
         self.runner = ModelRunner(self.model_cfg, cfg, self.max_model_len, state,
-                                  max_rows=self.seq_buckets[-1], max_num_tokens=max_tokens)
+                                  max_rows=self.seq_buckets[-1], max_num_tokens=max_tokens,
+                                  extra_block_bytes=draft_bytes)
         if cfg.preemption_mode == "swap" and self.runner.channel is not None:
             raise ValueError("preemption_mode='swap' needs a single process (each process would "
                              "hold its own host pages); use preemption_mode='recompute'")
@@ -115,15 +122,12 @@ class LLMEngine:
                                pad_to=self.runner.max_rows)
         self.spec = None  # jaxllm.spec.decoder.SpecDecoder when speculative_config is set
         if spec_cfg is not None:
-            from jaxllm.spec.decoder import SpecDecoder
-            if spec_cfg.model is not None:
-                from jaxllm.spec.draft import check_draft
-                check_draft(spec_cfg, self.model_cfg.vocab_size, self.model_cfg.hidden_size)
-            self.spec = SpecDecoder(spec_cfg, self.model_cfg.vocab_size, self.sampler.max_logprobs,
-                                    self.runner.max_rows)
+            from jaxllm.spec.build import build_decoder
+            self.spec = build_decoder(self, spec_cfg, draft_hf, host_blocks)
         self.dispatcher = Dispatcher(self.runner, self.kv_ops, self.sampler,
                                      threaded=cfg.async_scheduling and self.runner.channel is None,
                                      connector=self.connector)
+        self.dispatcher.spec_hook = self.spec.hook if self.spec is not None else None
         self._inflight: Launched | None = None
         self.parents: dict[str, ParentRequest] = {}
         self.seqs: dict[str, Sequence] = {}
@@ -157,7 +161,8 @@ class LLMEngine:
         self.runner.kv_pages = self.kv_ops.warmup(self.runner.kv_pages)
         if self.spec is not None:
             tp = self.runner.tp
-            self.spec.warmup(self.sampler, self.seq_buckets, tp.local_devices[0] if tp is not None else None)
+            self.spec.warmup(self.sampler, self.seq_buckets, tp.local_devices[0] if tp is not None else None,
+                             self.token_buckets, self.cfg.max_num_seqs)
         channel = self.runner.channel
         if channel is not None and channel.is_leader:
             channel.send_copies([])  # compiles the copy broadcast (followers copy nothing)

@@ -109,8 +109,12 @@ def pick_attention(backend: str | None, platform: str):
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int,
                  state: dict | None = None, dtype=None, unroll_layers: bool | None = None,
-                 max_rows: int | None = None, max_num_tokens: int | None = None):
+                 max_rows: int | None = None, max_num_tokens: int | None = None,
+                 extra_block_bytes: int = 0):
         self.cfg = cfg
+        # Bytes per block held beside these pages (a draft model's own KV, jaxllm/spec), so
+        # the pool is sized for both.
+        self.extra_block_bytes = extra_block_bytes
         # Sampled ids travel between steps as one [max_rows] array (the largest request
         # bucket), so an overlapped step reads them whatever the previous bucket was.
         self.max_rows = max_rows or cfg.max_num_seqs
@@ -264,7 +268,7 @@ class ModelRunner:
         m = self.model_cfg
         heads = self.tp.layout.kv_heads_per_device if self.tp else m.num_kv_heads
         row = self.kv_width * jnp.dtype(self.kv_dtype).itemsize
-        return m.num_layers * 2 * heads * self.block_size * row
+        return m.num_layers * 2 * heads * self.block_size * row + self.extra_block_bytes
 
     def _num_blocks(self, max_model_len: int) -> int:
         cfg = self.cfg

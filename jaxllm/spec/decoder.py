@@ -84,8 +84,7 @@ class SpecDecoder:
         self.verifier = RejectionSampler(vocab_size, max_logprobs, pad_to)
         if proposer is None:
             if cfg.method != "ngram":
-                raise ValueError(f"speculative_config.method {cfg.method!r} is not implemented yet "
-                                 "(only 'ngram' proposes drafts in this build)")
+                raise ValueError(f"speculative_config.method {cfg.method!r} needs a proposer")
             from jaxllm.spec.ngram import NgramProposer
             proposer = NgramProposer(self.k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         self.proposer = proposer
@@ -93,10 +92,19 @@ class SpecDecoder:
         self.log_interval = 10.0  # seconds between "spec decode:" log lines (vLLM's cadence)
         self._last_log = time.monotonic()
 
-    def warmup(self, sampler, seq_buckets: tuple[int, ...], device=None) -> None:
+    @property
+    def hook(self):
+        """What the dispatcher calls after a step's page moves and forward pass
+        (`on_kv_ops(out)`, `after_forward(hb, prev_ids)`): a proposer with its own KV, or None."""
+        return self.proposer if hasattr(self.proposer, "after_forward") else None
+
+    def warmup(self, sampler, seq_buckets: tuple[int, ...], device=None, token_buckets=(),
+               max_num_seqs: int = 0) -> None:
         """Compile verification for every request bucket, with and without penalties;
         `device`: where the step's logits live (tensor parallel: committed to a mesh device,
-        which jit keys its cache on)."""
+        which jit keys its cache on). A proposer with programs of its own compiles them too."""
+        if hasattr(self.proposer, "warmup"):
+            self.proposer.warmup(token_buckets, seq_buckets, max_num_seqs)
         import jax
         import jax.numpy as jnp
         from jaxllm.engine.sampler import SampleRow
@@ -114,7 +122,8 @@ class SpecDecoder:
                     self.verifier.bind(np.full(R, -1, np.int32)).launch(logits, batch).fetch()
 
     def num_compiled(self) -> int:
-        return self.verifier.num_compiled_variants()
+        own = self.proposer.num_compiled() if hasattr(self.proposer, "num_compiled") else 0
+        return self.verifier.num_compiled_variants() + own
 
     # -- the step's rows ---------------------------------------------------------
     def add_rows(self, out: SchedulerOutput, qsl: np.ndarray, rows: list) -> tuple[list[int], dict]:
@@ -176,7 +185,12 @@ class SpecDecoder:
             return
         room = np.array([min(self.k, r.stop.max_tokens - len(r.output_token_ids) - 1,
                              max_model_len - r.num_tokens - 1) for r in ready])
-        for r, d in zip(ready, self.proposer.propose([r.all_token_ids for r in ready], np.maximum(room, 0))):
+        room = np.maximum(room, 0)
+        if getattr(self.proposer, "takes_requests", False):  # a draft model: it reads its own KV
+            drafts = self.proposer.propose(ready, room)
+        else:
+            drafts = self.proposer.propose([r.all_token_ids for r in ready], room)
+        for r, d in zip(ready, drafts):
             r.spec_token_ids = d
 
     def log_line(self) -> str:
