@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxllm.engine.batch import HostBatch, pick_bucket
+from jaxllm.engine.batch import HostBatch, compiled_pairs, pick_bucket
 from jaxllm.engine.kv_ops import KVOps
 from jaxllm.engine.runner import Batch, pick_attention
 from jaxllm.kernels.metadata import AttentionMetadata
@@ -177,17 +177,14 @@ class DraftModelProposer:
 
     # -- start-up --------------------------------------------------------------------------------
     def warmup(self, token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...], max_num_seqs: int) -> None:
-        for T in token_buckets:
-            for R in seq_buckets:
-                if R > pick_bucket(seq_buckets, min(T, seq_buckets[-1])):
-                    continue
-                hb = HostBatch(
-                    tokens=np.zeros(T, np.int32), positions=np.full(T, -1, np.int32),
-                    token_req=np.zeros(T, np.int32), slot_mapping=np.full(T, -1, np.int32),
-                    block_tables=np.zeros((R, self.max_blocks), np.int32),
-                    seq_lens=np.zeros(R, np.int32), query_start_loc=np.zeros(R + 1, np.int32),
-                    num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(R, np.int32), num_rows=0)
-                self.after_forward(hb, None)
+        for T, R in compiled_pairs(token_buckets, seq_buckets):  # the target step's shapes
+            hb = HostBatch(
+                tokens=np.zeros(T, np.int32), positions=np.full(T, -1, np.int32),
+                token_req=np.zeros(T, np.int32), slot_mapping=np.full(T, -1, np.int32),
+                block_tables=np.zeros((R, self.max_blocks), np.int32),
+                seq_lens=np.zeros(R, np.int32), query_start_loc=np.zeros(R + 1, np.int32),
+                num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(R, np.int32), num_rows=0)
+            self.after_forward(hb, None)
         for R in seq_buckets:
             if R > pick_bucket(seq_buckets, min(max_num_seqs, seq_buckets[-1])):
                 break
