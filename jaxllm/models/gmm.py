@@ -3,6 +3,9 @@
 `gmm(x [M, K] rows sorted by group, w [G, K, N], group_sizes [G]) -> [M, N]`:
 
 - "ragged_dot": `jax.lax.ragged_dot`, the reference and the CPU path.
+- "decode_<bn>x<bk>k<splits>": jaxllm's own decode kernel (`kernels/moe_gmm.py`, Triton via
+  Pallas), which reads only the routed experts' weights, each spread over many CTAs; offered
+  for decode-sized row counts (M <= DECODE_MAX_ROWS).
 - "mgpu_<bm>x<bn>": JAX's bundled Mosaic GPU kernel
   (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`) at one tiling. It needs the
   group sizes to cover every row, so the rows no group covers (padding, other
@@ -16,6 +19,7 @@ the choice is static per compiled bucket, so it never costs a recompile.
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -28,6 +32,7 @@ import numpy as np
 log = logging.getLogger("jaxllm")
 GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
+DECODE_MAX_ROWS = 1024  # the decode kernel re-reads an expert per 16-row block: decode only
 # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n)
 MGPU_TILINGS = ((64, 128, 64, 4, 1), (128, 128, 64, 4, 2), (128, 256, 64, 3, 1))
 
@@ -54,6 +59,12 @@ def candidates(M: int, E: int, H: int, F: int, platform: str | None = None) -> d
     out: dict[str, GroupedMatmul] = {"ragged_dot": ragged_dot_ref}
     if platform != "gpu":
         return out
+    if M <= DECODE_MAX_ROWS:
+        from jaxllm.kernels import moe_gmm
+
+        for t in moe_gmm.TILINGS:  # each projection's (K, N): gate/up (H, F or 2F), down (F, H)
+            if t.fits(H, F) and t.fits(F, H):
+                out[t.name] = functools.partial(moe_gmm.grouped_matmul, tiling=t, interpret=False)
     try:
         for t in MGPU_TILINGS:
             bm, bn, bk, _, gbn = t
@@ -97,10 +108,18 @@ class Chooser:
             sizes = jnp.asarray(np.bincount(ids, minlength=E).astype(np.int32))
             x = jax.random.normal(key, (M, H), jnp.float32).astype(dtype)
             times = {}
+            ref = None
             for name, impl in cands.items():
                 try:
                     f = jax.jit(lambda x, a, b, s, impl=impl: impl(jax.nn.silu(impl(x, a, s)), b, s))
-                    jax.block_until_ready(f(x, w_g, w_d, sizes))
+                    out = jax.block_until_ready(f(x, w_g, w_d, sizes)).astype(jnp.float32)
+                    if ref is None:  # "ragged_dot" comes first: the reference
+                        ref = out
+                    err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+                    if not err <= 3e-2:  # a wrong (or NaN) kernel is never chosen
+                        log.warning("gmm %s at %d rows: wrong result (rel. error %.3g), skipped",
+                                    name, M, err)
+                        continue
                     ts = []
                     for _ in range(reps):
                         t = time.perf_counter()

@@ -1,0 +1,134 @@
+"""Decode-sized grouped matmul: only the routed experts' weights are read, each spread over SMs.
+
+`gmm(x [M, K] rows sorted by group, w [G, K, N], group_sizes [G]) -> [M, N]`, the contract of
+`jax.lax.ragged_dot` (the reference, `models/moe.ragged_dot`), except that rows no group covers
+are left undefined (`moe.experts` zeroes them).
+
+Why: at decode a step routes T x top_k rows to at most that many experts, a few rows each, so
+the work is reading those experts' weights once (bandwidth-bound). XLA's `ragged_dot` and the
+bundled `ragged_dot_mgpu` visit all G experts; this kernel visits only row blocks that exist.
+
+Schedule (`slots`, a few XLA ops on [G] vectors): each group's rows are cut into blocks of
+`block_m`; slot s = (expert, first row, row count) of the s-th block over all groups in order.
+The number of slots is bounded statically by min(G, M) + M // block_m, so the grid never
+depends on the routing (no recompiles); slots past the real blocks have count 0 and return at
+once. Grid (slot, N / block_n, K splits): every slot's expert weight [K, N] is cut into
+N / block_n column strips x `k_splits` row ranges, one CTA each, so a single token's 8 experts
+become hundreds of CTAs streaming disjoint weight tiles (the "spread over all SMs" part). A CTA
+gathers its rows of x ([block_m, block_k] per step; rows past the count are clamped copies
+whose results are masked), multiplies on the tensor cores (`plt.dot`, float32 accumulation) and
+stores its rows with a mask (into an output with `block_m` spare rows, so the masked lanes'
+indices stay distinct and in bounds). With `k_splits > 1` each split stores a float32 partial
+`[k_splits, M, N]` that one XLA sum combines (M x N x 4 bytes per split: small at decode).
+
+A `pallas_call`: Triton on the GPU, Pallas' interpreter on the CPU (tests/test_moe_gmm.py
+checks it against `ragged_dot` there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+SCHED_FIELDS = 3  # rows of the slot table: expert, first row, row count
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    block_m: int = 16  # rows per slot (tensor-core minimum)
+    block_n: int = 128  # weight columns per CTA
+    block_k: int = 128  # weight rows per step
+    k_splits: int = 1  # CTAs along K per strip (float32 partials summed by XLA)
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @property
+    def name(self) -> str:
+        return f"decode_{self.block_n}x{self.block_k}k{self.k_splits}"
+
+    def fits(self, K: int, N: int) -> bool:
+        return N % self.block_n == 0 and K % (self.block_k * self.k_splits) == 0
+
+
+TILINGS = (Tiling(block_n=128, block_k=128), Tiling(block_n=64, block_k=256),
+           Tiling(block_n=128, block_k=64, k_splits=4), Tiling(block_n=256, block_k=64, k_splits=4))
+
+
+def num_slots(M: int, G: int, block_m: int) -> int:
+    """Static bound on the row blocks of any routing: sum_g ceil(n_g / bm) <= nonzero + M // bm."""
+    return min(G, M) + M // block_m
+
+
+def slots(group_sizes: jax.Array, M: int, block_m: int) -> jax.Array:
+    """[3, S] int32: per slot (expert, first row, rows); slots past the real blocks have 0 rows."""
+    G = group_sizes.shape[0]
+    S = num_slots(M, G, block_m)
+    sizes = group_sizes.astype(jnp.int32)
+    blocks = (sizes + block_m - 1) // block_m
+    ends = jnp.cumsum(blocks)
+    s = jnp.arange(S, dtype=jnp.int32)
+    g = jnp.minimum(jnp.searchsorted(ends, s, side="right").astype(jnp.int32), G - 1)
+    rb = s - (ends - blocks)[g]  # block index within its group
+    first = (jnp.cumsum(sizes) - sizes)[g] + rb * block_m
+    count = jnp.where(s < ends[-1], jnp.clip(sizes[g] - rb * block_m, 0, block_m), 0)
+    return jnp.stack([g, first, count])
+
+
+def _kernel(sched_ref, x_ref, w_ref, o_ref, *, t: Tiling, k_steps: int):
+    s, j, ks = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    expert, first, count = sched_ref[0, s], sched_ref[1, s], sched_ref[2, s]
+    M = x_ref.shape[0]
+
+    @pl.when(count > 0)
+    def _():
+        r = jnp.arange(t.block_m, dtype=jnp.int32)
+        rows = first + r  # distinct (the output has block_m spare rows): masked stores never collide
+        src = jnp.minimum(rows, M - 1)  # past the count: clamped copies, results masked
+        cols = j * t.block_n + jnp.arange(t.block_n, dtype=jnp.int32)
+        k0 = ks * (k_steps * t.block_k)
+
+        def step(i, acc):
+            kk = k0 + i * t.block_k + jnp.arange(t.block_k, dtype=jnp.int32)
+            xs = x_ref[src[:, None], kk[None, :]]  # [bm, bk] gathered rows
+            ws = w_ref[expert, pl.ds(k0 + i * t.block_k, t.block_k), pl.ds(j * t.block_n, t.block_n)]
+            return acc + plt.dot(xs, ws).astype(jnp.float32)
+
+        acc = jax.lax.fori_loop(0, k_steps, step, jnp.zeros((t.block_m, t.block_n), jnp.float32))
+        mask = (r < count)[:, None]
+        if t.k_splits > 1:
+            plt.store(o_ref.at[ks, rows[:, None], cols[None, :]], acc, mask=mask)
+        else:
+            plt.store(o_ref.at[rows[:, None], cols[None, :]], acc.astype(o_ref.dtype), mask=mask)
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tiling: Tiling = TILINGS[0],
+                   interpret: bool | None = None) -> jax.Array:
+    """x [M, K] sorted by group, w [G, K, N], group_sizes [G] -> [M, N] (uncovered rows undefined)."""
+    M, K = x.shape
+    G, _, N = w.shape
+    t = tiling
+    if not t.fits(K, N):
+        raise ValueError(f"tiling {t.name} does not fit K={K}, N={N}")
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    sched = slots(group_sizes, M, t.block_m)
+    k_steps = K // (t.block_k * t.k_splits)
+    rows = M + t.block_m  # spare rows take the last block's masked lanes
+    if t.k_splits > 1:
+        out_shape = jax.ShapeDtypeStruct((t.k_splits, rows, N), jnp.float32)
+    else:
+        out_shape = jax.ShapeDtypeStruct((rows, N), x.dtype)
+    out = pl.pallas_call(
+        functools.partial(_kernel, t=t, k_steps=k_steps),
+        grid=(sched.shape[1], N // t.block_n, t.k_splits),
+        out_shape=out_shape,
+        compiler_params=plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
+        interpret=interpret,
+        name="jaxllm_moe_decode_gmm",
+    )(sched, x, w.astype(x.dtype))
+    return out[:, :M].sum(axis=0).astype(x.dtype) if t.k_splits > 1 else out[:M]

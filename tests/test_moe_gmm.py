@@ -1,0 +1,109 @@
+"""The decode grouped-matmul kernel (kernels/moe_gmm.py) against jax.lax.ragged_dot, in Pallas'
+interpreter on the CPU: random routings, empty experts, all rows to one expert, padding rows."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.kernels import moe_gmm
+from jaxllm.models import gmm as gmm_impls, moe
+
+SMALL = (moe_gmm.Tiling(block_m=16, block_n=32, block_k=32),
+         moe_gmm.Tiling(block_m=16, block_n=64, block_k=32, k_splits=2))
+
+
+def _sizes(case: str, M: int, G: int, rng) -> np.ndarray:
+    if case == "one_expert":
+        s = np.zeros(G, np.int64)
+        s[G // 2] = M  # 40 rows: three row blocks of one expert
+    elif case == "empty":
+        s = np.bincount(rng.choice([1, 4, 6], M), minlength=G)
+    elif case == "padding":  # the last 7 rows belong to no group (padding tokens, other devices)
+        s = np.bincount(rng.integers(0, G, M - 7), minlength=G)
+    else:
+        s = np.bincount(rng.integers(0, G, M), minlength=G)
+    return s.astype(np.int32)
+
+
+@pytest.mark.parametrize("tiling", SMALL, ids=lambda t: t.name)
+@pytest.mark.parametrize("case", ["random", "one_expert", "empty", "padding"])
+def test_kernel_matches_ragged_dot(case, tiling):
+    rng = np.random.default_rng(len(case) * 7 + tiling.block_n + tiling.k_splits)
+    M, G, K, N = 40, 8, 64, 128
+    sizes = _sizes(case, M, G, rng)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((G, K, N)) / np.sqrt(K), jnp.float32)
+    got = jax.jit(lambda x, w, s: moe_gmm.grouped_matmul(x, w, s, tiling, interpret=True))(
+        x, w, jnp.asarray(sizes))
+    want = jax.lax.ragged_dot(x, w, jnp.asarray(sizes))
+    covered = int(sizes.sum())
+    np.testing.assert_allclose(np.asarray(got)[:covered], np.asarray(want)[:covered], rtol=2e-5, atol=2e-5)
+
+
+def test_slots_cover_each_row_once_within_the_static_bound():
+    rng = np.random.default_rng(0)
+    for M, G, bm in ((8, 128, 16), (512, 128, 16), (40, 8, 16), (33, 4, 8)):
+        for _ in range(5):
+            sizes = np.bincount(rng.integers(0, rng.integers(1, G + 1), M), minlength=G).astype(np.int32)
+            if rng.random() < 0.3:  # one expert takes everything: many blocks of one group
+                sizes = np.zeros(G, np.int32)
+                sizes[rng.integers(G)] = M
+            e, first, count = np.asarray(moe_gmm.slots(jnp.asarray(sizes), M, bm))
+            assert e.shape == (moe_gmm.num_slots(M, G, bm),)
+            live = count > 0
+            assert live.sum() == sum(-(-int(n) // bm) for n in sizes)  # only real row blocks
+            assert (np.diff(np.flatnonzero(live)) == 1).all() and (not live.any() or live[0])
+            rows = np.concatenate([np.arange(f, f + c) for f, c in zip(first[live], count[live])])
+            np.testing.assert_array_equal(rows, np.arange(M))  # every row once, in order
+            np.testing.assert_array_equal(e[live], np.repeat(np.arange(G), -(-sizes // bm)))
+
+
+def test_expert_block_with_the_kernel_matches_the_reference():
+    """moe.experts with the kernel as its gmm (padding tokens, experts with no rows) = ragged_dot."""
+    rng = np.random.default_rng(3)
+    T, k, E, H, F = 12, 2, 8, 64, 32
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    wg, wu = (jnp.asarray(rng.standard_normal((E, H, F)) / 8, jnp.float32) for _ in range(2))
+    wd = jnp.asarray(rng.standard_normal((E, F, H)) / 6, jnp.float32)
+    weights = jnp.asarray(rng.random((T, k)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.choice([0, 2, 3, 5], k, replace=False) for _ in range(T)]), jnp.int32)
+    valid = jnp.arange(T) < 9
+    tiling = moe_gmm.Tiling(block_m=16, block_n=32, block_k=32)
+    kernel = lambda a, b, s: moe_gmm.grouped_matmul(a, b, s, tiling, interpret=True)
+    got = jax.jit(lambda *a: moe.experts(*a, valid=valid, gmm=kernel))(x, weights, ids, wg, wu, wd)
+    want = moe.experts(x, weights, ids, wg, wu, wd, valid=valid)
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+def test_chooser_offers_the_kernel_on_gpu_only():
+    assert not any(n.startswith("decode_") for n in gmm_impls.candidates(8, 128, 2048, 768, "cpu"))
+    gpu = gmm_impls.candidates(8, 128, 2048, 768, "gpu")
+    assert {t.name for t in moe_gmm.TILINGS} <= set(gpu)
+    assert not any(n.startswith("decode_") for n in gmm_impls.candidates(8192, 128, 2048, 768, "gpu"))
+
+
+def test_chooser_never_picks_a_wrong_kernel(monkeypatch):
+    """Warm-up measurement checks each candidate against ragged_dot before timing it."""
+    tiling = moe_gmm.Tiling(block_m=16, block_n=32, block_k=32)
+    fast_wrong = lambda x, w, s: jnp.zeros((x.shape[0], w.shape[2]), x.dtype)
+    cands = {"ragged_dot": gmm_impls.ragged_dot_ref, "wrong": fast_wrong,
+             tiling.name: lambda x, w, s: moe_gmm.grouped_matmul(x, w, s, tiling, interpret=True)}
+    monkeypatch.setattr(gmm_impls, "candidates", lambda *a, **k: cands)
+    chooser = gmm_impls.Chooser()
+    chooser.measure([16], E=4, H=64, F=32, dtype=jnp.float32, reps=2)
+    assert "wrong" not in chooser.timings[16] and chooser.choice[16] != "wrong"
+    assert tiling.name in chooser.timings[16]
+
+
+@pytest.mark.parametrize("tiling", moe_gmm.TILINGS, ids=lambda t: t.name)
+def test_kernel_lowers_to_triton(tiling):
+    """The GPU path: every shipped tiling lowers through Pallas' Triton backend (on this CPU)."""
+    f = jax.jit(lambda x, w, s: moe_gmm.grouped_matmul(x, w, s, tiling, interpret=False))
+    args = (jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16),
+            jax.ShapeDtypeStruct((128,), jnp.int32))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jaxllm_moe_decode_gmm" in text
