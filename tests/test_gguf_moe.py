@@ -52,10 +52,12 @@ def test_config_and_stacked_experts(tmp_path, arch, qtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch,qtype", [("qwen3_moe", "Q8_0"), ("qwen2_moe", "F16"), ("mixtral", "F32")])
-def test_gguf_greedy_equals_hf(tmp_path, arch, qtype):
+@pytest.mark.parametrize("arch,qtype,quant", [("qwen3_moe", "Q8_0", None), ("qwen2_moe", "Q8_0", "gguf"),
+                                              ("mixtral", "F32", None)])
+def test_gguf_greedy_equals_hf(tmp_path, arch, qtype, quant):
+    """quant="gguf": attention / shared-expert linears stay Q8_0 blocks, expert stacks dequantized."""
     model, hf, path = _file(tmp_path, arch, qtype)
-    llm = LLM(path, cache_dir=str(tmp_path / "cache"), **SMALL)
+    llm = LLM(path, cache_dir=str(tmp_path / "cache"), quantization=quant, **SMALL)
     assert llm.engine.model_cfg.moe is not None
     prompts = random_prompts(2, hf["vocab_size"], 3, 40, seed=3)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
