@@ -43,6 +43,21 @@ def test_kernel_matches_ragged_dot(case, tiling):
     np.testing.assert_allclose(np.asarray(got)[:covered], np.asarray(want)[:covered], rtol=2e-5, atol=2e-5)
 
 
+def test_pair_is_two_matmuls_in_one_launch():
+    rng = np.random.default_rng(5)
+    M, G, K, N = 24, 4, 64, 64
+    sizes = jnp.asarray(np.bincount(rng.integers(0, G - 1, M - 3), minlength=G).astype(np.int32))
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+    w1, w2 = (jnp.asarray(rng.standard_normal((G, K, N)) / 8, jnp.float32) for _ in range(2))
+    tiling = moe_gmm.Tiling(block_m=16, block_n=32, block_k=32, k_splits=2)
+    y1, y2 = jax.jit(lambda *a: moe_gmm.grouped_matmul_pair(*a, tiling, interpret=True))(x, w1, w2, sizes)
+    n = int(sizes.sum())
+    for got, w in ((y1, w1), (y2, w2)):
+        np.testing.assert_allclose(np.asarray(got)[:n], np.asarray(jax.lax.ragged_dot(x, w, sizes))[:n],
+                                   rtol=2e-5, atol=2e-5)
+    assert "pair" in dir(gmm_impls.DecodeGmm(tiling)) and hasattr(gmm_impls.Chooser(), "pair")
+
+
 def test_slots_cover_each_row_once_within_the_static_bound():
     rng = np.random.default_rng(0)
     slots = jax.jit(moe_gmm.slots, static_argnums=(1, 2))
@@ -73,8 +88,12 @@ def test_expert_block_with_the_kernel_matches_the_reference():
     ids = jnp.asarray(np.stack([rng.choice([0, 2, 3, 5], k, replace=False) for _ in range(T)]), jnp.int32)
     valid = jnp.arange(T) < 9
     tiling = moe_gmm.Tiling(block_m=16, block_n=32, block_k=32)
-    kernel = lambda a, b, s: moe_gmm.grouped_matmul(a, b, s, tiling, interpret=True)
-    got = jax.jit(lambda *a: moe.experts(*a, valid=valid, gmm=kernel))(x, weights, ids, wg, wu, wd)
+
+    class Kernel:  # as gmm.DecodeGmm, in the interpreter: gate and up in one launch
+        __call__ = staticmethod(lambda a, b, s: moe_gmm.grouped_matmul(a, b, s, tiling, interpret=True))
+        pair = staticmethod(lambda a, b, c, s: moe_gmm.grouped_matmul_pair(a, b, c, s, tiling, interpret=True))
+
+    got = jax.jit(lambda *a: moe.experts(*a, valid=valid, gmm=Kernel()))(x, weights, ids, wg, wu, wd)
     want = moe.experts(x, weights, ids, wg, wu, wd, valid=valid)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
@@ -108,3 +127,5 @@ def test_kernel_lowers_to_triton(tiling):
             jax.ShapeDtypeStruct((128,), jnp.int32))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "jaxllm_moe_decode_gmm" in text
+    pair = jax.jit(lambda x, w, s: moe_gmm.grouped_matmul_pair(x, w, w, s, tiling, interpret=False))
+    assert "jaxllm_moe_decode_gmm" in pair.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

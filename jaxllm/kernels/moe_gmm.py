@@ -21,6 +21,9 @@ stores its rows with a mask (into an output with `block_m` spare rows, so the ma
 indices stay distinct and in bounds). With `k_splits > 1` each split stores a float32 partial
 `[k_splits, M, N]` that one XLA sum combines (M x N x 4 bytes per split: small at decode).
 
+`grouped_matmul_pair` runs two weights of one shape over the same rows in one launch (the
+expert MLP's gate and up: the strip axis spans both), so a decode layer is two launches, not three.
+
 A `pallas_call`: Triton on the GPU, Pallas' interpreter on the CPU (tests/test_moe_gmm.py
 checks it against `ragged_dot` there).
 """
@@ -79,56 +82,76 @@ def slots(group_sizes: jax.Array, M: int, block_m: int) -> jax.Array:
     return jnp.stack([g, first, count])
 
 
-def _kernel(sched_ref, x_ref, w_ref, o_ref, *, t: Tiling, k_steps: int):
+def _kernel(sched_ref, x_ref, *refs, t: Tiling, k_steps: int, strips: int):
+    """refs = the weights (one or two, sharing x's rows and the grid's strip axis), then out."""
+    w_refs, o_ref = refs[:-1], refs[-1]
     s, j, ks = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     expert, first, count = sched_ref[0, s], sched_ref[1, s], sched_ref[2, s]
     M = x_ref.shape[0]
+    r = jnp.arange(t.block_m, dtype=jnp.int32)
+    rows = first + r  # distinct (the output has block_m spare rows): masked stores never collide
+    src = jnp.minimum(rows, M - 1)  # past the count: clamped copies, results masked
+    k0 = ks * (k_steps * t.block_k)
 
-    @pl.when(count > 0)
-    def _():
-        r = jnp.arange(t.block_m, dtype=jnp.int32)
-        rows = first + r  # distinct (the output has block_m spare rows): masked stores never collide
-        src = jnp.minimum(rows, M - 1)  # past the count: clamped copies, results masked
-        cols = j * t.block_n + jnp.arange(t.block_n, dtype=jnp.int32)
-        k0 = ks * (k_steps * t.block_k)
-
+    def strip(w_ref, jn: jax.Array, col0: int):
+        """This CTA's [block_m, block_n] of x @ w[expert] at weight columns jn * block_n."""
         def step(i, acc):
             kk = k0 + i * t.block_k + jnp.arange(t.block_k, dtype=jnp.int32)
             xs = x_ref[src[:, None], kk[None, :]]  # [bm, bk] gathered rows
-            ws = w_ref[expert, pl.ds(k0 + i * t.block_k, t.block_k), pl.ds(j * t.block_n, t.block_n)]
+            ws = w_ref[expert, pl.ds(k0 + i * t.block_k, t.block_k), pl.ds(jn * t.block_n, t.block_n)]
             return acc + plt.dot(xs, ws).astype(jnp.float32)
 
         acc = jax.lax.fori_loop(0, k_steps, step, jnp.zeros((t.block_m, t.block_n), jnp.float32))
+        cols = col0 + jn * t.block_n + jnp.arange(t.block_n, dtype=jnp.int32)
         mask = (r < count)[:, None]
         if t.k_splits > 1:
             plt.store(o_ref.at[ks, rows[:, None], cols[None, :]], acc, mask=mask)
         else:
             plt.store(o_ref.at[rows[:, None], cols[None, :]], acc.astype(o_ref.dtype), mask=mask)
 
+    for i, w_ref in enumerate(w_refs):  # strip j of weight i = grid column i * strips + j
+        @pl.when((count > 0) & (j // strips == i))
+        def _(w_ref=w_ref, i=i):
+            strip(w_ref, j - i * strips, i * w_ref.shape[2])
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tiling: Tiling = TILINGS[0],
-                   interpret: bool | None = None) -> jax.Array:
-    """x [M, K] sorted by group, w [G, K, N], group_sizes [G] -> [M, N] (uncovered rows undefined)."""
+
+def _call(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array, t: Tiling,
+          interpret: bool | None) -> jax.Array:
+    """x @ each w in ws per group, side by side: [M, len(ws) * N]."""
     M, K = x.shape
-    G, _, N = w.shape
-    t = tiling
-    if not t.fits(K, N):
-        raise ValueError(f"tiling {t.name} does not fit K={K}, N={N}")
+    G, _, N = ws[0].shape
+    if not t.fits(K, N) or any(w.shape != ws[0].shape for w in ws):
+        raise ValueError(f"tiling {t.name} does not fit K={K}, N={N} (weights {[w.shape for w in ws]})")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     sched = slots(group_sizes, M, t.block_m)
     k_steps = K // (t.block_k * t.k_splits)
-    rows = M + t.block_m  # spare rows take the last block's masked lanes
+    rows, cols = M + t.block_m, len(ws) * N  # spare rows take the last block's masked lanes
     if t.k_splits > 1:
-        out_shape = jax.ShapeDtypeStruct((t.k_splits, rows, N), jnp.float32)
+        out_shape = jax.ShapeDtypeStruct((t.k_splits, rows, cols), jnp.float32)
     else:
-        out_shape = jax.ShapeDtypeStruct((rows, N), x.dtype)
+        out_shape = jax.ShapeDtypeStruct((rows, cols), x.dtype)
+    strips = N // t.block_n
     out = pl.pallas_call(
-        functools.partial(_kernel, t=t, k_steps=k_steps),
-        grid=(sched.shape[1], N // t.block_n, t.k_splits),
+        functools.partial(_kernel, t=t, k_steps=k_steps, strips=strips),
+        grid=(sched.shape[1], len(ws) * strips, t.k_splits),
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,
         name="jaxllm_moe_decode_gmm",
-    )(sched, x, w.astype(x.dtype))
+    )(sched, x, *(w.astype(x.dtype) for w in ws))
     return out[:, :M].sum(axis=0).astype(x.dtype) if t.k_splits > 1 else out[:M]
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tiling: Tiling = TILINGS[0],
+                   interpret: bool | None = None) -> jax.Array:
+    """x [M, K] sorted by group, w [G, K, N], group_sizes [G] -> [M, N] (uncovered rows undefined)."""
+    return _call(x, (w,), group_sizes, tiling, interpret)
+
+
+def grouped_matmul_pair(x: jax.Array, w1: jax.Array, w2: jax.Array, group_sizes: jax.Array,
+                        tiling: Tiling = TILINGS[0], interpret: bool | None = None
+                        ) -> tuple[jax.Array, jax.Array]:
+    """(x @ w1, x @ w2) per group in one launch (the expert MLP's gate and up projections)."""
+    out = _call(x, (w1, w2), group_sizes, tiling, interpret)
+    return out[:, :w1.shape[2]], out[:, w1.shape[2]:]

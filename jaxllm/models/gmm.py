@@ -19,7 +19,6 @@ the choice is static per compiled bucket, so it never costs a recompile.
 
 from __future__ import annotations
 
-import functools
 import logging
 import statistics
 import time
@@ -53,6 +52,21 @@ def _mgpu(tiling: tuple[int, ...]) -> GroupedMatmul:
     return gmm
 
 
+class DecodeGmm:
+    """jaxllm's decode kernel at one tiling, with the one-launch gate/up `pair`."""
+
+    def __init__(self, tiling):
+        self.tiling = tiling
+
+    def __call__(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        from jaxllm.kernels import moe_gmm
+        return moe_gmm.grouped_matmul(x, w, group_sizes, self.tiling, interpret=False)
+
+    def pair(self, x, w1, w2, group_sizes):
+        from jaxllm.kernels import moe_gmm
+        return moe_gmm.grouped_matmul_pair(x, w1, w2, group_sizes, self.tiling, interpret=False)
+
+
 def candidates(M: int, E: int, H: int, F: int, platform: str | None = None) -> dict[str, GroupedMatmul]:
     """Implementations that can run this layer shape here (all of them shape-checked)."""
     platform = platform or jax.devices()[0].platform
@@ -64,7 +78,7 @@ def candidates(M: int, E: int, H: int, F: int, platform: str | None = None) -> d
 
         for t in moe_gmm.TILINGS:  # each projection's (K, N): gate/up (H, F or 2F), down (F, H)
             if t.fits(H, F) and t.fits(F, H):
-                out[t.name] = functools.partial(moe_gmm.grouped_matmul, tiling=t, interpret=False)
+                out[t.name] = DecodeGmm(t)
     try:
         for t in MGPU_TILINGS:
             bm, bn, bk, _, gbn = t
@@ -90,17 +104,31 @@ class Chooser:
         self.impls: dict[str, GroupedMatmul] = {"ragged_dot": ragged_dot_ref}
         self.timings: dict[int, dict[str, float]] = {}
 
+    def _impl(self, rows: int) -> GroupedMatmul:
+        return self.impls[self.choice.get(rows, "ragged_dot")]
+
     def __call__(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        return self.impls[self.choice.get(x.shape[0], "ragged_dot")](x, w, group_sizes)
+        return self._impl(x.shape[0])(x, w, group_sizes)
+
+    def pair(self, x: jax.Array, w1: jax.Array, w2: jax.Array, group_sizes: jax.Array):
+        """Gate and up: in one launch where the chosen implementation can (`DecodeGmm.pair`)."""
+        impl = self._impl(x.shape[0])
+        if hasattr(impl, "pair"):
+            return impl.pair(x, w1, w2, group_sizes)
+        return impl(x, w1, group_sizes), impl(x, w2, group_sizes)
 
     def measure(self, rows: list[int], E: int, H: int, F: int, dtype, reps: int = 10) -> None:
-        """Time each candidate on this expert shape at each row count; keep the fastest."""
+        """Time each candidate's expert MLP (gate, up, down: `moe.expert_mlp`) on this expert
+        shape at each row count, after checking it against ragged_dot; keep the fastest."""
+        from jaxllm.models.moe import expert_mlp
+
         cands = candidates(max(rows), E, H, F)
         if len(cands) == 1:
             return
         self.impls.update(cands)
         key = jax.random.key(0)
         w_g = (jax.random.normal(key, (E, H, F), jnp.float32) / np.sqrt(H)).astype(dtype)
+        w_u = (jax.random.normal(jax.random.key(1), (E, H, F), jnp.float32) / np.sqrt(H)).astype(dtype)
         w_d = (jax.random.normal(key, (E, F, H), jnp.float32) / np.sqrt(F)).astype(dtype)
         rng = np.random.default_rng(0)
         for M in sorted(set(rows)):
@@ -111,8 +139,8 @@ class Chooser:
             ref = None
             for name, impl in cands.items():
                 try:
-                    f = jax.jit(lambda x, a, b, s, impl=impl: impl(jax.nn.silu(impl(x, a, s)), b, s))
-                    out = jax.block_until_ready(f(x, w_g, w_d, sizes)).astype(jnp.float32)
+                    f = jax.jit(lambda x, a, u, b, s, impl=impl: expert_mlp(x, a, u, b, s, impl))
+                    out = jax.block_until_ready(f(x, w_g, w_u, w_d, sizes)).astype(jnp.float32)
                     if ref is None:  # "ragged_dot" comes first: the reference
                         ref = out
                     err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
@@ -123,7 +151,7 @@ class Chooser:
                     ts = []
                     for _ in range(reps):
                         t = time.perf_counter()
-                        jax.block_until_ready(f(x, w_g, w_d, sizes))
+                        jax.block_until_ready(f(x, w_g, w_u, w_d, sizes))
                         ts.append(time.perf_counter() - t)
                     times[name] = statistics.median(ts)
                 except Exception as e:  # a tiling that does not fit: skip it

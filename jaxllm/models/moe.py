@@ -68,9 +68,15 @@ def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
 
 def expert_mlp(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
                group_sizes: jax.Array, gmm: GroupedMatmul = ragged_dot) -> jax.Array:
-    """SwiGLU of each sorted row by its group's expert: [M, H] -> [M, H]."""
-    g = gmm(xs, w_gate, group_sizes)
-    u = gmm(xs, w_up, group_sizes)
+    """SwiGLU of each sorted row by its group's expert: [M, H] -> [M, H].
+
+    A `gmm` with a `pair(x, w1, w2, sizes) -> (y1, y2)` method computes gate and up together.
+    """
+    pair = getattr(gmm, "pair", None)
+    if pair is not None:
+        g, u = pair(xs, w_gate, w_up, group_sizes)
+    else:
+        g, u = gmm(xs, w_gate, group_sizes), gmm(xs, w_up, group_sizes)
     return gmm(jax.nn.silu(g) * u, w_down, group_sizes)
 
 
