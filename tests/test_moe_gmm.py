@@ -129,3 +129,38 @@ def test_kernel_lowers_to_triton(tiling):
     assert "jaxllm_moe_decode_gmm" in text
     pair = jax.jit(lambda x, w, s: moe_gmm.grouped_matmul_pair(x, w, w, s, tiling, interpret=False))
     assert "jaxllm_moe_decode_gmm" in pair.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.slow
+def test_model_with_the_kernel_keeps_greedy_ids(monkeypatch):
+    """The whole engine (layer scan, padding tokens, prefill and decode rows) with the kernel's
+    gate/up pair and down as the expert matmuls gives HF's greedy ids."""
+    import functools
+
+    from hf_tiny import hf_greedy, make, make_llm, random_prompts
+
+    from jaxllm import SamplingParams
+    from jaxllm.models import moe_model
+
+    tiling = moe_gmm.Tiling(block_m=16, block_n=32, block_k=16, k_splits=2)  # H 64, F 32
+
+    traced = []
+
+    class Kernel:
+        __call__ = staticmethod(lambda a, b, s: moe_gmm.grouped_matmul(a, b, s, tiling, interpret=True))
+
+        @staticmethod
+        def pair(a, b, c, s):
+            traced.append(a.shape)
+            return moe_gmm.grouped_matmul_pair(a, b, c, s, tiling, interpret=True)
+
+    init = moe_model.MoeLlama.__init__
+    monkeypatch.setattr(moe_model.MoeLlama, "__init__", lambda self, *a, **kw: init(
+        self, *a, **{**kw, "experts_fn": functools.partial(moe.experts, gmm=Kernel())}))
+    model, cfg, sd = make("qwen3_moe")
+    llm = make_llm((cfg, sd), token_buckets=(64,), max_model_len=128)
+    prompts = random_prompts(2, cfg["vocab_size"], 3, 70, seed=4)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for p, o in zip(prompts, llm.generate(prompts, greedy, use_tqdm=False)):
+        assert o.outputs[0].token_ids == hf_greedy(model, p, 6)
+    assert traced  # the step was traced through the kernel
