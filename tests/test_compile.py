@@ -28,7 +28,7 @@ def _pairs(budget: int, max_seqs: int):
 def test_large_token_buckets_compile_one_row_bucket():
     toks, seqs, pairs = _pairs(16384, 256)  # the GPU offline defaults
     everything = [(T, R) for T in toks for R in seqs if R <= pick_bucket(seqs, min(T, seqs[-1]))]
-    assert len(everything) == 27 and len(pairs) == 18
+    assert len(everything) == 35 and len(pairs) == 20
     for T in toks:
         rows = [R for t, R in pairs if t == T]
         if T >= ROWS_PADDED_ABOVE * seqs[-1]:

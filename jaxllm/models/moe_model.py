@@ -129,8 +129,9 @@ class MoeLlama(Llama):
     def _layers(self, x, kv_pages, md, inv_freq, layer_weights):
         loads = []
         if layer_weights is not None:
+            layer_fn = llama.per_layer(self._layer, inv_freq)
             for i, w in enumerate(layer_weights):
-                x, kv_pages, load = self._layer(x, w, kv_pages, jnp.int32(i), md, inv_freq)
+                x, kv_pages, load = layer_fn(x, w, kv_pages, jnp.int32(i), md)
                 if load is not None:
                     loads.append(load[None])
             return (x, kv_pages, jnp.concatenate(loads)) if self.count_loads else (x, kv_pages)

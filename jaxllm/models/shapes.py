@@ -42,10 +42,11 @@ MIXTRAL_8X7B = dict(model_type="mixtral", architectures=["MixtralForCausalLM"], 
                     num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
                     bos_token_id=1, eos_token_id=2)
 TINY = dict(LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            bos_token_id=256, eos_token_id=257)  # inside the 512 ids (the fallback tokenizer's " t256")
 TINY_MOE = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-                num_experts_per_tok=2, moe_intermediate_size=32)
+                num_experts_per_tok=2, moe_intermediate_size=32, bos_token_id=256, eos_token_id=257)
 
 SHAPES: dict[str, dict] = {
     "llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "llama2-7b": LLAMA2_7B,
