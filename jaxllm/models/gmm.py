@@ -6,6 +6,8 @@
 - "decode_<bn>x<bk>k<splits>": jaxllm's own decode kernel (`kernels/moe_gmm.py`, Triton via
   Pallas), which reads only the routed experts' weights, each spread over many CTAs; offered
   for decode-sized row counts (M <= DECODE_MAX_ROWS).
+- "mosaic_<bn>x<bk>s<stages>": its Hopper twin (`kernels/moe_gmm_mosaic.py`, Mosaic GPU:
+  the bundled kernel's TMA/wgmma schedule over only the row blocks that hold rows).
 - "mgpu_<bm>x<bn>": JAX's bundled Mosaic GPU kernel
   (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`) at one tiling. It needs the
   group sizes to cover every row, so the rows no group covers (padding, other
@@ -67,6 +69,18 @@ class DecodeGmm:
         return moe_gmm.grouped_matmul_pair(x, w1, w2, group_sizes, self.tiling, interpret=False)
 
 
+class MosaicGmm(DecodeGmm):
+    """The Hopper (Mosaic GPU) twin of the decode kernel (`kernels/moe_gmm_mosaic.py`)."""
+
+    def __call__(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        from jaxllm.kernels import moe_gmm_mosaic
+        return moe_gmm_mosaic.grouped_matmul(x, w, group_sizes, self.tiling)
+
+    def pair(self, x, w1, w2, group_sizes):
+        from jaxllm.kernels import moe_gmm_mosaic
+        return moe_gmm_mosaic.grouped_matmul_pair(x, w1, w2, group_sizes, self.tiling)
+
+
 def candidates(M: int, E: int, H: int, F: int, platform: str | None = None) -> dict[str, GroupedMatmul]:
     """Implementations that can run this layer shape here (all of them shape-checked)."""
     platform = platform or jax.devices()[0].platform
@@ -79,6 +93,14 @@ def candidates(M: int, E: int, H: int, F: int, platform: str | None = None) -> d
         for t in moe_gmm.TILINGS:  # each projection's (K, N): gate/up (H, F or 2F), down (F, H)
             if t.fits(H, F) and t.fits(F, H):
                 out[t.name] = DecodeGmm(t)
+        try:
+            from jaxllm.kernels import moe_gmm_mosaic
+
+            for t in moe_gmm_mosaic.TILINGS:
+                if t.fits(H, F) and t.fits(F, H):
+                    out[t.name] = MosaicGmm(t)
+        except Exception as e:  # a jax without Mosaic GPU
+            log.info("Mosaic decode kernel unavailable: %s", e)
     try:
         for t in MGPU_TILINGS:
             bm, bn, bk, _, gbn = t

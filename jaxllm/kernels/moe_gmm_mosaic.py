@@ -1,0 +1,147 @@
+"""Hopper (Mosaic GPU) twin of the decode grouped matmul (`moe_gmm.py`): only routed experts.
+
+The schedule of JAX's bundled `ragged_dot_mgpu` (a persistent grid over (row block, column
+strip) tiles, TMA-pipelined K loop into wgmma, one warpgroup), with its tile list compacted:
+the bundled kernel visits cdiv(M, bm) + G - 1 row tiles, so at decode nearly all of its tiles
+stream the weights of experts that received no rows. Here `slots` lists only the (expert,
+aligned 64-row block) pairs that hold rows (at most cdiv(M, bm) + min(G, M) of them, a static
+bound, so routing never changes the grid); tiles past the live ones return at once.
+
+Each tile computes its whole 64-row block against one expert's [K, bn] strip (wgmma's M is
+64; the rows of other experts in the block are computed and discarded) and TMA-stores it to
+a slot-major buffer `[S, 64, N]`; one XLA gather puts every row back from its own slot.
+`grouped_matmul_pair` runs gate and up in one launch (tiles over both weights' strips), so a
+token's 8 experts make 8 x 2N / bn tiles, enough to occupy every SM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+BLOCK_M = 64  # wgmma M
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTiling:
+    block_n: int = 128
+    block_k: int = 64
+    max_concurrent_steps: int = 4
+
+    @property
+    def name(self) -> str:
+        return f"mosaic_{self.block_n}x{self.block_k}s{self.max_concurrent_steps}"
+
+    def fits(self, K: int, N: int) -> bool:
+        return N % self.block_n == 0 and K % self.block_k == 0
+
+
+TILINGS = (MosaicTiling(128, 64, 4), MosaicTiling(64, 128, 4), MosaicTiling(64, 64, 6))
+
+
+def num_slots(M: int, G: int) -> int:
+    return -(-M // BLOCK_M) + min(G, M)
+
+
+def slots(group_sizes: jax.Array, M: int) -> tuple[jax.Array, jax.Array]:
+    """([3, S] per slot (expert, row block, live), [M] each sorted row's slot)."""
+    G = group_sizes.shape[0]
+    S = num_slots(M, G)
+    sizes = group_sizes.astype(jnp.int32)
+    start = jnp.cumsum(sizes) - sizes
+    b0 = start // BLOCK_M
+    nblk = jnp.where(sizes > 0, (start + sizes - 1) // BLOCK_M - b0 + 1, 0)
+    ends = jnp.cumsum(nblk)
+    s = jnp.arange(S, dtype=jnp.int32)
+    g = jnp.minimum(jnp.searchsorted(ends, s, side="right").astype(jnp.int32), G - 1)
+    block = b0[g] + s - (ends - nblk)[g]
+    live = (s < ends[-1]).astype(jnp.int32)
+    rows = jnp.arange(M, dtype=jnp.int32)
+    rg = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), rows, side="right").astype(jnp.int32), G - 1)
+    row_slot = (ends - nblk)[rg] + rows // BLOCK_M - b0[rg]  # uncovered rows: any slot (undefined)
+    return jnp.stack([g, block, live]), jnp.clip(row_slot, 0, S - 1)
+
+
+def _body(sched_gmem, x_gmem, *refs, t: MosaicTiling, num_slots_: int, K: int, N: int):
+    """refs = the weights (one, or gate and up side by side along the strip axis), then out."""
+    w_refs, o_gmem = refs[:-1], refs[-1]
+    strips = N // t.block_n
+    cols = len(w_refs) * strips
+
+    @plgpu.nd_loop((num_slots_ * cols,), collective_axes="sm")
+    def _(info: plgpu.NDLoopInfo):
+        idx = info.index[0]
+        s, c = lax.div(idx, cols), lax.rem(idx, cols)
+        expert, block, live = sched_gmem[0, s], sched_gmem[1, s], sched_gmem[2, s]
+
+        for i, w_gmem in enumerate(w_refs):
+            @pl.when((live > 0) & (lax.div(c, strips) == i))
+            def _(w_gmem=w_gmem, i=i):
+                j = c - i * strips
+
+                def acc_scope(acc_ref):
+                    plgpu.emit_pipeline(
+                        lambda _, x_smem, w_smem: plgpu.wgmma(acc_ref, x_smem, w_smem),
+                        grid=(K // t.block_k,),
+                        in_specs=[plgpu.BlockSpec((BLOCK_M, t.block_k), lambda k: (block, k),
+                                                  delay_release=1),
+                                  plgpu.BlockSpec((t.block_k, t.block_n), lambda k: (k, j),
+                                                  delay_release=1)],
+                        max_concurrent_steps=t.max_concurrent_steps,
+                    )(x_gmem, w_gmem.at[expert])
+                    return acc_ref[...]
+
+                acc = pl.run_scoped(acc_scope, plgpu.ACC((BLOCK_M, t.block_n)))
+
+                @functools.partial(pl.run_scoped, o_smem=plgpu.SMEM((BLOCK_M, t.block_n), o_gmem.dtype))
+                def _(o_smem):
+                    o_smem[...] = acc.astype(o_smem.dtype)
+                    plgpu.commit_smem()
+                    col = i * N + j * t.block_n
+                    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[s, :, pl.ds(col, t.block_n)])
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _call(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array, t: MosaicTiling,
+          interpret: bool, num_sms: int) -> jax.Array:
+    M, K = x.shape
+    G, _, N = ws[0].shape
+    if not t.fits(K, N) or any(w.shape != ws[0].shape for w in ws):
+        raise ValueError(f"tiling {t.name} does not fit K={K}, N={N} (weights {[w.shape for w in ws]})")
+    sched, row_slot = slots(group_sizes, M)
+    S = sched.shape[1]
+    pad = -M % BLOCK_M  # whole row blocks for the TMA copies
+    xp = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+    params = {}
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        params["interpret"] = InterpretGPUParams(detect_races=True)
+    out = plgpu.kernel(
+        functools.partial(_body, t=t, num_slots_=S, K=K, N=N),
+        out_type=jax.ShapeDtypeStruct((S, BLOCK_M, len(ws) * N), x.dtype),
+        grid=(num_sms,), grid_names=("sm",),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **params,
+    )(sched, xp, *(w.astype(x.dtype) for w in ws))
+    return out[row_slot, jnp.arange(M) % BLOCK_M]
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
+                   tiling: MosaicTiling = TILINGS[0], interpret: bool = False,
+                   num_sms: int = 132) -> jax.Array:
+    """x [M, K] sorted by group, w [G, K, N] -> [M, N] (rows no group covers: undefined)."""
+    return _call(x, (w,), group_sizes, tiling, interpret, num_sms)
+
+
+def grouped_matmul_pair(x: jax.Array, w1: jax.Array, w2: jax.Array, group_sizes: jax.Array,
+                        tiling: MosaicTiling = TILINGS[0], interpret: bool = False,
+                        num_sms: int = 132) -> tuple[jax.Array, jax.Array]:
+    """(x @ w1, x @ w2) per group in one launch (gate and up)."""
+    out = _call(x, (w1, w2), group_sizes, tiling, interpret, num_sms)
+    return out[:, :w1.shape[2]], out[:, w1.shape[2]:]
