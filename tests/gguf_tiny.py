@@ -74,8 +74,12 @@ def _tokenizer(writer: gguf.GGUFWriter, vocab: int) -> None:
     writer.add_eos_token_id(vocab - 1)
 
 
-def write(path: str, arch: str, hf: dict, sd: dict[str, np.ndarray], qtype: str) -> None:
-    """Write the (already rounded) weights `sd` of a tiny `arch` model as llama.cpp would."""
+def write(path: str, arch: str, hf: dict, sd: dict[str, np.ndarray], qtype: str,
+          legacy: bool = False) -> None:
+    """Write the (already rounded) weights `sd` of a tiny `arch` model as llama.cpp would.
+
+    legacy: Mixtral as converted before expert stacking, one `blk.{i}.ffn_{gate,down,up}.{e}`
+    tensor per expert (w1, w2, w3)."""
     g_arch = ARCH[arch]
     mixtral = arch == "mixtral"
     L, H = hf["num_hidden_layers"], hf["hidden_size"]
@@ -109,7 +113,12 @@ def write(path: str, arch: str, hf: dict, sd: dict[str, np.ndarray], qtype: str)
     for i in range(L):  # the converter's expert merge: one [E, out, in] stack per projection
         if not any(n.startswith(f"model.layers.{i}.") and ".experts." in n for n in files):
             continue  # a dense layer (mlp_only_layers / decoder_sparse_step)
-        if mixtral:
+        if mixtral and legacy:
+            for wid, ffn in (("w1", "gate"), ("w2", "down"), ("w3", "up")):
+                for e in range(E):
+                    arr = files.pop(f"model.layers.{i}.block_sparse_moe.experts.{e}.{wid}.weight")
+                    tensors.append((f"blk.{i}.ffn_{ffn}.{e}.weight", arr))
+        elif mixtral:
             for wid in ("w1", "w2", "w3"):
                 parts = [files.pop(f"model.layers.{i}.block_sparse_moe.experts.{e}.{wid}.weight")
                          for e in range(E)]
@@ -128,7 +137,7 @@ def write(path: str, arch: str, hf: dict, sd: dict[str, np.ndarray], qtype: str)
             arr = _permute(arr, heads)
         elif mixtral and hf_name.endswith("k_proj.weight"):
             arr = _permute(arr, kv_heads)
-        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias")) or \
+        name = hf_name if hf_name.startswith("blk.") else names.get_name(hf_name, try_suffixes=(".weight", ".bias")) or \
             dense.get_name(hf_name, try_suffixes=(".weight", ".bias"))  # mixed files: beyond llama.cpp
         assert name is not None, hf_name
         t = store_type(name, arr.shape, qtype)

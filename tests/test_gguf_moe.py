@@ -22,17 +22,19 @@ SMALL = dict(dtype="float32", max_model_len=128, max_num_seqs=4, max_num_batched
              token_buckets=(64,), seq_buckets=(4,))
 
 
-def _file(tmp_path, arch: str, qtype: str, seed: int = 0):
+def _file(tmp_path, arch: str, qtype: str, seed: int = 0, legacy: bool = False):
     model, hf, sd = make(arch, seed)
     sd = gguf_tiny.round_model(model, qtype)
     path = str(tmp_path / f"{arch}-{qtype}.gguf")
-    gguf_tiny.write(path, arch, hf, sd, qtype)
+    gguf_tiny.write(path, arch, hf, sd, qtype, legacy=legacy)
     return model, hf, path
 
 
-@pytest.mark.parametrize("arch,qtype", [("qwen3_moe", "F32"), ("qwen2_moe", "F16"), ("mixtral", "Q8_0")])
-def test_config_and_stacked_experts(tmp_path, arch, qtype):
-    _, hf, path = _file(tmp_path, arch, qtype)
+@pytest.mark.parametrize("arch,qtype,legacy", [("qwen3_moe", "F32", False), ("qwen2_moe", "F16", False),
+                                               ("mixtral", "Q8_0", False), ("mixtral", "F16", True)])
+def test_config_and_stacked_experts(tmp_path, arch, qtype, legacy):
+    """legacy: a Mixtral file from before llama.cpp stacked experts (one tensor per expert)."""
+    _, hf, path = _file(tmp_path, arch, qtype, legacy=legacy)
     config, weights, _ = load_gguf(path)
     entry = registry.resolve(config)
     assert entry.architecture == hf["architectures"][0] and entry.is_moe
@@ -41,8 +43,11 @@ def test_config_and_stacked_experts(tmp_path, arch, qtype):
     assert (mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.qk_norm, mc.qkv_bias) == \
         (ref.num_heads, ref.num_kv_heads, ref.head_dim, ref.qk_norm, ref.qkv_bias)
     E, F = mc.moe.num_experts, mc.moe.moe_intermediate_size
-    assert weights["model.layers.1.mlp.experts.gate_proj.weight"].shape == (E, F, mc.hidden_size)
-    assert weights["model.layers.1.mlp.experts.down_proj.weight"].shape == (E, mc.hidden_size, F)
+    if legacy:
+        assert weights[f"model.layers.1.mlp.experts.{E - 1}.down_proj.weight"].shape == (mc.hidden_size, F)
+    else:
+        assert weights["model.layers.1.mlp.experts.gate_proj.weight"].shape == (E, F, mc.hidden_size)
+        assert weights["model.layers.1.mlp.experts.down_proj.weight"].shape == (E, mc.hidden_size, F)
     state = entry.to_state(mc, weights, np.float32, consume=True)
     assert not weights  # every tensor of the file went into the model exactly once
     _, _, sd = make(arch)  # unrounded: the stacking matches up to the file's rounding only

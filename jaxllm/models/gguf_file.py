@@ -194,7 +194,7 @@ def _hf_name(gguf_name: str) -> str | None:
     m = _BLOCK_RE.match(gguf_name)
     if m and m.group(2) in _BLOCK_NAMES:
         return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
-    return None
+    return gguf_moe.legacy_name(gguf_name)
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:

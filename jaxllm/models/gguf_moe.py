@@ -8,6 +8,9 @@ per projection, `[E, out, in]` in numpy order (ggml `ne = (in, out, E)`):
     blk.{i}.ffn_gate_inp                                  <- the router (mlp.gate / block_sparse_moe.gate)
     blk.{i}.ffn_{gate,up,down}_shexp, ffn_gate_inp_shexp  <- Qwen2-MoE's shared expert and its gate
 
+Files from before that stacking (early Mixtral GGUFs) hold one tensor per expert,
+`blk.{i}.ffn_{gate,up,down}.{j}`: those map onto the HF per-expert names and load too.
+
 Architectures: `qwen2moe`, `qwen3moe`, and Mixtral, which llama.cpp files as `llama` with
 `llama.expert_count` (q/k rows permuted like every `llama` file). The stacked tensors keep their
 `[E, out, in]` layout under the names `model.layers.{i}.mlp.experts.{gate,up,down}_proj.weight`,
@@ -40,6 +43,15 @@ BLOCK_NAMES = {
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
 _EXPS = re.compile(r"^blk\.(\d+)\.ffn_gate_exps\.weight$")
+# Files converted before llama.cpp stacked experts (early 2024, e.g. the first Mixtral GGUFs)
+# keep one tensor per expert: blk.{i}.ffn_gate.{e} / ffn_up.{e} / ffn_down.{e}.
+_LEGACY = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight$")
+
+
+def legacy_name(gguf_name: str) -> str | None:
+    """HF checkpoint name of a per-expert tensor of a pre-stacking file, else None."""
+    m = _LEGACY.match(gguf_name)
+    return None if m is None else f"model.layers.{m.group(1)}.mlp.experts.{m.group(3)}.{m.group(2)}_proj.weight"
 
 
 def is_moe_file(arch: str, get: Callable[[str], Any]) -> bool:
@@ -51,8 +63,9 @@ def arch_info(arch: str) -> dict[str, Any]:
 
 
 def is_expert_tensor(gguf_name: str) -> bool:
-    """A stacked [E, out, in] tensor (never handed to a 2-D quantized-linear hook)."""
-    return "_exps." in gguf_name
+    """An expert's weights (stacked, or one expert of a pre-stacking file): always dequantized,
+    never handed to the 2-D quantized-linear hook."""
+    return "_exps." in gguf_name or _LEGACY.match(gguf_name) is not None
 
 
 def hf_keys(arch: str, get: Callable[[str, Any], Any], tensor_names: list[str]) -> dict[str, Any]:
@@ -61,7 +74,7 @@ def hf_keys(arch: str, get: Callable[[str, Any], Any], tensor_names: list[str]) 
     if not E or not k:
         raise ValueError(f"GGUF {arch} MoE file lacks {arch}.expert_count / {arch}.expert_used_count")
     blocks = int(get("block_count", 0))
-    moe_layers = {int(m.group(1)) for n in tensor_names if (m := _EXPS.match(n))}
+    moe_layers = {int(m.group(1)) for n in tensor_names if (m := _EXPS.match(n) or _LEGACY.match(n))}
     keys: dict[str, Any] = {"num_experts_per_tok": int(k)}
     if arch not in ARCHS:  # Mixtral: every layer is MoE, expert size = feed_forward_length
         missing = sorted(set(range(blocks)) - moe_layers)
