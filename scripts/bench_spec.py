@@ -4,13 +4,18 @@
     python scripts/bench_spec.py e2e --batch-size 1 --max-tokens 192
     # a draft proposing random tokens (acceptance ~0): the overhead bound
     python scripts/bench_spec.py e2e --proposer random
+    # a draft model: SmolLM2 drafting for itself, and a random-weight twin of it (acceptance ~0)
+    python scripts/bench_spec.py e2e --proposer config random_draft --speculative-config \
+        '{"method": "draft_model", "model": "default", "num_speculative_tokens": 4}'
     # one verification step with k = 4 drafts per row vs a plain decode step (random weights)
     python scripts/bench_spec.py step --random-shape llama3-8b --batch-size 1 32 --input-len 1024
 
 Both modes use ONE engine built with `speculative_config`; its baseline runs with the
 speculative hook detached (`engine.spec = None`), so it is exactly the plain engine
 (async scheduling as --baseline-async) on the same weights and compiled steps, in the
-same process. Figures are ratios against that baseline.
+same process. Figures are ratios against that baseline. With a draft model the baseline
+also detaches the draft's shadow pass (`dispatcher.spec_hook`), and the prefix cache is
+reset between modes (blocks computed without the shadow pass hold no draft K/V).
 """
 
 from __future__ import annotations
@@ -72,6 +77,18 @@ def spec_counts(eng) -> tuple[int, int, int]:
     return m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens
 
 
+def use_mode(eng, mode: str) -> None:
+    """A draft model's shadow pass runs only with it (and its weights are the random twin's
+    under 'random_draft'); cached prefixes are dropped, having no draft K/V from plain runs."""
+    own = eng.spec_hook.hook
+    if own is None:
+        return
+    eng.flush()
+    eng.dispatcher.spec_hook = None if mode == "plain" else own
+    own.flat = eng.draft_weights["random" if mode == "random_draft" else "own"]
+    eng.kv.reset_prefix_cache()
+
+
 def run_e2e(llm, args) -> list[dict]:
     from jaxllm import SamplingParams
     eng = llm.engine
@@ -84,6 +101,7 @@ def run_e2e(llm, args) -> list[dict]:
             eng.spec = eng.spec_hook if mode != "plain" else None
             if mode != "plain":
                 eng.spec.proposer = eng.proposers[mode]
+            use_mode(eng, mode)
             llm.engine.async_scheduling = args.baseline_async == "on" if mode == "plain" else False
             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm
             c0 = spec_counts(eng)
@@ -99,6 +117,7 @@ def run_e2e(llm, args) -> list[dict]:
                          "ids": [o.outputs[0].token_ids for o in outs], "drafts": d, "draft_tokens": dt,
                          "accepted": a, "mean_acceptance_length": 1 + a / d if d else None}
         eng.spec = eng.spec_hook
+        use_mode(eng, args.proposer[0])
         for mode in args.proposer:
             r = res[mode]
             rows.append({"batch": b, "proposer": mode, "plain_tok_s": res["plain"]["tok_s"],
@@ -159,9 +178,11 @@ def main() -> None:
     p.add_argument("--random-shape", default=None)
     p.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 4, '
                    '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
-    p.add_argument("--proposer", nargs="+", choices=["config", "random"], default=["config"],
+    p.add_argument("--proposer", nargs="+", choices=["config", "random", "random_draft"], default=["config"],
                    help="config: the speculative_config's method; random: drafts of random tokens "
-                        "(acceptance ~0, the overhead bound); step mode uses the first")
+                        "(acceptance ~0, the overhead bound); random_draft: the draft model's "
+                        "programs with random weights (acceptance ~0: the draft loop's overhead "
+                        "bound); step mode uses the first")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1])
     p.add_argument("--max-tokens", type=int, default=192)
     p.add_argument("--ignore-eos", action="store_true")
@@ -178,6 +199,9 @@ def main() -> None:
 
     from jaxllm import LLM
     spec_cfg = json.loads(args.speculative_config)
+    if spec_cfg.get("model") == "default":  # the embedded SmolLM2 GGUF
+        from jaxllm.models.loader import embedded_model_path
+        spec_cfg["model"] = embedded_model_path()
     k = spec_cfg["num_speculative_tokens"]
     max_b = max(args.batch_size)
     kw = dict(dtype=args.dtype, max_num_seqs=max_b, speculative_config=spec_cfg)
@@ -197,6 +221,17 @@ def main() -> None:
     eng = llm.engine
     eng.spec_hook = eng.spec
     eng.proposers = {"config": eng.spec.proposer, "random": RandomProposer(k, eng.model_cfg.vocab_size)}
+    own = eng.spec.hook
+    if own is not None:  # a draft model: its weights, and a random-weight twin's (same programs)
+        from jaxllm.spec.draft_model import DraftModelProposer, load_draft
+        hf, _ = load_draft(spec_cfg["model"], "dummy", None)
+        twin = DraftModelProposer(hf, None, k=k, dtype=own.dtype, num_blocks=1, block_size=own.block_size,
+                                  max_blocks=own.max_blocks, max_copies=1, num_host_blocks=0, kv=None,
+                                  no_ids=own.no_ids, seq_buckets=own.seq_buckets, seed=1)
+        eng.draft_weights = {"own": own.flat, "random": twin.flat}
+        eng.proposers["random_draft"] = own
+    elif "random_draft" in args.proposer:
+        raise SystemExit("--proposer random_draft needs a draft_model speculative_config")
     eng.spec.proposer = eng.proposers[args.proposer[0]]
     import jax
     result = {"mode": args.mode, "model": args.model or args.random_shape or "SmolLM2-135M-Instruct (embedded)",

@@ -57,7 +57,7 @@ class Dispatcher:
         self._pool = None
         self.threaded = threaded
         # A speculative proposer with KV of its own (jaxllm/spec: a draft model): it sees
-        # each step's page moves (`on_kv_ops(out)`) and batch (`after_forward(hb, prev_ids)`).
+        # each step's page moves (`on_kv_ops(out)`) and batch (`after_forward(out, hb, prev_ids)`).
         self.spec_hook = None
 
     @property
@@ -98,7 +98,7 @@ class Dispatcher:
             prev_ids = resolved(prev).token_ids  # submitted earlier on this thread: done
         logits, greedy_ids = self.runner.execute(hb, prev_ids)
         if self.spec_hook is not None:
-            self.spec_hook.after_forward(hb, prev_ids)
+            self.spec_hook.after_forward(out, hb, prev_ids)
         if mask is not None:
             sbatch.bitmask = mask.result()
         return (sampler or self.sampler).launch(logits, sbatch, greedy_ids)

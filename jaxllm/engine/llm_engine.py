@@ -86,15 +86,16 @@ class LLMEngine:
             dtype = resolve_dtype(cfg.dtype, jax.devices()[0].platform)
             state = self.model_entry.to_state(self.model_cfg, weights, dtype, consume=owned)
             del weights
-        draft_hf, draft_bytes = None, 0  # a draft model's config and KV bytes per block (spec/)
+        # A draft's config, its KV bytes per block, the hidden states an EAGLE head reads (spec/)
+        draft_hf, draft_bytes, capture = None, 0, ()
         if spec_cfg is not None:
             from jaxllm.engine.runner import resolve_dtype
             from jaxllm.spec.build import draft_config
-            draft_hf, draft_bytes = draft_config(spec_cfg, cfg, self.model_cfg,
+            draft_hf, draft_bytes, capture = draft_config(spec_cfg, cfg, self.model_cfg,
                                                  resolve_dtype(cfg.dtype, jax.devices()[0].platform))
         self.runner = ModelRunner(self.model_cfg, cfg, self.max_model_len, state,
                                   max_rows=self.seq_buckets[-1], max_num_tokens=max_tokens,
-                                  extra_block_bytes=draft_bytes)
+                                  extra_block_bytes=draft_bytes, capture=capture)
         if cfg.preemption_mode == "swap" and self.runner.channel is not None:
             raise ValueError("preemption_mode='swap' needs a single process (each process would "
                              "hold its own host pages); use preemption_mode='recompute'")

@@ -110,8 +110,11 @@ class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int,
                  state: dict | None = None, dtype=None, unroll_layers: bool | None = None,
                  max_rows: int | None = None, max_num_tokens: int | None = None,
-                 extra_block_bytes: int = 0):
+                 extra_block_bytes: int = 0, capture: tuple[int, ...] = ()):
         self.cfg = cfg
+        # Hidden states the step returns beside the logits (`Llama.capture`: an EAGLE head's
+        # input, jaxllm/spec/eagle.py), kept on the device as `last_hidden` [T, n * E].
+        self.capture, self.last_hidden = capture, None
         # Bytes per block held beside these pages (a draft model's own KV, jaxllm/spec), so
         # the pool is sized for both.
         self.extra_block_bytes = extra_block_bytes
@@ -160,8 +163,11 @@ class ModelRunner:
             from jaxllm.models.moe import experts
             self.gmm_chooser = Chooser()
             hooks["experts_fn"] = functools.partial(experts, gmm=self.gmm_chooser)
-        make = lambda c=model_cfg: model_cls(c, self.dtype, rngs=nnx.Rngs(cfg.seed), attention_fn=attn,
-                                             embed_fn=embed_fn, **hooks)
+        def make(c=model_cfg):
+            m = model_cls(c, self.dtype, rngs=nnx.Rngs(cfg.seed), attention_fn=attn, embed_fn=embed_fn, **hooks)
+            if capture:
+                m.capture = capture
+            return m
         if self.tp is not None:
             self.graphdef, self.params = self.tp.build_params(make, lambda: make(ckpt_cfg), state)
         elif state is None:  # random weights (load_format="dummy", tests): drawn on the device
@@ -343,6 +349,8 @@ class ModelRunner:
         if self.tp is None:
             self.kv_pages, logits, ids, *aux = step(self.flat_params, self.kv_pages,
                                                     Batch.from_host(hb), prev_ids)
+            if self.capture:
+                self.last_hidden = aux.pop()
             self._after_step(aux)
             return logits, ids
         batch = Batch.from_host(hb, self.tp.replicated)

@@ -163,23 +163,38 @@ class Llama(nnx.Module):
         h = rms_norm(x, w["ln_mlp"], self.cfg.rms_norm_eps)
         return x + self._mlp(h, w, md), kv_pages
 
+    # Hidden states the step also returns, [T, n * E] (EAGLE heads, jaxllm/spec/eagle.py): the
+    # input of each listed layer, or the final normed hidden state for -1. Set on an instance.
+    capture: tuple[int, ...] = ()
+
     def _layers(self, x: jax.Array, kv_pages: jax.Array, md: AttentionMetadata,
                 inv_freq: np.ndarray, layer_weights: list[dict[str, jax.Array]] | None):
         """Every decoder layer: unrolled over `layer_weights`, else a scan over the stack."""
-        def body(carry, xs):
-            x, kv = carry
-            w, layer = xs
-            x, kv = self._layer(x, w, kv, layer, md, inv_freq)
-            return (x, kv), None
+        ids = [i for i in self.capture if i >= 0]
 
+        def body(carry, xs):
+            x, kv, caught = carry
+            w, layer = xs
+            caught = tuple(jnp.where(layer == i, x, c) for i, c in zip(ids, caught))
+            x, kv = self._layer(x, w, kv, layer, md, inv_freq)
+            return (x, kv, caught), None
+
+        caught = tuple(jnp.zeros_like(x) for _ in ids)
         if layer_weights is not None:
             layer_fn = per_layer(self._layer, inv_freq)
+            caught = list(caught)
             for i, w in enumerate(layer_weights):
+                if i in ids:
+                    caught[ids.index(i)] = x
                 x, kv_pages = layer_fn(x, w, kv_pages, jnp.int32(i), md)
         else:
             xs = (self.layers.weights(), jnp.arange(self.cfg.num_layers, dtype=jnp.int32))
-            (x, kv_pages), _ = jax.lax.scan(body, (x, kv_pages), xs)
-        return x, kv_pages
+            (x, kv_pages, caught), _ = jax.lax.scan(body, (x, kv_pages, caught), xs)
+        if not self.capture:
+            return x, kv_pages
+        caught = iter(caught)
+        final = lambda: rms_norm(x, value(self.norm), self.cfg.rms_norm_eps)
+        return x, kv_pages, jnp.concatenate([final() if i < 0 else next(caught) for i in self.capture], -1)
 
     def __call__(self, kv_pages: jax.Array, tokens: jax.Array, md: AttentionMetadata,
                  logits_indices: jax.Array,

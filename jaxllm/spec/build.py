@@ -11,10 +11,11 @@ from __future__ import annotations
 from jaxllm.spec.config import SpeculativeConfig
 
 
-def draft_config(spec: SpeculativeConfig, cfg, target_cfg, dtype) -> tuple[dict | None, int]:
-    """(the draft's HF config or None for ngram, its KV bytes per block)."""
+def draft_config(spec: SpeculativeConfig, cfg, target_cfg, dtype) -> tuple[dict | None, int, tuple[int, ...]]:
+    """(the draft's HF config or None for ngram, its KV bytes per block, the target hidden
+    states an EAGLE head reads (`Llama.capture`))."""
     if spec.model is None:
-        return None, 0
+        return None, 0, ()
     import jax
     from jaxllm.spec.draft import check_draft
     hf = check_draft(spec, target_cfg.vocab_size, target_cfg.hidden_size)
@@ -23,8 +24,19 @@ def draft_config(spec: SpeculativeConfig, cfg, target_cfg, dtype) -> tuple[dict 
                          "or several processes is not implemented (use method 'ngram')")
     if spec.method == "draft_model":
         from jaxllm.spec.draft_model import page_bytes
-        return hf, page_bytes(hf, cfg.block_size, dtype)
-    raise ValueError(f"speculative_config.method {spec.method!r} is not implemented yet")
+        return hf, page_bytes(hf, cfg.block_size, dtype), ()
+    import jax.numpy as jnp
+    from jaxllm.models.config import ModelConfig
+    from jaxllm.spec.eagle import aux_layers
+    if target_cfg.moe is not None or target_cfg.architecture not in ("LlamaForCausalLM", "MistralForCausalLM",
+                                                                     "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        raise ValueError(f"speculative_config.method {spec.method!r}: EAGLE heads over a "
+                         f"{target_cfg.architecture} target are not implemented (dense Llama-family only)")
+    if cfg.quantization is not None:
+        raise ValueError(f"speculative_config.method {spec.method!r} with quantization is not implemented")
+    head = ModelConfig.from_hf(dict(hf, model_type="llama"))
+    per_block = 2 * head.num_kv_heads * cfg.block_size * head.head_dim * jnp.dtype(dtype).itemsize
+    return hf, per_block, aux_layers(hf, spec.method, target_cfg.num_layers)
 
 
 def build_decoder(engine, spec: SpeculativeConfig, draft_hf: dict | None, num_host_blocks: int):
@@ -43,5 +55,13 @@ def build_decoder(engine, spec: SpeculativeConfig, draft_hf: dict | None, num_ho
             num_host_blocks=num_host_blocks, kv=engine.kv, no_ids=r.no_ids,
             seq_buckets=engine.seq_buckets, attention_backend=engine.cfg.attention_backend,
             seed=engine.cfg.seed)
+    elif spec.method in ("eagle", "eagle3"):
+        from jaxllm.spec.eagle import EagleProposer
+        proposer = EagleProposer(
+            spec.model, spec.method, runner=engine.runner, k=spec.num_speculative_tokens,
+            block_size=engine.cfg.block_size, max_copies=engine.cfg.max_num_seqs,
+            num_host_blocks=num_host_blocks, kv=engine.kv, requests=engine.scheduler.requests,
+            seq_buckets=engine.seq_buckets, max_num_seqs=engine.cfg.max_num_seqs,
+            attention_backend=engine.cfg.attention_backend)
     return SpecDecoder(spec, engine.model_cfg.vocab_size, engine.sampler.max_logprobs,
                        engine.runner.max_rows, proposer)

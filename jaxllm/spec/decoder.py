@@ -95,7 +95,7 @@ class SpecDecoder:
     @property
     def hook(self):
         """What the dispatcher calls after a step's page moves and forward pass
-        (`on_kv_ops(out)`, `after_forward(hb, prev_ids)`): a proposer with its own KV, or None."""
+        (`on_kv_ops(out)`, `after_forward(out, hb, prev_ids)`): a proposer with its own KV, or None."""
         return self.proposer if hasattr(self.proposer, "after_forward") else None
 
     def warmup(self, sampler, seq_buckets: tuple[int, ...], device=None, token_buckets=(),
@@ -181,12 +181,13 @@ class SpecDecoder:
         ready = [r for r in running if r.status is RequestStatus.RUNNING and r.num_pending == 0
                  and r.num_computed_tokens == r.num_tokens - 1 and not r.pending_forks
                  and r.request_id not in skip]
-        if not ready:
+        takes_requests = getattr(self.proposer, "takes_requests", False)
+        if not ready and not takes_requests:  # (an EAGLE head writes the step's entries anyway)
             return
         room = np.array([min(self.k, r.stop.max_tokens - len(r.output_token_ids) - 1,
                              max_model_len - r.num_tokens - 1) for r in ready])
-        room = np.maximum(room, 0)
-        if getattr(self.proposer, "takes_requests", False):  # a draft model: it reads its own KV
+        room = np.maximum(room, 0).astype(np.int64)
+        if takes_requests:  # a draft model or EAGLE head: it reads its own KV
             drafts = self.proposer.propose(ready, room)
         else:
             drafts = self.proposer.propose([r.all_token_ids for r in ready], room)

@@ -141,7 +141,7 @@ class DraftModelProposer:
         pages = self.kv_ops.copy(self.pages, out.copies)
         self.pages = self.kv_ops.swap_in(pages, out.swap_in)
 
-    def after_forward(self, hb: HostBatch, prev_ids: jax.Array | None) -> None:
+    def after_forward(self, out, hb: HostBatch, prev_ids: jax.Array | None) -> None:
         self.pages = self._shadow(self.flat, self.pages, Batch.from_host(hb),
                                   self.no_ids if prev_ids is None else prev_ids)
 
@@ -184,7 +184,7 @@ class DraftModelProposer:
                 block_tables=np.zeros((R, self.max_blocks), np.int32),
                 seq_lens=np.zeros(R, np.int32), query_start_loc=np.zeros(R + 1, np.int32),
                 num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(R, np.int32), num_rows=0)
-            self.after_forward(hb, None)
+            self.after_forward(None, hb, None)
         for R in seq_buckets:
             if R > pick_bucket(seq_buckets, min(max_num_seqs, seq_buckets[-1])):
                 break
