@@ -164,3 +164,13 @@ def test_model_with_the_kernel_keeps_greedy_ids(monkeypatch):
     for p, o in zip(prompts, llm.generate(prompts, greedy, use_tqdm=False)):
         assert o.outputs[0].token_ids == hf_greedy(model, p, 6)
     assert traced  # the step was traced through the kernel
+
+
+def test_chooser_offers_decode_kernels_per_row_count(monkeypatch):
+    """A large prefill bucket must not hide the decode kernels from the small buckets."""
+    small = lambda x, w, s: jax.lax.ragged_dot(x, w, s) * 1.0
+    monkeypatch.setattr(gmm_impls, "candidates", lambda M, *a, **k: {
+        "ragged_dot": gmm_impls.ragged_dot_ref, **({"decode_x": small} if M <= 64 else {})})
+    chooser = gmm_impls.Chooser()
+    chooser.measure([16, 512], E=4, H=64, F=32, dtype=jnp.float32, reps=1)
+    assert "decode_x" in chooser.timings[16] and set(chooser.timings[512]) == {"ragged_dot"}

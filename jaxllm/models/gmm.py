@@ -144,16 +144,16 @@ class Chooser:
         shape at each row count, after checking it against ragged_dot; keep the fastest."""
         from jaxllm.models.moe import expert_mlp
 
-        cands = candidates(max(rows), E, H, F)
-        if len(cands) == 1:
+        if len(candidates(min(rows), E, H, F)) == 1:  # no GPU kernels here: ragged_dot throughout
             return
-        self.impls.update(cands)
         key = jax.random.key(0)
         w_g = (jax.random.normal(key, (E, H, F), jnp.float32) / np.sqrt(H)).astype(dtype)
         w_u = (jax.random.normal(jax.random.key(1), (E, H, F), jnp.float32) / np.sqrt(H)).astype(dtype)
         w_d = (jax.random.normal(key, (E, F, H), jnp.float32) / np.sqrt(F)).astype(dtype)
         rng = np.random.default_rng(0)
         for M in sorted(set(rows)):
+            cands = candidates(M, E, H, F)  # the decode kernels only for decode-sized row counts
+            self.impls.update(cands)
             ids = np.sort(rng.integers(0, E, M))
             sizes = jnp.asarray(np.bincount(ids, minlength=E).astype(np.int32))
             x = jax.random.normal(key, (M, H), jnp.float32).astype(dtype)
