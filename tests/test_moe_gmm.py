@@ -104,6 +104,8 @@ def test_chooser_offers_the_kernel_on_gpu_only():
     gpu = gmm_impls.candidates(8, 128, 2048, 768, "gpu")
     assert {t.name for t in moe_gmm.TILINGS} <= set(gpu)
     assert not any(n.startswith("decode_") for n in gmm_impls.candidates(8192, 128, 2048, 768, "gpu"))
+    engine = gmm_impls.candidates(8, 128, 2048, 768, "gpu", engine=True)  # warm-up's subset
+    assert {n for n in engine if n.startswith(("decode_", "mosaic_"))} == set(gmm_impls.ENGINE_DECODE_TILINGS)
 
 
 def test_chooser_never_picks_a_wrong_kernel(monkeypatch):

@@ -81,8 +81,15 @@ class MosaicGmm(DecodeGmm):
         return moe_gmm_mosaic.grouped_matmul_pair(x, w1, w2, group_sizes, self.tiling)
 
 
-def candidates(M: int, E: int, H: int, F: int, platform: str | None = None) -> dict[str, GroupedMatmul]:
-    """Implementations that can run this layer shape here (all of them shape-checked)."""
+# The decode tilings the engine measures at warm-up (each costs a compile per row count);
+# scripts/gpu_moe.sh times all of them, so this list follows its figures.
+ENGINE_DECODE_TILINGS = ("decode_64x256k1", "decode_128x64k4", "mosaic_128x64s4", "mosaic_64x64s6")
+
+
+def candidates(M: int, E: int, H: int, F: int, platform: str | None = None,
+               engine: bool = False) -> dict[str, GroupedMatmul]:
+    """Implementations that can run this layer shape here (all of them shape-checked);
+    `engine`: only ENGINE_DECODE_TILINGS of the decode kernels (start-up compiles)."""
     platform = platform or jax.devices()[0].platform
     out: dict[str, GroupedMatmul] = {"ragged_dot": ragged_dot_ref}
     if platform != "gpu":
@@ -101,6 +108,8 @@ def candidates(M: int, E: int, H: int, F: int, platform: str | None = None) -> d
                     out[t.name] = MosaicGmm(t)
         except Exception as e:  # a jax without Mosaic GPU
             log.info("Mosaic decode kernel unavailable: %s", e)
+        if engine:
+            out = {k: v for k, v in out.items() if not isinstance(v, DecodeGmm) or k in ENGINE_DECODE_TILINGS}
     try:
         for t in MGPU_TILINGS:
             bm, bn, bk, _, gbn = t
@@ -144,7 +153,7 @@ class Chooser:
         shape at each row count, after checking it against ragged_dot; keep the fastest."""
         from jaxllm.models.moe import expert_mlp
 
-        if len(candidates(min(rows), E, H, F)) == 1:  # no GPU kernels here: ragged_dot throughout
+        if len(candidates(min(rows), E, H, F, engine=True)) == 1:  # no GPU kernels: ragged_dot throughout
             return
         key = jax.random.key(0)
         w_g = (jax.random.normal(key, (E, H, F), jnp.float32) / np.sqrt(H)).astype(dtype)
@@ -152,7 +161,7 @@ class Chooser:
         w_d = (jax.random.normal(key, (E, F, H), jnp.float32) / np.sqrt(F)).astype(dtype)
         rng = np.random.default_rng(0)
         for M in sorted(set(rows)):
-            cands = candidates(M, E, H, F)  # the decode kernels only for decode-sized row counts
+            cands = candidates(M, E, H, F, engine=True)  # decode kernels: decode-sized row counts only
             self.impls.update(cands)
             ids = np.sort(rng.integers(0, E, M))
             sizes = jnp.asarray(np.bincount(ids, minlength=E).astype(np.int32))
