@@ -13,6 +13,9 @@ moves them in `kv_pages [L, 2, K, P, S, D]`:
   (`jaxllm/kv_transfer/`): gathered into a device array of SWAP_CHUNK blocks, scattered
   back from one, or written from separate host arrays `[L, 2, K, S, D]` (each block sent
   as it is, no host copy into a staging buffer, and stacked on the device).
+  `write_blocks` = `put_blocks` (start the host-to-device copies, asynchronous) then
+  `scatter_blocks` (into the pages), so a connector can let the copies run behind steps.
+  Over a mesh each block goes straight to the devices holding its KV heads.
 
 Every function has fixed shapes (copies padded to `max_copies`, swaps moved in
 chunks of `SWAP_CHUNK` blocks; padding writes go to block index P and are
@@ -27,6 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 SWAP_CHUNK = 16  # blocks per swap transfer
 
@@ -59,6 +63,15 @@ class KVOps:
         self.block_shape = (L, two, K, S, D)
         # np.empty is lazy: the host pool costs memory only as swaps touch it.
         self.host = np.empty((num_host_blocks, *self.block_shape), pages.dtype)
+        # Where one block [L, 2, K, S, D] / one chunk [C, L, 2, K, S, D] lives: the pages'
+        # sharding without the page axis (each device holds its KV heads); None on one device.
+        self.block_sharding = self.chunk_sharding = None
+        if len(pages.sharding.device_set) > 1 and isinstance(pages.sharding, NamedSharding):
+            spec = tuple(pages.sharding.spec) + (None,) * (pages.ndim - len(pages.sharding.spec))
+            mesh = pages.sharding.mesh
+            block = spec[:3] + spec[4:]
+            self.block_sharding = NamedSharding(mesh, PartitionSpec(*block))
+            self.chunk_sharding = NamedSharding(mesh, PartitionSpec(None, *block))
         # Over a mesh, results keep the pages' sharding; on one device no sharding is
         # pinned, so the pages stay uncommitted like the runner's (jit caches key on that).
         # XLA's memory limit as the step's (`engine/memory.py`): these programs hold the whole pool too.
@@ -67,7 +80,10 @@ class KVOps:
             keep["out_shardings"] = pages.sharding
         # partial(): a cache of our own, so num_compiled() counts this engine's variants only.
         self._copy = jax.jit(functools.partial(_copy), **keep)
-        self._gather = jax.jit(functools.partial(_gather), compiler_options=compiler_options or None)
+        gather = dict(compiler_options=compiler_options or None)
+        if self.chunk_sharding is not None:
+            gather["out_shardings"] = self.chunk_sharding
+        self._gather = jax.jit(functools.partial(_gather), **gather)
         self._scatter = jax.jit(functools.partial(_scatter), **keep)
         self._scatter_list = jax.jit(functools.partial(_scatter_list), **keep)
         self._zero_block = None  # padding of write_blocks, on the device
@@ -108,13 +124,21 @@ class KVOps:
 
     def write_blocks(self, pages: jax.Array, blocks: list[np.ndarray], ids: list[int]) -> jax.Array:
         """Host arrays [L, 2, K, S, D] -> device blocks `ids`."""
+        return self.scatter_blocks(pages, self.put_blocks(blocks), ids)
+
+    def put_blocks(self, blocks: list[np.ndarray]) -> list[jax.Array]:
+        """Start the host-to-device copies of host blocks (returns at once; `is_ready()` on
+        each result says when its copy is done)."""
+        return jax.device_put(list(blocks), self.block_sharding) if blocks else []
+
+    def scatter_blocks(self, pages: jax.Array, dev: list[jax.Array], ids: list[int]) -> jax.Array:
+        """Device blocks (from put_blocks) -> device blocks `ids`."""
         if self._zero_block is None:
-            self._zero_block = jax.device_put(np.zeros(self.block_shape, pages.dtype))
+            self._zero_block = jax.device_put(np.zeros(self.block_shape, pages.dtype), self.block_sharding)
         for i in range(0, len(ids), SWAP_CHUNK):
             chunk = ids[i:i + SWAP_CHUNK]
-            dev = jax.device_put(blocks[i:i + SWAP_CHUNK])
-            dev += [self._zero_block] * (SWAP_CHUNK - len(chunk))
-            pages = self._scatter_list(pages, dev, self._pad(chunk, SWAP_CHUNK, self.num_blocks))
+            part = list(dev[i:i + SWAP_CHUNK]) + [self._zero_block] * (SWAP_CHUNK - len(chunk))
+            pages = self._scatter_list(pages, part, self._pad(chunk, SWAP_CHUNK, self.num_blocks))
         return pages
 
     def gather_chunk(self, pages: jax.Array, ids: list[int]) -> jax.Array:
@@ -136,7 +160,7 @@ class KVOps:
             if self.num_host_blocks or self.block_io:
                 pages = self._scatter(pages, blocks, self._pad([], SWAP_CHUNK, self.num_blocks))
             if self.block_io:  # connectors scatter device arrays too (committed to a device)
-                dev = jax.device_put(blocks, jax.devices()[0])
+                dev = jax.device_put(blocks, self.chunk_sharding or jax.devices()[0])
                 pages = self._scatter(pages, dev, self._pad([], SWAP_CHUNK, self.num_blocks))
                 pages = self._scatter(pages, self._gather(pages, idx), self._pad([], SWAP_CHUNK, self.num_blocks))
             if self.block_io:

@@ -342,9 +342,9 @@ class LLMEngine:
 
     def _launch(self, out: SchedulerOutput, prev: Launched | None) -> Launched | None:
         if out.empty:
-            if out.has_kv_ops:
+            if out.has_kv_ops:  # (with KV loads in flight: the worker looks at their copies)
                 self.dispatcher.submit(out)
-            elif self.scheduler.loading:  # only background KV fetches left: do not spin hot
+            if self.scheduler.loading:  # only KV fetches and loads left: do not spin hot
                 time.sleep(0.001)
             return None
         now = time.time()

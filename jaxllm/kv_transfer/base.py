@@ -5,7 +5,9 @@ Scheduler side (host, no JAX; called by `jaxllm.runtime.scheduler`):
 * `get_num_new_matched_tokens(req, num_computed_tokens) -> (n, load_async)`: tokens past
   the device prefix-cache hits this connector can supply. `n` is None when it cannot tell
   yet (e.g. blocks are being read from disk in the background): the request steps aside
-  (it does not block the batch) until `get_finished()` names it ready.
+  (it does not block the batch) until `get_finished()` names it ready. `load_async` (with
+  n > 0): the request gets its blocks now and waits in WAITING_FOR_REMOTE_KVS, off the
+  batch, while the worker loads them; `get_finished()` names it once they are in.
 * `update_state_after_alloc(req, block_ids, num_external_tokens)`: the request's device
   blocks are allocated; remember which ones the external tokens load into.
 * `build_connector_meta() -> meta`: this step's loads and saves, carried to the worker by
@@ -13,7 +15,7 @@ Scheduler side (host, no JAX; called by `jaxllm.runtime.scheduler`):
 * `request_finished(req, block_ids) -> (delay_free, kv_transfer_params)`: the request is
   done; its blocks may be saved, or held (delay_free) until `get_finished()` names it sent.
 * `get_finished() -> (sent, received)`: request ids whose delayed blocks may be freed, and
-  ids whose background loads finished (schedulable again).
+  ids whose background fetches or asynchronous loads finished (schedulable again).
 
 Worker side (device; called on the dispatch thread in step order by `engine/dispatch.py`,
 with `mover` the engine's `KVOps`): `save_kv_layer` runs before the step's page writes

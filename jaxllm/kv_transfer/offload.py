@@ -10,8 +10,13 @@ evictable only once its owner finished or was preempted (preemption finishes its
 `request_finished` is called then as well).
 
 Loads: on admission, the blocks past the device prefix hits are looked up by key in the
-host tier and pinned; they load into the request's fresh blocks before the step's forward
-pass, so the same step computes the rest of the prompt. Blocks only the disk holds are
+host tier and pinned. Asynchronously (`load_async`, the default, vLLM's async load): the
+request gets its blocks and waits (WAITING_FOR_REMOTE_KVS) while the batch runs on; the
+worker starts the host-to-device copies (`KVOps.put_blocks`) and, at each later step, writes
+the blocks whose copies are done into the pages and reports them in `get_finished()`; the
+request then computes the rest of its prompt. A request finished while loading cancels
+its load before its blocks can be reused. Inline (`"load_async": false`): the blocks are
+written before the step's forward pass, and the same step computes the rest. Blocks only the disk holds are
 first read (checksums verified) into the host tier on a background thread while the
 request steps aside (`get_num_new_matched_tokens` returns None), then it is admitted from
 the host tier. Keys are the prefix-cache hashes (SHA-256 over parent, salt and tokens),
@@ -43,8 +48,20 @@ def mover_chunk(mover) -> int:
 
 @dataclasses.dataclass
 class OffloadMeta:
-    loads: list[tuple[int, int]]  # (key, device block) host tier -> device
+    loads: list[tuple[int, int]]  # (key, device block) host tier -> device, before this step
     saves: list[tuple[int, int | None, int]]  # (key, parent key, device block) device -> tiers
+    async_loads: list[tuple[int, list[tuple[int, int]]]] = dataclasses.field(default_factory=list)
+    cancels: list[int] = dataclasses.field(default_factory=list)  # tickets of dropped async loads
+
+
+@dataclasses.dataclass
+class PendingLoad:
+    """An asynchronous load on the worker: its host-to-device copies in flight."""
+
+    dev: list  # device blocks (KVOps.put_blocks)
+    ids: list[int]  # the request's device blocks they go to
+    start: float
+    nbytes: int
 
 
 class OffloadingConnector(KVConnectorBase):
@@ -65,6 +82,13 @@ class OffloadingConnector(KVConnectorBase):
             self.disk = DiskStore(disk_dir, cap, ctx.fingerprint, ctx.block_bytes, ctx.block_shape, ctx.dtype)
         self._lock = threading.Lock()
         self._loads: list[tuple[int, int]] = []
+        self.load_async = bool(extra.get("load_async", True))
+        self._tickets = 0
+        self._async: list[tuple[int, list[tuple[int, int]]]] = []  # (ticket, (key, block)) to start
+        self._inflight: dict[str, int] = {}  # request -> ticket of its async load, until reported
+        self._cancels: list[int] = []
+        self._pending: dict[int, PendingLoad] = {}  # worker side: ticket -> copies in flight
+        self._loaded: set[int] = set()  # worker side: tickets written to the pages, not yet reported
         self._saves: list[tuple[int, int | None, int]] = []
         self._queued: set[int] = set()  # keys in _saves or with the worker, not yet in the host tier
         self._lookup_pins: dict[str, list[int]] = {}  # request -> host keys its last lookup pinned
@@ -107,7 +131,7 @@ class OffloadingConnector(KVConnectorBase):
                 self._reader.submit(self._promote, rid, keys[:len(pinned)] + run)
                 return None, False
         self._lookup_pins[rid] = pinned
-        return len(pinned) * S, False
+        return len(pinned) * S, self.load_async
 
     def _promote(self, rid: str, keys: list[int]) -> None:
         """Background: bring a request's disk blocks into the host tier, pinned for it."""
@@ -143,17 +167,37 @@ class OffloadingConnector(KVConnectorBase):
         n = num_external_tokens // S
         start = req.num_computed_tokens // S
         self.host.unpin(pins[n:])
-        self._loads.extend(zip(pins[:n], block_ids[start:start + n]))
+        pairs = list(zip(pins[:n], block_ids[start:start + n]))
+        if pairs and self.load_async:
+            self._tickets += 1
+            self._async.append((self._tickets, pairs))
+            self._inflight[rid] = self._tickets
+        else:
+            self._loads.extend(pairs)
         if req.num_preemptions == 0:
             self.queries += req.num_tokens
             self.hits += num_external_tokens
 
     def build_connector_meta(self) -> OffloadMeta | None:
-        if not self._loads and not self._saves:
+        """This step's work; while async loads are in flight, a (maybe empty) meta each
+        step, so the worker looks at their copies."""
+        if not (self._loads or self._saves or self._async or self._cancels or self._inflight):
             return None
-        meta = OffloadMeta(self._loads, self._saves)
-        self._loads, self._saves = [], []
+        meta = OffloadMeta(self._loads, self._saves, self._async, self._cancels)
+        self._loads, self._saves, self._async, self._cancels = [], [], [], []
         return meta
+
+    def _drop_load(self, rid: str) -> None:
+        """rid finished while loading: unpin what is not started, cancel what is."""
+        ticket = self._inflight.pop(rid, None)
+        if ticket is None:
+            return
+        for i, (t, pairs) in enumerate(self._async):
+            if t == ticket:
+                del self._async[i]
+                self.host.unpin([k for k, _ in pairs])
+                return
+        self._cancels.append(ticket)  # the worker drops it before the blocks' next owner writes
 
     def request_preempted(self, req, block_ids: list[int]) -> None:
         self.request_finished(req, block_ids)
@@ -161,6 +205,7 @@ class OffloadingConnector(KVConnectorBase):
     def request_finished(self, req, block_ids: list[int]) -> tuple[bool, dict | None]:
         rid = req.request_id
         self.host.unpin(self._lookup_pins.pop(rid, []))
+        self._drop_load(rid)
         with self._lock:
             self._ready.discard(rid)
             self._promoted.discard(rid)
@@ -184,6 +229,12 @@ class OffloadingConnector(KVConnectorBase):
     def get_finished(self) -> tuple[set[str], set[str]]:
         with self._lock:
             ready, self._ready = self._ready, set()
+            loaded, self._loaded = self._loaded, set()
+        if loaded:
+            for rid, t in list(self._inflight.items()):
+                if t in loaded:
+                    del self._inflight[rid]
+                    ready.add(rid)
         return set(), ready
 
     # -- worker side --------------------------------------------------------
@@ -216,18 +267,44 @@ class OffloadingConnector(KVConnectorBase):
                 self._queued.difference_update(k for k, _, _ in part)
             self.io["kv_offload_cpu_save_seconds"] += time.perf_counter() - t0
 
-    def start_load_kv(self, pages, meta: OffloadMeta | None):
-        if not meta or not meta.loads:
-            return pages
-        t0 = time.perf_counter()
-        keys = [k for k, _ in meta.loads]
+    def _host_blocks(self, keys: list[int]) -> list[np.ndarray]:
         blocks = [self.host.get(k) for k in keys]
         if any(b is None for b in blocks):  # pinned since the lookup: cannot happen
             raise RuntimeError("a pinned host KV block went missing")
-        pages = self.ctx.mover.write_blocks(pages, blocks, [b for _, b in meta.loads])
-        self.host.unpin(keys)
-        self.io["kv_offload_cpu_load_bytes"] += sum(b.nbytes for b in blocks)
-        self.io["kv_offload_cpu_load_seconds"] += time.perf_counter() - t0
+        return blocks
+
+    def _load_done(self, p: PendingLoad) -> bool:
+        return all(a.is_ready() for a in p.dev)
+
+    def start_load_kv(self, pages, meta: OffloadMeta | None):
+        if not meta:
+            return pages
+        mover = self.ctx.mover
+        for t in meta.cancels:
+            self._pending.pop(t, None)
+        for t, pairs in meta.async_loads:  # start the copies; the steps run on meanwhile
+            keys = [k for k, _ in pairs]
+            blocks = self._host_blocks(keys)
+            self._pending[t] = PendingLoad(mover.put_blocks(blocks), [b for _, b in pairs],
+                                           time.perf_counter(), sum(b.nbytes for b in blocks))
+            self.host.unpin(keys)  # the copies hold the arrays; host blocks are never rewritten
+        done = [t for t, p in self._pending.items() if self._load_done(p)]
+        for t in done:
+            p = self._pending.pop(t)
+            pages = mover.scatter_blocks(pages, p.dev, p.ids)
+            self.io["kv_offload_cpu_load_bytes"] += p.nbytes
+            self.io["kv_offload_cpu_load_seconds"] += time.perf_counter() - p.start
+        if done:
+            with self._lock:
+                self._loaded.update(done)
+        if meta.loads:
+            t0 = time.perf_counter()
+            keys = [k for k, _ in meta.loads]
+            blocks = self._host_blocks(keys)
+            pages = mover.write_blocks(pages, blocks, [b for _, b in meta.loads])
+            self.host.unpin(keys)
+            self.io["kv_offload_cpu_load_bytes"] += sum(b.nbytes for b in blocks)
+            self.io["kv_offload_cpu_load_seconds"] += time.perf_counter() - t0
         return pages
 
     def wait_for_save(self) -> None:
@@ -247,7 +324,8 @@ class OffloadingConnector(KVConnectorBase):
                "kv_offload_cpu_capacity_bytes": self.host.capacity,
                "kv_offload_disk_bytes": d.nbytes if d is not None else 0, "kv_offload_disk_blocks": len(d) if d is not None else 0,
                "kv_offload_disk_corrupt_blocks": d.num_corrupt if d is not None else 0,
-               "kv_offload_disk_failed": bool(d is not None and d.failed), **self.io}
+               "kv_offload_disk_failed": bool(d is not None and d.failed),
+               "kv_offload_loads_in_flight": len(self._inflight), **self.io}
         if d is not None:
             out["kv_offload_disk_save_bytes"] = d.bytes_written
             out["kv_offload_disk_save_seconds"] = d.seconds_written

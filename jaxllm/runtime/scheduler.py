@@ -19,10 +19,14 @@ kept, until its owner forks or finishes it; parked blocks are the first to go
 when the pool runs dry.
 
 A KV connector (`jaxllm.kv_transfer`), if any, is asked on admission for tokens past the
-device prefix hits it can load (they count as computed; its worker loads them before the
-forward pass); a request whose KV it is still fetching steps aside into `loading`, off the
-waiting queue, until the connector names it ready. Finished requests are handed to it
-(it may save their blocks, or hold them until sent).
+device prefix hits it can load. Loaded inline, they count as computed and its worker loads
+them before the forward pass. Loaded asynchronously (vLLM's `load_kv_async`), the request
+gets its blocks for them and waits in `loading` (WAITING_FOR_REMOTE_KVS) while the batch
+runs on; once the connector names its load done it rejoins the queue's front with them
+computed, and only then are its loaded blocks offered to the prefix cache. A request whose
+KV the connector cannot count yet (it is fetching) steps aside into `loading` too, without
+blocks. Finished requests are handed to it (it may save their blocks, or hold them until
+sent); one finished while loading is told to the connector, which drops the load.
 
 Speculative decoding: a running request's `spec_token_ids` are fed after its
 last token in the same chunk, counted in the budget (vLLM's
@@ -57,6 +61,7 @@ class Scheduler:
         self.kv = kv
         self.connector = connector  # a jaxllm.kv_transfer connector (scheduler side), or None
         self.loading: dict[str, Request] = {}  # waiting for the connector to fetch their KV
+        self._loading_ext: dict[str, int] = {}  # of those, loading asynchronously: its tokens
         self.delayed: dict[str, Request] = {}  # finished; blocks held until the connector sent them
         self.waiting = make_queue(config.policy)
         self.running: list[Request] = []  # the last one is the next to preempt
@@ -90,7 +95,7 @@ class Scheduler:
         if leader is not None:
             leader.pending_forks.remove(req)
         elif self.loading.pop(request_id, None) is not None:
-            pass
+            self._loading_ext.pop(request_id, None)
         elif self.parked.pop(request_id, None) is None:
             if req in self.running:
                 self.running.remove(req)
@@ -213,16 +218,28 @@ class Scheduler:
                 return True
         return False
 
-    def _admission(self, req: Request, budget: int) -> tuple[list, int | None, int]:
-        """(prefix-cache hits, tokens the connector loads (None: not known yet), tokens to
-        schedule) if req were admitted now."""
+    def _admission(self, req: Request, budget: int) -> tuple[list, int | None, bool, int]:
+        """(prefix-cache hits, tokens the connector loads (None: not known yet), whether it
+        loads them asynchronously, tokens to schedule) if req were admitted now."""
         hits = self.kv.get_computed_blocks(req)
         done = req.num_computed_tokens + len(hits) * self.kv.block_size
-        ext = 0
+        ext, is_async = 0, False
         if (self.connector is not None and req.request_id not in self.kv.tables
                 and not self.kv.is_swapped(req)):
-            ext, _ = self.connector.get_num_new_matched_tokens(req, done)
-        return hits, ext, self._chunk(req.num_tokens - done - (ext or 0), budget)
+            ext, is_async = self.connector.get_num_new_matched_tokens(req, done)
+        return hits, ext, bool(is_async and ext), self._chunk(req.num_tokens - done - (ext or 0), budget)
+
+    def _park_loading(self, req: Request, hits: list, ext: int) -> None:
+        """req holds its blocks (hits + `ext` tokens the connector loads asynchronously):
+        it waits off the batch until the connector names the load done."""
+        num_hit = len(hits) * self.kv.block_size
+        req.num_computed_tokens += num_hit
+        self.connector.update_state_after_alloc(req, self.kv.block_ids(req.request_id), ext)
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = num_hit + ext
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.loading[req.request_id] = req
+        self._loading_ext[req.request_id] = ext
 
     def _poll_connector(self) -> None:
         """Requests whose KV the connector fetched rejoin the queue; sent ones free blocks."""
@@ -230,6 +247,9 @@ class Scheduler:
         for rid in ready:
             req = self.loading.pop(rid, None)
             if req is not None:
+                if rid in self._loading_ext:  # its blocks hold the loaded tokens now
+                    req.num_computed_tokens += self._loading_ext.pop(rid)
+                    req.status = RequestStatus.WAITING
                 self.waiting.add_preempted(req)
         for rid in sent:
             req = self.delayed.pop(rid, None)
@@ -244,7 +264,7 @@ class Scheduler:
                 return
             if head.priority >= victim.priority:
                 return
-            hits, ext, n = self._admission(head, budget)
+            hits, ext, _, n = self._admission(head, budget)
             n += ext or 0
             seats = sum(r.seats for r in self.running) + head.seats
             if (seats <= self.config.max_num_seqs
@@ -303,11 +323,20 @@ class Scheduler:
                     break
                 if seats + req.seats > cfg.max_num_seqs or req.request_id in out.preempted:
                     break  # (a request preempted for priority this step waits at least one)
-                hits, ext, n = self._admission(req, budget)
+                hits, ext, is_async, n = self._admission(req, budget)
                 if ext is None:  # the connector is still fetching its KV: step aside
                     self.waiting.remove(req)  # (not pop: req may stand behind a gated one)
                     self.loading[req.request_id] = req
                     continue
+                if is_async:  # blocks for the loaded tokens now; scheduled once they are in
+                    if self.kv.allocate_slots(req, ext, hits) is None:
+                        if self._evict_parked():
+                            continue
+                        break
+                    self.waiting.remove(req)
+                    self._park_loading(req, hits, ext)
+                    continue
+                loaded = req.request_id in self.kv.tables  # back from an asynchronous load
                 if self._allocate(req, ext + n, hits) is None:
                     if self._evict_parked():
                         continue
@@ -315,10 +344,10 @@ class Scheduler:
                 self.waiting.remove(req)
                 num_hit = len(hits) * self.kv.block_size
                 req.num_computed_tokens += num_hit
-                if self.connector is not None:
+                if self.connector is not None and not loaded:
                     self.connector.update_state_after_alloc(req, self.kv.block_ids(req.request_id), ext)
                     req.num_computed_tokens += ext
-                if req.num_preemptions == 0:
+                if req.num_preemptions == 0 and not loaded:
                     req.num_cached_tokens = num_hit + ext
                 req.status = RequestStatus.RUNNING
                 self._insert_running(req)

@@ -1,0 +1,143 @@
+"""Asynchronous host-tier loads (vLLM's load_kv_async): a request whose KV is loading waits
+in WAITING_FOR_REMOTE_KVS while the batch runs on; a slow load (its copies held back by a
+gate) stalls nobody, the output is the recomputed one, and an abort while loading frees
+everything and cancels the load before its blocks are reused.
+"""
+
+import threading
+
+import numpy as np
+import pytest
+
+from kv_tiny import GREEDY, gib, make, rand, run1
+
+from jaxllm.runtime.request import RequestStatus
+from jaxllm.runtime.kv_cache_manager import block_hash
+
+A, B, C, D, X = rand(300, 11), rand(300, 12), rand(300, 13), rand(300, 15), rand(20, 14)
+
+
+@pytest.fixture(scope="module")
+def want():
+    ref = make(enable_prefix_caching=False)
+    return {k: run1(ref, p).outputs[0].token_ids for k, p in dict(A=A, B=B, C=C, D=D, X=X).items()}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return make(kv_offload_cpu_gib=gib(64))
+
+
+@pytest.fixture
+def gate(llm):
+    """Holds every async load's copies back while cleared (the injected delay)."""
+    conn = llm.engine.connector
+    g, done = threading.Event(), conn._load_done
+    g.set()
+    conn._load_done = lambda p: g.is_set() and done(p)
+    yield g
+    g.set()
+    conn._load_done = done
+
+
+def keys(prompt, n):
+    out = []
+    for i in range(n):
+        out.append(block_hash(out[-1] if out else None, prompt[i * 16:(i + 1) * 16], None))
+    return out
+
+
+def device_is_host(llm, prompt, n):
+    """The device blocks the prefix cache holds for prompt's first n full blocks hold the
+    bytes of their host-tier copies (the output of a tiny random model is a weak witness)."""
+    e, conn = llm.engine, llm.engine.connector
+    pages = np.asarray(e.runner.kv_pages)
+    for k in keys(prompt, n):
+        b = e.kv.pool.lookup(k)
+        if b is None or not np.array_equal(pages[:, :, :, b.block_id], conn.host.get(k)):
+            return False
+    return True
+
+
+def idle(llm):
+    e, conn = llm.engine, llm.engine.connector
+    return (e.kv.num_free_blocks == e.runner.num_blocks and not e.scheduler.loading
+            and not conn.host.num_pinned and not conn._inflight and not conn._pending)
+
+
+def drive(e, until, limit=5000):
+    """Step until `until()`; returns {request id: its outputs' token ids so far}."""
+    toks = {}
+    for _ in range(limit):
+        if until():
+            return toks
+        for o in e.step():
+            toks[o.request_id] = o.outputs[0].token_ids
+    raise AssertionError("the engine made no progress")
+
+
+def test_slow_load_does_not_stall_the_batch(llm, gate, want):
+    e, conn = llm.engine, llm.engine.connector
+    assert conn.load_async
+    for p in (A, B):  # B evicts (most of) A from the device; A waits in the host tier
+        run1(llm, p)
+    gate.clear()
+    e.add_request("x", X, GREEDY)
+    e.add_request("a", A, GREEDY)
+    req = e.scheduler.requests["a"]
+    toks = drive(e, lambda: "x" not in e.scheduler.requests)
+    assert toks["x"] == want["X"]  # x ran to its end while a's load was held back
+    assert "a" not in toks and req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert e.scheduler.loading == {"a": req} and len(conn._pending) == 1
+    hit = req.num_computed_tokens  # the device prefix hits only, so far
+    assert hit % 16 == 0 and hit < 288
+    # Loaded blocks are offered to the prefix cache only once they hold their KV.
+    assert e.kv.pool.lookup(keys(A, 18)[-1]) is None
+    gate.set()
+    toks.update(drive(e, lambda: not e.has_unfinished_requests()))
+    assert toks["a"] == want["A"]
+    st = llm.stats()
+    assert st["kv_offload_loads_in_flight"] == 0 and st["external_prefix_cache_hits"] >= 288 - hit
+    e.flush()
+    assert idle(llm)
+    assert device_is_host(llm, A, 18)
+    assert e.kv_ops.num_compiled() == llm.kv_compiled
+
+
+def test_abort_while_loading_frees_and_cancels(llm, gate, want):
+    e, conn = llm.engine, llm.engine.connector
+    for p in (C, A, B):  # C back in the host tier only; A and B evict it from the device
+        run1(llm, p)
+    gate.clear()
+    e.add_request("c", C, GREEDY)
+    drive(e, lambda: "c" in conn._inflight and conn._pending)
+    assert e.scheduler.requests["c"].status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    e.abort_request("c")
+    assert not e.scheduler.loading and not conn._inflight
+    e.flush()
+    assert e.kv.num_free_blocks == e.runner.num_blocks and not conn.host.num_pinned
+    # A new prompt takes the freed blocks; the cancelled copies, let through now, must not land
+    # in them (D's second run reads them back as device prefix hits).
+    e.add_request("d", D, GREEDY)
+    toks = drive(e, lambda: e.scheduler.requests["d"].num_computed_tokens >= 300)
+    e.flush()  # (the step in flight read: the worker is done with it)
+    assert not conn._pending  # the cancel reached the worker with the step after the abort
+    gate.set()
+    toks.update(drive(e, lambda: not e.has_unfinished_requests()))
+    assert toks["d"] == want["D"]
+    e.flush_kv()
+    assert idle(llm) and device_is_host(llm, D, 18)
+    out = run1(llm, D)
+    assert out.outputs[0].token_ids == want["D"] and out.num_cached_tokens == 288
+    assert run1(llm, C).outputs[0].token_ids == want["C"]  # C still loads fine afterwards
+
+
+def test_inline_loads_still_work(want):
+    cfg = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+           "kv_connector_extra_config": {"cpu_gib": gib(48), "load_async": False}}
+    inline = make(kv_transfer_config=cfg)
+    for name, p in (("A", A), ("B", B)):
+        assert run1(inline, p).outputs[0].token_ids == want[name]
+    out = run1(inline, A)
+    assert out.outputs[0].token_ids == want["A"] and out.num_cached_tokens == 288
+    assert not inline.engine.connector.load_async and idle(inline)
