@@ -47,9 +47,10 @@ def build_for_engine(engine_cfg, model_cfg, kv, kv_ops, dtype, random_weights: b
     tc = transfer_config(engine_cfg)
     if tc is None:
         return None
-    if engine_cfg.tensor_parallel_size > 1 or engine_cfg.num_processes > 1:
-        raise ValueError("kv_transfer_config / kv_offload_*: KV connectors need tensor_parallel_size=1 "
-                         "and one process")
+    if engine_cfg.num_processes > 1:  # (tensor parallelism in one process is fine: KVOps
+        # moves each block to and from the devices holding its KV heads)
+        raise ValueError("kv_transfer_config / kv_offload_*: KV connectors need one process "
+                         "(num_processes=1); each process would hold only its own KV heads")
     import numpy as np
     shape = kv_ops.block_shape
     ctx = ConnectorContext(

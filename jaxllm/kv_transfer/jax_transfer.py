@@ -96,8 +96,9 @@ class JaxTransferConnector(KVConnectorBase):
             if params.get("remote_fingerprint") not in (None, self.ctx.fingerprint):
                 raise ValueError("the producer serves another model or KV layout")
             if n > 0:
-                spec = jax.ShapeDtypeStruct((CHUNK, *self.ctx.block_shape), self.ctx.dtype,
-                                            sharding=jax.sharding.SingleDeviceSharding(self._device))
+                sharding = (getattr(self.ctx.mover, "chunk_sharding", None)  # over a mesh: by KV head
+                            or jax.sharding.SingleDeviceSharding(self._device))
+                spec = jax.ShapeDtypeStruct((CHUNK, *self.ctx.block_shape), self.ctx.dtype, sharding=sharding)
                 conn = self.server.connect(params["remote_address"])
                 chunks = conn.pull(int(params["remote_uuid"]), [spec] * -(-n // CHUNK))
                 deadline = time.monotonic() + self.timeout_s
