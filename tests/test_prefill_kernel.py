@@ -142,3 +142,59 @@ def test_hopper_kernel_lowers_for_cuda_on_cpu(group, page_size, block_keys):
         q, kv, jnp.int32(1), md, sm_scale=0.1, block_keys=block_keys))
     exported = jax.export.export(f, platforms=["cuda"])(q, kv, md)
     assert "mosaic_gpu" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("reqs,page_size,num_kv_heads,group,rows", CASES)
+def test_aligned_layout_keeps_results_and_aligns_every_window(reqs, page_size, num_kv_heads,
+                                                              group, rows):
+    """The Mosaic kernel's TMA copies of q/out need every block window to start at a
+    multiple of 8 rows (on the H200 misaligned windows dropped rows). `aligned_layout`
+    relabels a ragged batch so that they do: every window of its schedule is aligned, and
+    the twin run on the relabeled batch, gathered back, equals the reference."""
+    import dataclasses
+    from jaxllm.kernels import mosaic_prefill
+    rng = np.random.default_rng(len(reqs) * 7 + group)
+    q, kv, md = make_batch(rng, reqs, page_size=page_size, num_kv_heads=num_kv_heads,
+                           group=group, pad_tokens=5)
+    T = q.shape[0]
+    qsl, pos, dest, padded = mosaic_prefill.aligned_layout(md.query_start_loc, md.positions, T)
+    assert not (np.asarray(qsl) % 8).any() and padded % 8 == 0
+    bq = 128 // group
+    sched = np.asarray(ps.prefill_schedule(qsl, pos, max(padded, bq), bq))
+    live = sched[ps.COUNT] > 0
+    assert not (sched[ps.T0][live] % 8).any()
+    q_pad = jnp.zeros((padded,) + q.shape[1:], q.dtype).at[dest].set(q)
+    md2 = dataclasses.replace(md, query_start_loc=qsl, positions=pos)
+    got = pallas_prefill.ragged_prefill_attention(q_pad, kv, jnp.int32(1), md2, sm_scale=0.25,
+                                                  block_rows=rows, block_keys=16)[dest]
+    want = ref.ragged_paged_attention(q, kv, jnp.int32(1), md, sm_scale=0.25)
+    assert rel_err(got, want) < 1e-5
+    n_real = int(md.query_start_loc[len(reqs)])
+    assert not np.asarray(got[n_real:]).any()
+
+
+def test_probe_runs_inside_the_steps_trace(monkeypatch):
+    """The engine reaches the probe while its step is being traced (on the H200 it failed
+    there with `NameError: unbound axis name: b`). It must build and run its own concrete
+    batch: here with the portable twin standing in for the Mosaic kernel (CPU), called from
+    inside a jit trace; a wrong kernel must still be caught."""
+    from jaxllm.kernels import mosaic_prefill, prefill_choice
+
+    def twin(q, kv, layer, md, *, sm_scale, block_keys, interpret):
+        return pallas_prefill.ragged_prefill_attention(q, kv, layer, md, sm_scale=sm_scale,
+                                                       block_rows=32, block_keys=32)
+
+    monkeypatch.setattr(mosaic_prefill, "ragged_prefill_attention", twin)
+    seen = []
+
+    @jax.jit
+    def step(x):
+        seen.append(prefill_choice.run_probe(8, 2, 32, 16, "float32", interpret=True))
+        return x + 1
+
+    step(1.0)
+    assert seen[0][0], seen[0]
+    monkeypatch.setattr(mosaic_prefill, "ragged_prefill_attention",
+                        lambda q, *a, **k: twin(q, *a, **k) * 1.1)
+    ok, why = prefill_choice.run_probe(8, 2, 32, 16, "float32", interpret=True)
+    assert not ok and "mismatch" in why

@@ -6,8 +6,8 @@ Backends:
   mosaic     Hopper: the decode kernel (mosaic_decode.py) for steps whose token bucket is no
              larger than the request bucket (T <= R: decode steps), the ragged prefill kernel
              (mosaic_prefill.py) for prefill/mixed steps when prefill_choice.py picks it
-             (JAXLLM_PREFILL_KERNEL=auto: a start-up probe; default "pallas" until the
-             kernel is validated on a GPU), else the portable Pallas kernel for those.
+             (JAXLLM_PREFILL_KERNEL=auto, the default: a start-up probe, validated on an
+             H200), else the portable Pallas kernel for those.
 None picks by platform: cpu -> reference, Hopper GPU -> mosaic, other GPUs -> pallas.
 
 Why T <= R is a static, always-correct switch: the Mosaic kernel handles every token on

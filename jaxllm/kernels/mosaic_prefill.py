@@ -241,25 +241,85 @@ def _interpret_params():
     return InterpretGPUParams(detect_races=True)
 
 
+ALIGN = 8  # TMA row granularity of the [T, K, G, D] q/out views (their (8, 64) tiling)
+
+
+def aligned_layout(query_start_loc: jax.Array, positions: jax.Array, num_tokens: int,
+                   align: int = ALIGN) -> tuple[jax.Array, jax.Array, jax.Array, int]:
+    """Relabel a batch so that every segment (request rows, then the padding tail) starts
+    at a multiple of `align` -> (qsl' [R + 1], positions' [Tp], dest [T], Tp).
+
+    The TMA copies of q and out address rows through the views' (8, 64) tiling, so a copy
+    whose first row is not a multiple of 8 runs out of its tile: rows come back as zeros
+    and stores are dropped (seen on the H200: every ragged batch wrong, every batch of one
+    aligned prompt right). Token t goes to row dest[t]; the gap rows after a request
+    continue its positions (garbage queries whose rows nobody reads; the real rows' causal
+    mask hides the extra keys) and the tail rows have position -1 (zeros)."""
+    qsl = query_start_loc.astype(jnp.int32)
+    num_reqs = qsl.shape[0] - 1
+    seg_start = qsl
+    seg_end = jnp.concatenate([qsl[1:], jnp.array([num_tokens], jnp.int32)])
+    seg_n = seg_end - seg_start
+    new_n = (seg_n + align - 1) // align * align
+    new_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(new_n)[:-1]])
+    padded = -(-(num_tokens + align * (num_reqs + 1)) // align) * align
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seg_t = jnp.searchsorted(seg_end, t, side="right").astype(jnp.int32)
+    dest = new_start[seg_t] + t - seg_start[seg_t]
+    p = jnp.arange(padded, dtype=jnp.int32)
+    seg_p = jnp.searchsorted(new_start[1:], p, side="right").astype(jnp.int32)  # 0..R
+    first = positions[jnp.clip(seg_start[seg_p], 0, num_tokens - 1)]
+    new_pos = jnp.where((seg_p < num_reqs) & (seg_n[seg_p] > 0),
+                        first + p - new_start[seg_p], -1)
+    return new_start, new_pos.astype(jnp.int32), dest, padded
+
+
 def ragged_prefill_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
                              md: AttentionMetadata, *, sm_scale: float, block_keys: int = 128,
-                             num_stages: int = 2, interpret: bool = False) -> jax.Array:
-    """Ragged paged attention for prefill/mixed batches, q [T, H, D] -> [T, H, D]."""
+                             num_stages: int = 2, interpret: bool = False,
+                             semantics: str | None = None) -> jax.Array:
+    """Ragged paged attention for prefill/mixed batches, q [T, H, D] -> [T, H, D].
+
+    Batches whose segments all start at multiples of 8 (one prompt, chunks of aligned
+    lengths) run in place; others through `aligned_layout` (a scatter of q and a gather of
+    the output around the kernel), chosen at run time by `lax.cond`."""
     num_tokens, num_heads, head_dim = q.shape
-    _, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
+    _, _, num_kv_heads, _, page_size, _ = kv_pages.shape
     if not supported(num_heads, num_kv_heads, head_dim, page_size, block_keys):
         raise ValueError(f"unsupported shape: H={num_heads} K={num_kv_heads} D={head_dim} "
                          f"S={page_size} BK={block_keys}")
+    run = functools.partial(_attend, kv_pages=kv_pages, layer=layer, md=md, sm_scale=sm_scale,
+                            block_keys=block_keys, num_stages=num_stages, interpret=interpret,
+                            semantics=semantics)
+    qsl = md.query_start_loc.astype(jnp.int32)
+
+    def direct(q):
+        return run(q, qsl, md.positions)
+
+    def relabeled(q):
+        new_qsl, new_pos, dest, padded = aligned_layout(qsl, md.positions, num_tokens)
+        q_pad = jnp.zeros((padded,) + q.shape[1:], q.dtype).at[dest].set(q)
+        return run(q_pad, new_qsl, new_pos)[dest]
+
+    return lax.cond(jnp.all(qsl % ALIGN == 0), direct, relabeled, q)
+
+
+def _attend(q: jax.Array, qsl: jax.Array, positions: jax.Array, *, kv_pages: jax.Array,
+            layer: jax.Array, md: AttentionMetadata, sm_scale: float, block_keys: int,
+            num_stages: int, interpret: bool, semantics: str | None) -> jax.Array:
+    """The kernel on a batch whose segments start at multiples of 8 (`qsl`, `positions`
+    replace md's); q [T, H, D] -> [T, H, D]."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
     group = num_heads // num_kv_heads
     bq, bk = _ROWS // group, block_keys
     # the block window needs T >= bq; TMA on the [T, K, G, D] view needs T % 8 == 0
     pad = max(bq, -(-num_tokens // 8) * 8) - num_tokens
-    positions = md.positions
     if pad:
         q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
         positions = jnp.pad(positions, (0, pad), constant_values=-1)
     total = num_tokens + pad
-    sched = ps.prefill_schedule(md.query_start_loc, positions, total, bq)
+    sched = ps.prefill_schedule(qsl, positions, total, bq)
     copies_per_step = max(1, bk // page_size)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     scratch = [
@@ -279,7 +339,7 @@ def ragged_prefill_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array
     body = functools.partial(
         _kernel, sm_scale=float(sm_scale), bq=bq, bk=bk, page_size=page_size,
         num_kv_heads=num_kv_heads, num_pages=num_pages, nst=num_stages, interpret=interpret)
-    num_reqs = md.query_start_loc.shape[0] - 1
+    num_reqs = qsl.shape[0] - 1
     out, side = plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct((total, num_kv_heads, group, head_dim), q.dtype),
@@ -287,13 +347,15 @@ def ragged_prefill_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array
         scratch_types=tuple(scratch),
         grid=(sched.shape[1], num_kv_heads), grid_names=("b", "h"),
         num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=SEMANTICS),
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, lowering_semantics=getattr(plgpu.LoweringSemantics, semantics)
+            if semantics else SEMANTICS),
         interpret=_interpret_params() if interpret else None,
     )(sched, md.block_tables.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32),
       q.reshape(total, num_kv_heads, group, head_dim),
       kv_pages.reshape(-1, page_size, head_dim))
     # rows of the partial blocks: side [R + 1, K, G * bq, D] -> their tokens
-    rows = ps.short_segment_rows(md.query_start_loc, total, bq)  # [R + 1, bq]
+    rows = ps.short_segment_rows(qsl, total, bq)  # [R + 1, bq]
     side = side.reshape(num_reqs + 1, num_kv_heads, group, bq, head_dim).transpose(0, 3, 1, 2, 4)
     out = out.at[rows].set(side, mode="drop")
     return out[:num_tokens].reshape(num_tokens, num_heads, head_dim)
