@@ -20,6 +20,7 @@ of device work per call, so host dispatch stays hidden), torch with CUDA events;
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 os.environ.setdefault("JAX_TRACEBACK_FILTERING", "off")  # full traces of kernel errors
@@ -116,7 +117,8 @@ def sample_rows(case, n: int = 48) -> np.ndarray:
 def jax_fns(names: list[str]) -> dict:
     """name -> (kind, fn): kind "paged": fn(q, kv, md) -> [T, H, D]; kind "contig":
     fn(q, k, v, lengths) -> [T, H, D] per sequence (lengths static).
-    mosaic:BLOCK_KEYS:STAGES picks a variant."""
+    mosaic:BLOCK_KEYS:STAGES picks a variant; mosaic_direct[:BK:ST] skips the alignment
+    `lax.cond` (right only when every request starts at a multiple of 8: the 1xN cases)."""
     fns = {}
     for name in names:
         kind, *parts = name.split(":")
@@ -124,6 +126,13 @@ def jax_fns(names: list[str]) -> dict:
             bk, st = (int(parts[0]), int(parts[1])) if parts else (128, 2)
             f = functools.partial(mosaic_prefill.ragged_prefill_attention, sm_scale=SCALE,
                                   block_keys=bk, num_stages=st)
+        elif kind == "mosaic_direct":  # the kernel without the alignment cond (aligned batches)
+            bk, st = (int(parts[0]), int(parts[1])) if parts else (128, 2)
+            fns[name] = ("paged", lambda q, kv, md, bk=bk, st=st: mosaic_prefill._attend(
+                q, md.query_start_loc.astype(jnp.int32), md.positions, kv_pages=kv,
+                layer=jnp.int32(0), md=md, sm_scale=SCALE, block_keys=bk, num_stages=st,
+                interpret=False, semantics=None))
+            continue
         elif kind == "pallas":
             f = functools.partial(pallas_ragged.ragged_paged_attention, sm_scale=SCALE)
         elif kind == "twin":  # the portable twin (Triton on GPU)
@@ -265,7 +274,8 @@ def run_prefill(args) -> dict:
         print(f"== prefill {cname}: lengths {case['lengths']}, {case['flops'] / 1e9:.0f} GFLOP",
               flush=True)
         jax_names = [n for n in names if not n.startswith("torch")
-                     and not (paged_only and n.startswith("jax_"))]
+                     and not (paged_only and n.startswith("jax_"))
+                     and not (n.startswith("mosaic_direct") and (case["qstarts"] % 8).any())]
         for name, kind_fn in jax_fns(jax_names).items():
             print(f"    {name} ...", flush=True)
             try:
@@ -284,14 +294,16 @@ def run_prefill(args) -> dict:
                                               rows, want))
         result["cases"].append(row)
         del case
-    print(f"\nprefill attention TFLOP/s (causal FLOPs; '!' failed check, 'E' error), "
+        with open(args.out, "w") as f:  # partial results survive a time limit
+            json.dump(dict(prefill=result), f, indent=1, default=str)
+    print(f"\nprefill attention TFLOP/s (causal FLOPs; '!' failed check, 'E' error, '-' not run), "
           f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {time.strftime('%Y-%m-%d')}")
     print(f"{'case':>8} " + " ".join(f"{n:>13}" for n in names))
     for row in result["cases"]:
         cells = []
         for n in names:
             r = row["kernels"].get(n, {})
-            cells.append(f"{'E':>13}" if "error" in r or not r else
+            cells.append(f"{'-':>13}" if not r else f"{'E':>13}" if "error" in r else
                          f"{r['tflops']:5.0f}{'' if r['ok'] else '!':1}({r['ms']:6.2f})")
         print(f"{row['case']:>8} " + " ".join(cells))
     return result

@@ -3,7 +3,10 @@
 # batches with the error located (scripts/check_prefill.py: poisoned outputs, q~N and q=0,
 # GQA 1/4/8, pages 16-128, chunks over a cached prefix, decode rows, padding); (2) the engine's
 # probe, reached inside a trace as in the engine; (3) scripts/bench_kernels.py --prefill:
-# the paged kernels against torch SDPA (cuDNN, flash) and jax cuDNN attention in the same run.
+# the paged kernels against torch SDPA (cuDNN, flash) and jax cuDNN attention in the same run
+# (mosaic_direct: the kernel without its alignment lax.cond, to price the cond; mosaic:128:3:
+# a 3-stage K/V ring). Runtime: about 60 + 30 + T3 s (T3=115 covered 3 cases x 5 kernels on
+# 2026-12-02; give T3=240 for all 5 cases x 8 kernels).
 set -u -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
@@ -23,6 +26,6 @@ f(1.0)
 PY
 echo "== bench"
 PREFILL_SMOKE=${PREFILL_SMOKE:-} timeout ${T3:-110} python3 scripts/bench_kernels.py --prefill \
-  --prefill-cases ${PCASES:-8192,32768,2048,ragged8,mixed} \
-  --prefill-kernels ${KERNELS:-mosaic,pallas,jax_cudnn,torch_cudnn,torch_flash} \
+  --prefill-cases ${PCASES:-8192,32768,ragged8,mixed,2048} \
+  --prefill-kernels ${KERNELS:-mosaic,mosaic_direct,mosaic:128:3,pallas,jax_cudnn,jax_mgpu,torch_cudnn,torch_flash} \
   --out "$OUT/prefill_kernels.json" 2>&1 | tee "$OUT/prefill_kernels.log" | grep -v "^    \|^  smoke" | tail -14

@@ -89,7 +89,8 @@ def test_hopper_kernel_in_mosaic_interpreter():
     """The Mosaic GPU kernel itself (TMA ring, ping-pong barriers, full and partial-block
     epilogues) in Mosaic's CPU interpreter with its race detector; only wgmma's operand
     staging differs from the GPU path. GQA 8 (16 tokens per block): a chunk of 19 tokens
-    over a cached prefix (a shifted full last block), a decode row, a 3-token prompt."""
+    over a cached prefix (a shifted full last block), a decode row, a 3-token prompt; run
+    through `aligned_layout` (interpret mode always relabels)."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
     from jaxllm.kernels import mosaic_prefill
     rng = np.random.default_rng(13)

@@ -282,7 +282,8 @@ def ragged_prefill_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array
 
     Batches whose segments all start at multiples of 8 (one prompt, chunks of aligned
     lengths) run in place; others through `aligned_layout` (a scatter of q and a gather of
-    the output around the kernel), chosen at run time by `lax.cond`."""
+    the output around the kernel), chosen at run time by `lax.cond` (interpret mode: always
+    relabeled)."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, num_kv_heads, _, page_size, _ = kv_pages.shape
     if not supported(num_heads, num_kv_heads, head_dim, page_size, block_keys):
@@ -301,6 +302,8 @@ def ragged_prefill_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array
         q_pad = jnp.zeros((padded,) + q.shape[1:], q.dtype).at[dest].set(q)
         return run(q_pad, new_qsl, new_pos)[dest]
 
+    if interpret:  # Mosaic's CPU interpreter hangs on a kernel inside lax.cond
+        return relabeled(q)
     return lax.cond(jnp.all(qsl % ALIGN == 0), direct, relabeled, q)
 
 
