@@ -79,7 +79,7 @@ def locate(got, want, case) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--variants", default="mosaic,mosaic:64:4,mosaic_wg")
+    p.add_argument("--variants", default="mosaic,mosaic:64:4")
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check_prefill.json"))
     args = p.parse_args()
