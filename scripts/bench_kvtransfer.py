@@ -1,14 +1,21 @@
-"""P/D transfer cost: pulling a prefilled prompt's KV from a producer engine vs recomputing it.
+"""P/D transfer cost and disaggregated decode ITL: pulling a prefilled prompt's KV from a
+producer engine vs recomputing it.
 
     python scripts/bench_kvtransfer.py --random-shape llama3-8b --input-len 4096
 
 Two engines in one process on one device (producer and consumer `JaxTransferConnector`s,
-each with its own transfer server and pool): the producer prefills a prompt (max_tokens 1,
-do_remote_decode), the consumer decodes it from the returned parameters. Reported: the
-pull time per 1k tokens of KV (the consumer connector's own timing, background thread),
-the consumer's TTFT with the pull against its TTFT recomputing the same prompt, and the
-pull bandwidth against a device-to-device copy of the same bytes in the same run. Both
-first tokens must agree.
+each with its own transfer server and pool), dummy weights of the named shape:
+
+* transfer: the producer prefills a prompt (max_tokens 1, do_remote_decode), the consumer
+  decodes it from the returned parameters. Reported: the pull time per 1k tokens of KV (the
+  consumer connector's own timing, background thread), the consumer's TTFT with the pull
+  against its TTFT recomputing a prompt of the same length, and the pull bandwidth against
+  a device-to-device copy of the same bytes in the same run. Both first tokens must agree.
+* ITL: the consumer decodes `--itl-streams` streams while `--itl-arrivals` long prompts
+  arrive. Single server: the consumer prefills them itself (chunked, mixed into the decode
+  steps). Disaggregated: the producer prefilled them before the phase (as another GPU
+  would, meanwhile) and the consumer pulls their KV. Reported: the streams' inter-token
+  latency p50 / p99 in both phases (the same engine, the same arrivals, fresh prompts).
 """
 
 from __future__ import annotations
@@ -18,51 +25,98 @@ import json
 import statistics
 import sys
 import time
+import traceback
 
 import numpy as np
+
+
+def run(llm, prompt, n, params=None, rid="r"):
+    from jaxllm import SamplingParams
+    e = llm.engine
+    t0 = time.perf_counter()
+    e.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                  kv_transfer_params=params)
+    last = None
+    while e.has_unfinished_requests():
+        for o in e.step():
+            last = o
+    return time.perf_counter() - t0, last
+
+
+def pct(xs, q):
+    return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
+
+
+def itl_phase(cons, streams, arrivals, tokens, tag):
+    """Inter-token gaps (s) of the streams while `arrivals` [(decode step, prompt, params)] join."""
+    from jaxllm import SamplingParams
+    e = cons.engine
+    ids = [f"{tag}s{i}" for i in range(len(streams))]
+    for rid, p in zip(ids, streams):
+        e.add_request(rid, p, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+    seen = {rid: 0 for rid in ids}
+    last: dict[str, float] = {}
+    gaps: list[float] = []
+    todo, step, started = list(arrivals), 0, False
+    while e.has_unfinished_requests():
+        if started and todo and step >= todo[0][0]:
+            _, p, params = todo.pop(0)
+            e.add_request(f"{tag}a{step}", p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                          kv_transfer_params=params)
+        outs = e.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.request_id in seen:
+                n = len(o.outputs[0].token_ids)
+                if n > seen[o.request_id]:
+                    if o.request_id in last and started:
+                        gaps.append((now - last[o.request_id]) / (n - seen[o.request_id]))
+                    last[o.request_id], seen[o.request_id] = now, n
+        if not started and len(last) == len(ids):  # every stream decoding: arrivals start
+            started = True
+        step += started
+    return gaps
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--random-shape", default="llama3-8b")
     p.add_argument("--input-len", type=int, default=4096)
-    p.add_argument("--chunk", type=int, default=2048)
+    p.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--itl-streams", type=int, default=8)
+    p.add_argument("--itl-tokens", type=int, default=64, help="tokens each stream decodes")
+    p.add_argument("--itl-arrivals", type=int, default=4)
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
 
     import jax
 
-    from jaxllm import LLM, SamplingParams
+    from jaxllm import LLM
 
-    max_len = args.input_len + 64
-    blocks = -(-max_len // 16) + 16
-    common = dict(random_shape=args.random_shape, max_model_len=max_len, max_num_seqs=1,
-                  num_gpu_blocks_override=blocks, max_num_batched_tokens=args.chunk,
-                  token_buckets=(16, args.chunk), seq_buckets=(1,), seed=0)
+    S, L = 16, args.input_len
+    cdiv = lambda a, b: -(-a // b)
+    seqs = args.itl_streams + args.itl_arrivals
+    blocks = (args.itl_arrivals + 1) * cdiv(L + 16, S) + args.itl_streams * cdiv(64 + args.itl_tokens, S) + 16
+    common = dict(load_format="dummy", random_shape=args.random_shape, max_model_len=L + 64,
+                  max_num_seqs=seqs, num_gpu_blocks_override=blocks, max_num_batched_tokens=args.chunk,
+                  token_buckets=(16, args.chunk), seq_buckets=(16,) if seqs <= 16 else (seqs,), seed=0)
     conf = lambda role: {"kv_connector": "JaxTransferConnector", "kv_role": role,
                          "kv_connector_extra_config": {"timeout_s": 60}}
+    t0 = time.perf_counter()
     prod = LLM(**common, kv_transfer_config=conf("kv_producer"))
     cons = LLM(**common, kv_transfer_config=conf("kv_consumer"))
     rng = np.random.default_rng(0)
     vocab = prod.engine.model_cfg.vocab_size
-    res: dict = {"shape": args.random_shape, "input_len": args.input_len, "device": str(jax.devices()[0]),
+    draw = lambda n: rng.integers(0, vocab, n).tolist()
+    res: dict = {"shape": args.random_shape, "input_len": L, "device": str(jax.devices()[0]),
+                 "engines_start_s": time.perf_counter() - t0, "block_bytes": prod.engine.connector.ctx.block_bytes,
                  "rows": []}
-
-    def run(llm, prompt, n, params=None, rid="r"):
-        e = llm.engine
-        t0 = time.perf_counter()
-        e.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                      kv_transfer_params=params)
-        last = None
-        while e.has_unfinished_requests():
-            for o in e.step():
-                last = o
-        return time.perf_counter() - t0, last
+    print(f"engines ready in {res['engines_start_s']:.1f}s", flush=True)
 
     try:
         for r in range(args.repeats):
-            P, Q = (rng.integers(0, vocab, args.input_len).tolist() for _ in range(2))
+            P, Q = draw(L), draw(L)
             _, pre = run(prod, P, 1, {"do_remote_decode": True}, rid=f"p{r}")
             s0 = cons.stats()
             t_pull, out = run(cons, P, 1, pre.kv_transfer_params, rid=f"c{r}")
@@ -70,40 +124,70 @@ def main():
             t_cold, cold = run(cons, Q, 1, rid=f"q{r}")  # the same length, recomputed
             pull_s = s1["kv_transfer_pull_seconds"] - s0["kv_transfer_pull_seconds"]
             row = {"ttft_pull_s": t_pull, "ttft_recompute_s": t_cold, "ratio": t_pull / t_cold,
-                   "pull_s": pull_s, "pull_s_per_1k_tokens": pull_s / (args.input_len / 1000),
+                   "pull_s": pull_s, "pull_s_per_1k_tokens": pull_s / (L / 1000),
                    "pulled_tokens": out.num_cached_tokens,
                    "same_first_token": out.outputs[0].token_ids == pre.outputs[0].token_ids}
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
-        res["ratio_median"] = statistics.median(x["ratio"] for x in res["rows"])
-        res["pull_s_per_1k_median"] = statistics.median(x["pull_s_per_1k_tokens"] for x in res["rows"])
+        res["ratio_median"] = statistics.median(x["ratio"] for x in res["rows"][1:] or res["rows"])
+        res["pull_s_per_1k_median"] = statistics.median(x["pull_s_per_1k_tokens"] for x in res["rows"][1:] or res["rows"])
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {e}"
-        print("transfer measurement failed:", res["error"], file=sys.stderr)
+        traceback.print_exc()
     try:  # the device-to-device copy of the same bytes, for the pull bandwidth's peer
-        nbytes = args.input_len // 16 * prod.engine.connector.ctx.block_bytes
+        nbytes = L // S * res["block_bytes"]
         x = jax.device_put(np.ones(nbytes // 2, np.uint16))
         copy = jax.jit(lambda a: a + 1)
         copy(x).block_until_ready()
         ts = []
         for _ in range(5):
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
             copy(x).block_until_ready()
-            ts.append(time.perf_counter() - t0)
+            ts.append(time.perf_counter() - t1)
         res["d2d_copy_s"] = statistics.median(ts)
+        res["d2d_GBps"] = 2 * nbytes / res["d2d_copy_s"] / 1e9  # read + write
         if "pull_s_per_1k_median" in res:
-            pull = res["pull_s_per_1k_median"] * args.input_len / 1000
-            res["pull_GBps"] = nbytes / pull / 1e9
-            res["d2d_GBps"] = 2 * nbytes / res["d2d_copy_s"] / 1e9  # read + write
+            res["pull_GBps"] = nbytes / (res["pull_s_per_1k_median"] * L / 1000) / 1e9
+            res["pull_fraction_of_d2d"] = res["pull_GBps"] / res["d2d_GBps"]
+        del x
     except Exception as e:
         res["copy_error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    try:  # decode ITL with prefills in the same engine vs prefilled elsewhere
+        k = args.itl_arrivals
+        at = [4 + i * max(1, (args.itl_tokens - 8) // max(k, 1)) for i in range(k)]
+        streams = lambda: [draw(64) for _ in range(args.itl_streams)]
+        single = itl_phase(cons, streams(), [(a, draw(L), None) for a in at], args.itl_tokens, "i1")
+        later = []
+        for i, a in enumerate(at):  # the producer prefills first (another GPU would, meanwhile)
+            prompt = draw(L)
+            _, pre = run(prod, prompt, 1, {"do_remote_decode": True}, rid=f"ip{i}")
+            later.append((a, prompt, pre.kv_transfer_params))
+        disagg = itl_phase(cons, streams(), later, args.itl_tokens, "i2")
+        res["itl"] = {"single_p50_ms": pct(single, 50) * 1e3, "single_p99_ms": pct(single, 99) * 1e3,
+                      "disagg_p50_ms": pct(disagg, 50) * 1e3, "disagg_p99_ms": pct(disagg, 99) * 1e3,
+                      "gaps": [len(single), len(disagg)], "arrival_steps": at}
+        res["itl"]["p99_disagg_over_single"] = res["itl"]["disagg_p99_ms"] / res["itl"]["single_p99_ms"]
+        print(json.dumps(res["itl"]), flush=True)
+    except Exception as e:
+        res["itl_error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    res["compiles_after_warmup"] = {"producer": prod.stats()["compiles_after_warmup"],
+                                    "consumer": cons.stats()["compiles_after_warmup"]}
+    res["blocks_in_use_at_end"] = {n: e.runner.num_blocks - e.kv.num_free_blocks
+                                   for n, e in (("producer", prod.engine), ("consumer", cons.engine))}
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(res, f, indent=2)
     print(json.dumps({k: v for k, v in res.items() if k != "rows"}, indent=2))
-    print(f"\nTTFT with the pull / recomputed ({args.input_len} tokens): {res.get('ratio_median', float('nan')):.3f}; "
-          f"pull {res.get('pull_s_per_1k_median', float('nan')) * 1e3:.2f} ms per 1k tokens")
+    itl = res.get("itl", {})
+    print(f"\nTTFT with the pull / recomputed ({L} tokens): {res.get('ratio_median', float('nan')):.3f}; "
+          f"pull {res.get('pull_s_per_1k_median', float('nan')) * 1e3:.2f} ms per 1k tokens "
+          f"({res.get('pull_fraction_of_d2d', float('nan')):.2f} of a device copy's bandwidth); decode ITL p99 "
+          f"single {itl.get('single_p99_ms', float('nan')):.1f} ms vs disaggregated "
+          f"{itl.get('disagg_p99_ms', float('nan')):.1f} ms")
+    return 0 if not any(k.endswith("error") for k in res) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -133,11 +133,9 @@ class KVOps:
 
     def scatter_blocks(self, pages: jax.Array, dev: list[jax.Array], ids: list[int]) -> jax.Array:
         """Device blocks (from put_blocks) -> device blocks `ids`."""
-        if self._zero_block is None:
-            self._zero_block = jax.device_put(np.zeros(self.block_shape, pages.dtype), self.block_sharding)
         for i in range(0, len(ids), SWAP_CHUNK):
             chunk = ids[i:i + SWAP_CHUNK]
-            part = list(dev[i:i + SWAP_CHUNK]) + [self._zero_block] * (SWAP_CHUNK - len(chunk))
+            part = list(dev[i:i + SWAP_CHUNK]) + [self._padding(pages)] * (SWAP_CHUNK - len(chunk))
             pages = self._scatter_list(pages, part, self._pad(chunk, SWAP_CHUNK, self.num_blocks))
         return pages
 
@@ -154,6 +152,8 @@ class KVOps:
         """Compile every variant; the padded calls write nothing."""
         pages = self._copy(pages, self._pad([], self.max_copies, 0),
                            self._pad([], self.max_copies, self.num_blocks))
+        if self.block_io:  # host blocks from put_blocks, into pages as the step leaves them
+            pages = self._warm_scatter_list(pages)
         if self.num_host_blocks or self.block_io:
             idx = self._pad([], SWAP_CHUNK, 0)
             blocks = np.asarray(self._gather(pages, idx))
@@ -163,8 +163,15 @@ class KVOps:
                 dev = jax.device_put(blocks, self.chunk_sharding or jax.devices()[0])
                 pages = self._scatter(pages, dev, self._pad([], SWAP_CHUNK, self.num_blocks))
                 pages = self._scatter(pages, self._gather(pages, idx), self._pad([], SWAP_CHUNK, self.num_blocks))
-            if self.block_io:
-                pages = self.write_blocks(pages, [], [])
-                pages = self._scatter_list(pages, [self._zero_block] * SWAP_CHUNK,
-                                           self._pad([], SWAP_CHUNK, self.num_blocks))
+            if self.block_io:  # and into pages a committed chunk's scatter just wrote
+                pages = self._warm_scatter_list(pages)
         return pages
+
+    def _warm_scatter_list(self, pages: jax.Array) -> jax.Array:
+        return self._scatter_list(pages, [self._padding(pages)] * SWAP_CHUNK,
+                                  self._pad([], SWAP_CHUNK, self.num_blocks))
+
+    def _padding(self, pages: jax.Array) -> jax.Array:
+        if self._zero_block is None:
+            self._zero_block = jax.device_put(np.zeros(self.block_shape, pages.dtype), self.block_sharding)
+        return self._zero_block
