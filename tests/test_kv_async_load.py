@@ -141,3 +141,58 @@ def test_inline_loads_still_work(want):
     out = run1(inline, A)
     assert out.outputs[0].token_ids == want["A"] and out.num_cached_tokens == 288
     assert not inline.engine.connector.load_async and idle(inline)
+
+
+class SlowConnector:
+    """Scheduler side only: every request's first 16 prompt tokens load asynchronously,
+    reported done when the test says so."""
+
+    def __init__(self):
+        self.ready, self.allocs = set(), []
+
+    def get_num_new_matched_tokens(self, req, done):
+        return (16, True) if done == 0 and req.num_tokens > 16 else (0, False)
+
+    def update_state_after_alloc(self, req, block_ids, n):
+        self.allocs.append((req.request_id, n))
+
+    def build_connector_meta(self):
+        return None
+
+    def request_finished(self, req, block_ids):
+        return False, None
+
+    def request_preempted(self, req, block_ids):
+        pass
+
+    def get_finished(self):
+        ready, self.ready = self.ready, set()
+        return set(), ready
+
+
+def test_a_loaded_request_never_blocks_the_queue():
+    """W is loaded while the pool runs dry under R: W's blocks are taken back (they stay in
+    the prefix cache) instead of R being preempted behind it for good."""
+    from jaxllm.runtime.kv_cache_manager import KVCacheManager
+    from jaxllm.runtime.request import Request, StopRule
+    from jaxllm.runtime.scheduler import Scheduler, SchedulerConfig
+
+    kv = KVCacheManager(10, 4)
+    conn = SlowConnector()
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64), kv, conn)
+    R = Request("r", list(range(1, 9)), StopRule(max_tokens=28))  # 9 of the 10 blocks, at the end
+    W = Request("w", list(range(20, 40)), StopRule(max_tokens=2))
+    sched.add(R)
+    for i in range(200):
+        if i == 1:
+            sched.add(W)
+        if W.status is RequestStatus.WAITING_FOR_REMOTE_KVS and kv.num_free_blocks == 0:
+            conn.ready.add("w")
+        elif i > 1 and "w" in sched.loading and R.finished:
+            conn.ready.add("w")
+        out = sched.schedule()
+        sched.update(out, {s.request_id: 5 for s in out.scheduled if s.sample})
+        if not sched.has_unfinished():
+            break
+    assert R.finished and W.finished and len(W.output_token_ids) == 2
+    assert ("w", 16) in conn.allocs and kv.num_free_blocks == 10 and not sched._holding

@@ -62,6 +62,7 @@ class Scheduler:
         self.connector = connector  # a jaxllm.kv_transfer connector (scheduler side), or None
         self.loading: dict[str, Request] = {}  # waiting for the connector to fetch their KV
         self._loading_ext: dict[str, int] = {}  # of those, loading asynchronously: its tokens
+        self._holding: dict[str, Request] = {}  # loaded, waiting with their blocks (evictable)
         self.delayed: dict[str, Request] = {}  # finished; blocks held until the connector sent them
         self.waiting = make_queue(config.policy)
         self.running: list[Request] = []  # the last one is the next to preempt
@@ -96,6 +97,8 @@ class Scheduler:
             leader.pending_forks.remove(req)
         elif self.loading.pop(request_id, None) is not None:
             self._loading_ext.pop(request_id, None)
+        elif self._holding.pop(request_id, None) is not None:
+            self.waiting.remove(req)
         elif self.parked.pop(request_id, None) is None:
             if req in self.running:
                 self.running.remove(req)
@@ -210,11 +213,19 @@ class Scheduler:
                 return req
         return None
 
-    def _evict_parked(self) -> bool:
-        """Free the blocks of the oldest parked request that still has some."""
+    def _evict_parked(self, keep: Request | None = None) -> bool:
+        """Free the blocks of the oldest parked request that still has some, else of a
+        waiting one back from a KV load (its blocks stay in the prefix cache; it starts over,
+        so it can never hold blocks a request queued before it needs)."""
         for req in self.parked.values():
             if req.request_id in self.kv.tables:
                 self.kv.free(req)
+                return True
+        for rid, req in self._holding.items():
+            if req is not keep:
+                del self._holding[rid]
+                self.kv.free(req)
+                req.num_computed_tokens = 0
                 return True
         return False
 
@@ -250,6 +261,8 @@ class Scheduler:
                 if rid in self._loading_ext:  # its blocks hold the loaded tokens now
                     req.num_computed_tokens += self._loading_ext.pop(rid)
                     req.status = RequestStatus.WAITING
+                    self.kv.cache_full_blocks(req)  # (their writes precede any later step)
+                    self._holding[rid] = req
                 self.waiting.add_preempted(req)
         for rid in sent:
             req = self.delayed.pop(rid, None)
@@ -330,7 +343,7 @@ class Scheduler:
                     continue
                 if is_async:  # blocks for the loaded tokens now; scheduled once they are in
                     if self.kv.allocate_slots(req, ext, hits) is None:
-                        if self._evict_parked():
+                        if self._evict_parked(req):
                             continue
                         break
                     self.waiting.remove(req)
@@ -338,10 +351,11 @@ class Scheduler:
                     continue
                 loaded = req.request_id in self.kv.tables  # back from an asynchronous load
                 if self._allocate(req, ext + n, hits) is None:
-                    if self._evict_parked():
+                    if self._evict_parked(req):
                         continue
                     break
                 self.waiting.remove(req)
+                self._holding.pop(req.request_id, None)
                 num_hit = len(hits) * self.kv.block_size
                 req.num_computed_tokens += num_hit
                 if self.connector is not None and not loaded:
