@@ -48,6 +48,7 @@ def main():
     S = 16
     max_len = args.input_len + 64
     blocks = -(-max_len // S)
+    t_start = time.perf_counter()
     llm = LLM(load_format="dummy", random_shape=args.random_shape, max_model_len=max_len, max_num_seqs=1,
               num_gpu_blocks_override=blocks + 8, max_num_batched_tokens=args.chunk,
               token_buckets=(16, args.chunk), seq_buckets=(1,), kv_offload_cpu_gib=args.cpu_gib)
@@ -56,7 +57,14 @@ def main():
     rng = np.random.default_rng(0)
     vocab = eng.model_cfg.vocab_size
     res: dict = {"shape": args.random_shape, "input_len": args.input_len, "device": str(jax.devices()[0]),
-                 "block_bytes": eng.connector.ctx.block_bytes, "rows": []}
+                 "block_bytes": eng.connector.ctx.block_bytes, "rows": [],
+                 "engine_start_s": time.perf_counter() - t_start}
+    print(f"engine ready in {res['engine_start_s']:.1f}s", flush=True)
+    def save():  # after each part: a run cut short by its time limit keeps what it measured
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(res, f, indent=2)
+
     try:
         for r in range(args.repeats):
             P, Q = (rng.integers(0, vocab, args.input_len).tolist() for _ in range(2))
@@ -79,6 +87,7 @@ def main():
                    == out_inline.outputs[0].token_ids}
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
+            save()
         res["ttft_ratio_median"] = statistics.median(r["ratio"] for r in res["rows"])
         res["ttft_ratio_inline_median"] = statistics.median(r["ratio_inline"] for r in res["rows"])
     except Exception as e:
@@ -124,9 +133,7 @@ def main():
         res["bandwidth_error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
     res["compiles_after_warmup"] = llm.stats()["compiles_after_warmup"]
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(res, f, indent=2)
+    save()
     print(json.dumps({k: v for k, v in res.items() if k != "rows"}, indent=2))
     print(f"\nTTFT host tier / recompute (median, {args.input_len} tokens): "
           f"{res.get('ttft_ratio_median', float('nan')):.3f} asynchronous load, "

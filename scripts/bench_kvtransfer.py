@@ -102,7 +102,7 @@ def main():
                   max_num_seqs=seqs, num_gpu_blocks_override=blocks, max_num_batched_tokens=args.chunk,
                   token_buckets=(16, args.chunk), seq_buckets=(16,) if seqs <= 16 else (seqs,), seed=0)
     conf = lambda role: {"kv_connector": "JaxTransferConnector", "kv_role": role,
-                         "kv_connector_extra_config": {"timeout_s": 60}}
+                         "kv_connector_extra_config": {"timeout_s": 15}}
     t0 = time.perf_counter()
     prod = LLM(**common, kv_transfer_config=conf("kv_producer"))
     cons = LLM(**common, kv_transfer_config=conf("kv_consumer"))
@@ -113,6 +113,11 @@ def main():
                  "engines_start_s": time.perf_counter() - t0, "block_bytes": prod.engine.connector.ctx.block_bytes,
                  "rows": []}
     print(f"engines ready in {res['engines_start_s']:.1f}s", flush=True)
+
+    def save():  # after each part: a run cut short by its time limit keeps what it measured
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(res, f, indent=2)
 
     try:
         for r in range(args.repeats):
@@ -129,11 +134,14 @@ def main():
                    "same_first_token": out.outputs[0].token_ids == pre.outputs[0].token_ids}
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
+            if not out.num_cached_tokens:  # each failed pull costs timeout_s: stop here
+                raise RuntimeError("the pull failed (the consumer recomputed the prompt)")
         res["ratio_median"] = statistics.median(x["ratio"] for x in res["rows"][1:] or res["rows"])
         res["pull_s_per_1k_median"] = statistics.median(x["pull_s_per_1k_tokens"] for x in res["rows"][1:] or res["rows"])
     except Exception as e:
         res["error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
+    save()
     try:  # the device-to-device copy of the same bytes, for the pull bandwidth's peer
         nbytes = L // S * res["block_bytes"]
         x = jax.device_put(np.ones(nbytes // 2, np.uint16))
@@ -153,11 +161,14 @@ def main():
     except Exception as e:
         res["copy_error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
+    save()
     try:  # decode ITL with prefills in the same engine vs prefilled elsewhere
         k = args.itl_arrivals
         at = [4 + i * max(1, (args.itl_tokens - 8) // max(k, 1)) for i in range(k)]
         streams = lambda: [draw(64) for _ in range(args.itl_streams)]
         single = itl_phase(cons, streams(), [(a, draw(L), None) for a in at], args.itl_tokens, "i1")
+        if "error" in res:
+            raise RuntimeError("skipped: the pulls failed above")
         later = []
         for i, a in enumerate(at):  # the producer prefills first (another GPU would, meanwhile)
             prompt = draw(L)
@@ -176,9 +187,7 @@ def main():
                                     "consumer": cons.stats()["compiles_after_warmup"]}
     res["blocks_in_use_at_end"] = {n: e.runner.num_blocks - e.kv.num_free_blocks
                                    for n, e in (("producer", prod.engine), ("consumer", cons.engine))}
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(res, f, indent=2)
+    save()
     print(json.dumps({k: v for k, v in res.items() if k != "rows"}, indent=2))
     itl = res.get("itl", {})
     print(f"\nTTFT with the pull / recomputed ({L} tokens): {res.get('ratio_median', float('nan')):.3f}; "
