@@ -96,26 +96,32 @@ def run_e2e(llm, args) -> list[dict]:
     p = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     for b in args.batch_size:
         prompts = repeat_prompts(llm, b)
-        res = {}
-        for mode in ("plain", *args.proposer):
-            eng.spec = eng.spec_hook if mode != "plain" else None
-            if mode != "plain":
-                eng.spec.proposer = eng.proposers[mode]
-            use_mode(eng, mode)
-            llm.engine.async_scheduling = args.baseline_async == "on" if mode == "plain" else False
-            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm
-            c0 = spec_counts(eng)
-            times, outs = [], None
-            for _ in range(args.repeats):
+        modes = ("plain", *args.proposer)
+        times = {m: [] for m in modes}
+        outs, counts = {}, {m: [0, 0, 0] for m in modes}
+        for rep in range(args.repeats + 1):  # interleaved: a shared host's load hits every mode alike
+            for mode in modes:
+                eng.spec = eng.spec_hook if mode != "plain" else None
+                if mode != "plain":
+                    eng.spec.proposer = eng.proposers[mode]
+                use_mode(eng, mode)
+                llm.engine.async_scheduling = args.baseline_async == "on" if mode == "plain" else False
+                if rep == 0:  # warm
+                    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+                    continue
+                c = spec_counts(eng)
                 t = time.perf_counter()
-                outs = llm.generate(prompts, p, use_tqdm=False)
-                times.append(time.perf_counter() - t)
-            c1 = spec_counts(eng)
-            ntok = sum(len(o.outputs[0].token_ids) for o in outs)
-            d, dt, a = (c1[i] - c0[i] for i in range(3))
-            res[mode] = {"tok_s": ntok / statistics.median(times), "tokens": ntok, "s": statistics.median(times),
-                         "ids": [o.outputs[0].token_ids for o in outs], "drafts": d, "draft_tokens": dt,
-                         "accepted": a, "mean_acceptance_length": 1 + a / d if d else None}
+                outs[mode] = llm.generate(prompts, p, use_tqdm=False)
+                times[mode].append(time.perf_counter() - t)
+                counts[mode] = [x + y - z for x, y, z in zip(counts[mode], spec_counts(eng), c)]
+        res = {}
+        for mode in modes:
+            ntok = sum(len(o.outputs[0].token_ids) for o in outs[mode])
+            d, dt, a = counts[mode]
+            res[mode] = {"tok_s": ntok / statistics.median(times[mode]), "tokens": ntok,
+                         "s": statistics.median(times[mode]), "ids": [o.outputs[0].token_ids for o in outs[mode]],
+                         "drafts": d, "draft_tokens": dt, "accepted": a,
+                         "mean_acceptance_length": 1 + a / d if d else None}
         eng.spec = eng.spec_hook
         use_mode(eng, args.proposer[0])
         for mode in args.proposer:

@@ -112,7 +112,7 @@ def test_sampling_seeded(llm, prompts):
     assert llm.stats()["compiles_after_warmup"] == 0
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.slow)])
 def test_preemption_small_pool(target, folders, prompts, reference, mode):
     small = make_llm(target[1:], **KW, num_gpu_blocks_override=16, preemption_mode=mode, swap_space=0.01,
                      skip_warmup=True, speculative_config=_spec(folders["self"]))

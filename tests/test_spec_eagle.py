@@ -136,7 +136,7 @@ def prompts():
     return [pat * 4, rng.integers(0, V, size=5).tolist(), rng.integers(0, V, size=150).tolist()]
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("method", [pytest.param("eagle", marks=pytest.mark.slow), "eagle3"])
 def test_eagle_head_runs_exactly(method, target, prompts, tmp_path):
     model, cfg, sd = target
     path, w = write_head(tmp_path / method, method)

@@ -2,6 +2,7 @@
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     {"method": "draft_model", "model": "path/to/small-model", "num_speculative_tokens": 4}
+    {"method": "eagle3", "model": "path/to/eagle3-head", "num_speculative_tokens": 3}
 
 Bad input raises ValueError naming the key (`speculative_config.<key>`). Checks that need
 the models (a draft's vocabulary, a missing path) run when the engine loads the draft.
