@@ -80,9 +80,9 @@ def spec_counts(eng) -> tuple[int, int, int]:
 def use_mode(eng, mode: str) -> None:
     """A draft model's shadow pass runs only with it (and its weights are the random twin's
     under 'random_draft'); cached prefixes are dropped, having no draft K/V from plain runs."""
-    own = eng.spec_hook.hook
-    if own is None:
+    if not hasattr(eng, "draft_weights"):  # not a draft model
         return
+    own = eng.spec_hook.hook
     eng.flush()
     eng.dispatcher.spec_hook = None if mode == "plain" else own
     own.flat = eng.draft_weights["random" if mode == "random_draft" else "own"]
@@ -228,7 +228,7 @@ def main() -> None:
     eng.spec_hook = eng.spec
     eng.proposers = {"config": eng.spec.proposer, "random": RandomProposer(k, eng.model_cfg.vocab_size)}
     own = eng.spec.hook
-    if own is not None:  # a draft model: its weights, and a random-weight twin's (same programs)
+    if spec_cfg["method"] == "draft_model":  # a draft model: its weights, and a random-weight twin's (same programs)
         from jaxllm.spec.draft_model import DraftModelProposer, load_draft
         hf, _ = load_draft(spec_cfg["model"], "dummy", None)
         twin = DraftModelProposer(hf, None, k=k, dtype=own.dtype, num_blocks=1, block_size=own.block_size,

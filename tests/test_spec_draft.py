@@ -122,3 +122,25 @@ def test_preemption_small_pool(target, folders, prompts, reference, mode):
     # The draft's pages follow recompute and swap: every draft is still the target's own guess.
     assert 0 < st["spec_decode_num_accepted_tokens"] == st["spec_decode_num_draft_tokens"]
     assert st["num_free_blocks"] == st["num_total_blocks"]
+
+
+@pytest.mark.slow
+def test_smollm2_drafts_for_itself():
+    """The embedded SmolLM2 (real weights, GGUF) as its own draft: every draft accepted,
+    greedy output identical to decoding without drafts."""
+    from jaxllm import LLM
+    from jaxllm.models.loader import embedded_model_path
+    llm = LLM(dtype="float32", max_model_len=256, max_num_seqs=2, token_buckets=(16, 64), seq_buckets=(16,),
+              speculative_config={"method": "draft_model", "model": embedded_model_path(),
+                                  "num_speculative_tokens": 4})
+    prompts = ["The capital of France is", "Here is a short story about a robot who learns to paint:"]
+    p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    got = _ids(llm.generate(prompts, p, use_tqdm=False))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llm.engine.spec, "propose", lambda *a: None)
+        want = _ids(llm.generate(prompts, p, use_tqdm=False))
+    assert got == want
+    st = llm.stats()
+    assert st["spec_decode_num_draft_tokens"] > 40
+    assert st["spec_decode_num_accepted_tokens"] >= 0.98 * st["spec_decode_num_draft_tokens"]
+    assert st["compiles_after_warmup"] == 0 and st["num_free_blocks"] == st["num_total_blocks"]
