@@ -2,6 +2,11 @@
 
     python scripts/bench_kvoffload.py --random-shape llama3-8b --input-len 16384
 
+Stall: `--streams` requests decode while P, just evicted, comes back from the host tier;
+the largest gap between their tokens with the asynchronous load vs the inline one (the
+copies of the inline load hold up the step that needs them; the asynchronous ones run
+behind decode steps).
+
 One engine with an OffloadingConnector (host tier): prompt P is computed cold (TTFT
 recompute), a second prompt Q of the same length evicts P from the device pool, then P
 again is served from the host tier (TTFT restore, same call: generate one token), its
@@ -31,6 +36,33 @@ def ttft(llm, prompt, params):
     return time.perf_counter() - t0, out
 
 
+def stall(llm, P, streams, tokens, load_async):
+    """Gaps (s) between the streams' tokens while P, just evicted, comes back from the host tier."""
+    from jaxllm import SamplingParams
+    e = llm.engine
+    e.connector.load_async = load_async
+    try:
+        ids = [f"st{load_async}{i}" for i in range(len(streams))]
+        for rid, sp in zip(ids, streams):
+            e.add_request(rid, sp, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
+        seen, last, gaps, added, steps = {r: 0 for r in ids}, {}, [], False, 0
+        while e.has_unfinished_requests():
+            if len(last) == len(ids) and not added and (steps := steps + 1) >= 4:
+                e.add_request(f"P{load_async}", P, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+                added = True
+            outs = e.step()
+            now = time.perf_counter()
+            for o in outs:
+                n = len(o.outputs[0].token_ids)
+                if o.request_id in seen and n > seen[o.request_id]:
+                    if o.request_id in last:
+                        gaps.append((now - last[o.request_id]) / (n - seen[o.request_id]))
+                    last[o.request_id], seen[o.request_id] = now, n
+        return gaps
+    finally:
+        e.connector.load_async = True
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--random-shape", default="llama3-8b")
@@ -38,6 +70,8 @@ def main():
     p.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
     p.add_argument("--cpu-gib", type=float, default=8.0)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--streams", type=int, default=4, help="decoding streams while P is restored")
+    p.add_argument("--stream-tokens", type=int, default=48)
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
 
@@ -49,9 +83,11 @@ def main():
     max_len = args.input_len + 64
     blocks = -(-max_len // S)
     t_start = time.perf_counter()
-    llm = LLM(load_format="dummy", random_shape=args.random_shape, max_model_len=max_len, max_num_seqs=1,
-              num_gpu_blocks_override=blocks + 8, max_num_batched_tokens=args.chunk,
-              token_buckets=(16, args.chunk), seq_buckets=(1,), kv_offload_cpu_gib=args.cpu_gib)
+    stream_blocks = args.streams * -(-(32 + args.stream_tokens) // S)
+    seqs = args.streams + 1
+    llm = LLM(load_format="dummy", random_shape=args.random_shape, max_model_len=max_len, max_num_seqs=seqs,
+              num_gpu_blocks_override=blocks + 8 + stream_blocks, max_num_batched_tokens=args.chunk,
+              token_buckets=(16, args.chunk), seq_buckets=(max(8, seqs),), kv_offload_cpu_gib=args.cpu_gib)
     eng = llm.engine
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     rng = np.random.default_rng(0)
@@ -93,6 +129,27 @@ def main():
     except Exception as e:
         res["ttft_error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
+    save()
+
+    try:  # the batch runs on while P loads (async) vs waits for the inline load
+        P = rng.integers(0, vocab, args.input_len).tolist()
+        ttft(llm, P, one)
+        out = {}
+        for mode in (True, False):
+            eng.kv.reset_prefix_cache()  # the device forgets P entirely: all of it from the host tier
+            streams = [rng.integers(0, vocab, 32).tolist() for _ in range(args.streams)]
+            h0 = llm.stats()["external_prefix_cache_hits"]
+            g = stall(llm, P, streams, args.stream_tokens, mode)
+            out["async" if mode else "inline"] = {"max_gap_ms": max(g) * 1e3, "p50_gap_ms": statistics.median(g) * 1e3,
+                                                  "gaps": len(g),
+                                                  "external_hit_tokens": llm.stats()["external_prefix_cache_hits"] - h0}
+        out["max_gap_async_over_inline"] = out["async"]["max_gap_ms"] / out["inline"]["max_gap_ms"]
+        res["stall"] = out
+        print(json.dumps(out), flush=True)
+    except Exception as e:
+        res["stall_error"] = f"{type(e).__name__}: {e}"
+        traceback.print_exc()
+    save()
 
     try:  # restore bandwidth vs a plain host-to-device copy of the same bytes
         n = min(blocks, eng.runner.num_blocks) - 8
