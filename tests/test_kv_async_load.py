@@ -196,3 +196,30 @@ def test_a_loaded_request_never_blocks_the_queue():
             break
     assert R.finished and W.finished and len(W.output_token_ids) == 2
     assert ("w", 16) in conn.allocs and kv.num_free_blocks == 10 and not sched._holding
+
+
+def test_abort_of_a_loaded_waiting_request():
+    """W's load is done but its seat is taken: it waits holding its blocks; an abort frees them."""
+    from jaxllm.runtime.kv_cache_manager import KVCacheManager
+    from jaxllm.runtime.request import Request, StopRule
+    from jaxllm.runtime.scheduler import Scheduler, SchedulerConfig
+
+    kv = KVCacheManager(16, 4)
+    conn = SlowConnector()
+    sched = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=32, max_model_len=64), kv, conn)
+    W = Request("w", list(range(20, 40)), StopRule(max_tokens=2))
+    N = Request("n", [1, 2, 3], StopRule(max_tokens=8))
+    sched.add(W)
+    sched.schedule()  # W gets 4 blocks and waits for its load (no seat taken)
+    assert W.status is RequestStatus.WAITING_FOR_REMOTE_KVS and kv.num_free_blocks == 12
+    sched.add(N)
+    out = sched.schedule()  # N takes the one seat
+    assert [s.request_id for s in out.scheduled] == ["n"]
+    conn.ready.add("w")
+    out = sched.schedule()
+    assert [s.request_id for s in out.scheduled] == ["n"] and "w" in sched._holding
+    assert W.num_computed_tokens == 16 and kv.pool.lookup(kv.block_hashes(W, 4)[-1]) is not None
+    sched.finish("w", RequestStatus.FINISHED_ABORTED)
+    assert not sched._holding and len(sched.waiting) == 0 and "w" not in kv.tables
+    sched.finish("n", RequestStatus.FINISHED_ABORTED)
+    assert kv.num_free_blocks == 16 and not sched.has_unfinished()
