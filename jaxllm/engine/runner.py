@@ -125,9 +125,9 @@ class ModelRunner:
         self.dtype = dtype or resolve_dtype(cfg.dtype, self.platform)
         self.block_size = cfg.block_size
         self.max_blocks = -(-max_model_len // cfg.block_size)
-        if cfg.quantization is not None and (cfg.tensor_parallel_size > 1 or jax.process_count() > 1):
-            raise ValueError(f"quantization={cfg.quantization!r} with tensor_parallel_size > 1 is not "
-                             f"supported yet (quantized weights have no sharding rules)")
+        if cfg.quantization is not None and jax.process_count() > 1:
+            raise ValueError(f"quantization={cfg.quantization!r} with several processes is not "
+                             f"supported yet (one process: tensor_parallel_size > 1 is)")
         check_weights_device(cfg.quantization, state)
         attn = pick_attention(cfg.attention_backend, self.platform)
         self.tp = self.channel = None
@@ -178,7 +178,7 @@ class ModelRunner:
             load_state(model, state)
             self.graphdef, self.params = nnx.split(model)
         if cfg.quantization in ONLINE_METHODS:  # fp8 / int8 / int4 at load (quantization/)
-            self.params = quantize_state(self.params, cfg.quantization)
+            self.params = quantize_state(self.params, cfg.quantization, self.tp and self.tp.mesh)
         self.weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
         # Quantized KV caches store rows of W (not D) elements of kv_dtype (kernels/kv_quant.py).
         self.kv_dtype, self.kv_width = kv_quant.page_layout(cfg.kv_cache_dtype, self.dtype,

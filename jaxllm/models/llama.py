@@ -240,6 +240,8 @@ def fuse_layer(w: dict[str, jax.Array], shards: int = 1) -> dict[str, jax.Array]
         return a.reshape(*a.shape[:-1], shards, a.shape[-1] // shards)
 
     out = dict(w)
+    if not all(isinstance(w[n], jax.Array) for n in ("wq", "w_gate") if n in w):
+        return out  # quantized linears (quantization.QArray) stay separate matmuls
     if any(w[n].shape[-1] % shards for n in ("wq", "wk", "wv", "w_gate", "w_up") if n in w):
         shards = 1  # a split the mesh cannot make evenly: replicated (as param_spec does)
     if all(n in w for n in ("wq", "wk", "wv")):

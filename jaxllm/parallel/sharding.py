@@ -93,6 +93,10 @@ def place_state(abstract_state: nnx.State, state: dict, mesh: Mesh, layout: Head
             if isinstance(val, dict):
                 out[name] = place(val, shard_tree[name], want[name], f"{prefix}{name}.")
                 continue
+            if not isinstance(val, (np.ndarray, jax.Array, np.generic, float, int)):
+                out[name] = _place_quantized(val, name, shard_tree[name], want[name], layout,
+                                             f"{prefix}{name}")
+                continue
             arr = np.asarray(val)
             if name in KV_WEIGHTS:
                 arr = repeat_kv_heads(arr, layout, head_dim)
@@ -107,6 +111,19 @@ def place_state(abstract_state: nnx.State, state: dict, mesh: Mesh, layout: Head
     placed = jax.tree.map(lambda x: x, abstract_state)  # a copy to fill in
     nnx.replace_by_pure_dict(placed, pure)
     return placed
+
+
+def _place_quantized(q: Any, name: str, sharding: NamedSharding, want: Any, layout: HeadLayout,
+                     where: str) -> Any:
+    """A pre-quantized linear (quantization.QArray) split like its float weight."""
+    from jaxllm.quantization.tp import place_qarray
+
+    if name in KV_WEIGHTS and layout.kv_repeat > 1:
+        raise ValueError(f"{where}: quantized KV projections cannot be repeated for "
+                         f"tensor_parallel_size > num_key_value_heads ({layout.num_kv_heads})")
+    if tuple(q.shape) != tuple(want.shape):
+        raise ValueError(f"{where}: expected {want.shape}, got {q.shape}")
+    return place_qarray(q, sharding.spec, sharding.mesh, where)
 
 
 def init_random_state(make_unsharded: Callable[[], nnx.Module], abstract_state: nnx.State,

@@ -106,10 +106,15 @@ class TensorParallel:
             else:  # flax < 0.12
                 var.value = empty
         num_layers = len(layers)
-        return [{name: jax.device_put(a, NamedSharding(self.mesh, P(*param_spec(
-                    name, (num_layers, *a.shape), self.tp, self.split_axes)[1:])))
-                 for name, a in w.items()}
-                for w in layers]
+
+        def put(name: str, a: Any) -> Any:
+            spec = P(*param_spec(name, (num_layers, *a.shape), self.tp, self.split_axes)[1:])
+            if not isinstance(a, jax.Array):  # a quantized linear (quantization.QArray)
+                from jaxllm.quantization.tp import qarray_shardings
+                return jax.device_put(a, qarray_shardings(a, spec, self.mesh, name))
+            return jax.device_put(a, NamedSharding(self.mesh, spec))
+
+        return [{name: put(name, a) for name, a in w.items()} for w in layers]
 
     def zeros(self, shape: tuple[int, ...], dtype: Any) -> jax.Array:
         """The KV page array, allocated shard by shard (never whole on one device)."""
