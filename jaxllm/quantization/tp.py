@@ -58,6 +58,11 @@ def qarray_spec(q: QArray, float_spec: P, tp: int, name: str = "") -> QArray:
         return none
     v_axis = -1 - (axis + 2) if q.kind == "fp8" else axis  # fp8 stores [N, K]: swapped
     specs = {"values": v_axis}
+    if q.kind == "int4" and v_axis == -2 and (q.shape[-2] // (q.pack or q.group)) % tp:
+        # A packed byte holds rows j and j + g/2 of its group: a K split must keep whole groups.
+        log.warning("%s: int4 %s groups along K do not split over %d devices; replicating it",
+                    name, q.shape[-2] // (q.pack or q.group), tp)
+        return none
     for part in ("scale", "offset"):
         a = getattr(q, part)
         if a is None:
