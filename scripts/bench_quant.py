@@ -13,7 +13,7 @@ rotated over several copies so L2 never holds them. Floors: weight bytes incl. s
 4.25 TB/s and over C, the copy bandwidth measured in the same run; TFLOP/s where compute-bound.
 
 attention: decode, one token per request, batch B at context ctx, Llama-3-8B heads
-(32 q / 8 kv, D 128, 16-token pages): the Mosaic decode kernel (bf16 pages) and the Pallas
+(32 q / 8 kv, D 128, 16-token pages): the Mosaic decode kernel (bf16 and fp8 pages) and the Pallas
 kernel on bf16 / fp8 / int8 / int4 pages; each quantized run checked against the reference
 on the same pages. Ratios are to the bf16 Mosaic kernel and to the pages' byte floor.
 Every measurement is in its own try/except: one failure prints and the rest go on.
@@ -198,7 +198,7 @@ def bench_attention(batch: int, ctx: int, C: float) -> list[dict]:
             continue
         page_bytes = batch * ctx * 8 * 2 * width * jnp.dtype(dtype).itemsize
         kernels = {"pallas": lambda q, kv, l: pallas_ragged.ragged_paged_attention(q, kv, l, md, sm_scale=scale)}
-        if fmt == "auto":
+        if fmt in ("auto", "fp8"):  # the Mosaic decode kernel reads bf16 and fp8 pages
             kernels["mosaic"] = lambda q, kv, l: mosaic_decode.paged_decode_attention(q, kv, l, md, sm_scale=scale)
         want = jax.jit(lambda q, kv: ref.ragged_paged_attention(q, kv, jnp.int32(0), md, sm_scale=scale))(qs[0], kv)
         for kname, fn in kernels.items():

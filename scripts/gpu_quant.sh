@@ -5,7 +5,7 @@
 #      bf16, fp8 W8A8 (XLA fp8 dot, W [N, K], HLO checked), int8 / int4 weight-only (XLA), int8 via
 #      JAX's hopper_mixed_type_matmul_mgpu, torch _scaled_mm fp8 (per-tensor, rowwise) and torch
 #      bf16 peers; x of the 8-bit / 4-bit byte floor (4.25 TB/s and C measured here), TFLOP/s;
-#   2. decode attention B64 ctx 2048: Mosaic bf16 vs Pallas on bf16 / fp8 / int8 / int4 pages,
+#   2. decode attention B64 ctx 2048: Mosaic on bf16 / fp8 pages, Pallas on bf16 / fp8 / int8 / int4,
 #      each checked against the reference on the same pages;
 #   3. Llama-3-8B-shape decode step, batch 1, ctx 2048: bf16 vs fp8 vs int4 weights
 #      (QUANT_EXTRA=1 adds batch 64 with fp8 weights + fp8 KV vs bf16; about 2 more minutes).

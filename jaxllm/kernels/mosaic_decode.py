@@ -17,6 +17,13 @@ final bf16 output directly. The split count follows the *real* tokens at run
 time (a batch of 1 padded to 8 tokens splits 16 ways, not 2) over a flat grid of
 one wave: CTAs past real tokens x heads x splits return at once.
 
+fp8 pages (`kv_cache_dtype="fp8"` / `"fp8_e5m2"`, per-tensor scale 1.0, kernels/kv_quant.py):
+the producer TMA-copies the fp8 pages as they are (half the bytes of bf16); the consumer
+loads each [BK, D] tile into registers, converts it to the query's dtype there and stores it
+into one bf16 staging tile per operand, which the wgmma reads (wgmma's B operand lives in
+shared memory, and fp8 x bf16 has no wgmma form). int8 / int4 rows (D + 2, D/2 + 4 bytes)
+are not 16-byte multiples, which TMA needs: those stay with the Pallas kernel.
+
 Every token is handled independently (its request from `token_req`, its key
 range from `positions`), so the kernel is correct for any batch; it is only
 *efficient* when each request has one new token (decode).
@@ -87,7 +94,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, q_ref, kv_re
     else:
         o_ref, lse_ref, scratch = refs[0], None, refs[1:]
     (q_smem, k_smem, v_smem, o_smem, lse_smem,
-     q_bar, k_bar, v_bar, free_bar, *a_bufs) = scratch
+     q_bar, k_bar, v_bar, free_bar, k_deq, v_deq, *a_bufs) = scratch
     if o_smem is None:  # one split: stage the bf16 output in q's buffer (q is in registers)
         o_smem = q_smem
     active = active_ref[0]  # splits in use
@@ -118,6 +125,15 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, q_ref, kv_re
         return a_bufs[2]
     group, head_dim = q_ref.shape[2], q_ref.shape[3]
     keys = ppb * page_size
+
+    def page_tile(ref, deq):
+        """The slot's [BK, D] tile as the wgmma reads it: fp8 pages dequantized (scale 1.0) in
+        registers into the staging tile `deq`; model-dtype pages (deq None) as they are."""
+        if deq is None:
+            return ref
+        deq[...] = ref[...].astype(deq.dtype)
+        plgpu.commit_smem()  # the generic-proxy stores, before the async wgmma reads them
+        return deq
 
     kv_len = pos_ref[tok] + 1  # keys 0..position; padding tokens (-1) see none
     n_pages = (kv_len + page_size - 1) // page_size
@@ -175,8 +191,10 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, q_ref, kv_re
             slot = lax.rem(step, jnp.int32(nst))
             plgpu.barrier_wait(k_bar.at[slot])
 
+            k_tile = page_tile(k_smem.at[slot], k_deq)
+
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, operand(q, 0), keys_t(k_smem.at[slot]))
+                plgpu.wgmma(acc_ref, operand(q, 0), keys_t(k_tile))
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((_ROWS, keys), jnp.float32))
@@ -189,8 +207,10 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, q_ref, kv_re
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(v_bar.at[slot])
 
+            v_tile = page_tile(v_smem.at[slot], v_deq)
+
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, operand(p.astype(v_smem.dtype), 1), v_smem.at[slot])
+                plgpu.wgmma(acc_ref, operand(p.astype(q.dtype), 1), v_tile)
                 return acc_ref[...]
 
             acc = acc + pl.run_scoped(pv, plgpu.ACC((_ROWS, head_dim), jnp.float32))
@@ -253,9 +273,11 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     num_tokens, num_heads, head_dim = q.shape
     num_layers, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
     group = num_heads // num_kv_heads
-    if kv_pages.dtype != q.dtype or kv_pages.shape[-1] != head_dim:
+    fp8 = kv_pages.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2)
+    if (kv_pages.dtype != q.dtype and not fp8) or kv_pages.shape[-1] != head_dim:
         raise ValueError(f"quantized or mixed-dtype pages ({kv_pages.dtype}, rows of {kv_pages.shape[-1]}) "
-                         f"are not supported by the Mosaic decode kernel; use the Pallas kernel")
+                         f"are not supported by the Mosaic decode kernel (it reads {q.dtype} and "
+                         f"fp8 pages); use the Pallas kernel")
     if group > _ROWS or page_size % 8 or head_dim % 64 or block_keys % page_size:
         raise ValueError(f"unsupported shape: G={group}, S={page_size}, D={head_dim}")
     if block_keys != 64:  # 32: wgmma wants K % 64 == 0; 128 failed the check (docs/kernels.md)
@@ -274,23 +296,31 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     flat_kv = kv_pages.reshape(-1, page_size, head_dim)  # page-major; a free reshape
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    # fp8 tiles: 1-byte rows of D (<= 128 bytes swizzled per 8-row tile).
+    row_bytes = min(head_dim, 128)
+    kv_tiled = (plgpu.TilingTransform((8, row_bytes)), plgpu.SwizzleTransform(row_bytes)) if fp8 else tiled
     keys = ppb * page_size
     scratch = (  # 16 KB + nst * BK * D * 4 bytes (+ 32 KB f32 partials when split)
         plgpu.SMEM((_ROWS, head_dim), q.dtype),
-        plgpu.SMEM((num_stages, keys, head_dim), kv_pages.dtype, transforms=tiled),
-        plgpu.SMEM((num_stages, keys, head_dim), kv_pages.dtype, transforms=tiled),
+        plgpu.SMEM((num_stages, keys, head_dim), kv_pages.dtype, transforms=kv_tiled),
+        plgpu.SMEM((num_stages, keys, head_dim), kv_pages.dtype, transforms=kv_tiled),
         plgpu.SMEM((_ROWS, head_dim), jnp.float32) if splits > 1 else None,
         plgpu.SMEM((_ROWS,), jnp.float32) if splits > 1 else None,
         plgpu.Barrier(num_barriers=1),
         plgpu.Barrier(num_arrivals=ppb, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=ppb, num_barriers=num_stages),
         plgpu.Barrier(num_barriers=num_stages),
+        # fp8 pages: the dequantized K and V tiles the wgmmas read (`page_tile`).
+        plgpu.SMEM((keys, head_dim), q.dtype, transforms=tiled) if fp8 else None,
+        plgpu.SMEM((keys, head_dim), q.dtype, transforms=tiled) if fp8 else None,
     )
     if interpret:  # staging for wgmma's A operand, see `operand`
         scratch += (plgpu.SMEM((_ROWS, head_dim), q.dtype),
-                    plgpu.SMEM((_ROWS, keys), kv_pages.dtype),
-                    plgpu.SMEM((head_dim, keys), kv_pages.dtype))
-    smem = (2 * _ROWS * head_dim + num_stages * keys * head_dim * 4
+                    plgpu.SMEM((_ROWS, keys), q.dtype),
+                    plgpu.SMEM((head_dim, keys), q.dtype))
+    item = jnp.dtype(kv_pages.dtype).itemsize
+    smem = (2 * _ROWS * head_dim + num_stages * keys * head_dim * 2 * item
+            + fp8 * 2 * keys * head_dim * 2
             + (splits > 1) * (_ROWS * head_dim * 4 + _ROWS * 4))
     # Mosaic reserves scratch for cross-warp reductions; the softmax only reduces along
     # rows (within a warp), so drop it when that lets two CTAs share an SM (<= 113 KB).
