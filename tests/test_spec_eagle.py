@@ -180,3 +180,35 @@ def test_hidden_size_mismatch_refused(target, tmp_path):
         spec = {"method": method, "model": path, "num_speculative_tokens": K}
         with pytest.raises(ValueError, match="speculative_config.model.*hidden_size"):
             make_llm((cfg, sd), **KW, skip_warmup=True, speculative_config=spec)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method, mode", [("eagle", "recompute"), ("eagle3", "swap")])
+def test_preemption_keeps_the_head_exact(method, mode, target, prompts, tmp_path):
+    """A pool of 16 blocks forces preemption: output identical, and every draft still equals
+    the dense reference (the head's pages follow recompute and swap)."""
+    model, cfg, sd = target
+    path, w = write_head(tmp_path / method, method)
+    llm = make_llm((cfg, sd), **KW, enable_prefix_caching=False, num_gpu_blocks_override=16,
+                   preemption_mode=mode, swap_space=0.01, skip_warmup=True,
+                   speculative_config={"method": method, "model": path, "num_speculative_tokens": K})
+    eng, seen = llm.engine, []
+    propose = eng.spec.proposer.propose
+
+    def spy(ready, room):
+        res = propose(ready, room)
+        seen.extend((list(r.all_token_ids), d) for r, d in zip(ready, res) if d)
+        return res
+
+    batch = prompts + [prompts[2][::-1][:90]]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(eng.spec.proposer, "propose", spy)
+        got = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(eng.spec, "propose", lambda *a: None)
+        want = [o.outputs[0].token_ids for o in llm.generate(batch, GREEDY, use_tqdm=False)]
+    assert got == want
+    st = llm.stats()
+    assert st["num_preemptions"] > 0 and st["num_free_blocks"] == st["num_total_blocks"]
+    match = [reference_drafts(method, w, model, toks, len(d)) == d for toks, d in seen[::3]]
+    assert len(match) > 5 and sum(match) >= len(match) - 1, match
