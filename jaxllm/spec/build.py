@@ -1,8 +1,9 @@
 """Start-up of speculative decoding: the draft's checks, its share of the KV pool, the proposer.
 
-`draft_config` runs before the target's runner is built: it reads the draft's config only
-(missing path, vocabulary, EAGLE hidden size: ValueErrors naming speculative_config.model)
-and says how many bytes each KV block costs the draft, so the pool is sized for both.
+`draft_config` runs before the target's runner is built: it checks the draft's config (missing
+path, vocabulary, EAGLE hidden size: ValueErrors naming speculative_config.model), places a draft
+model's weights on the device (so the pool is sized from the memory left beside both models), and
+says how many bytes each KV block costs the draft, so the pool holds both models' pages.
 `build_decoder` then makes the `SpecDecoder` with its proposer.
 """
 
@@ -12,8 +13,9 @@ from jaxllm.spec.config import SpeculativeConfig
 
 
 def draft_config(spec: SpeculativeConfig, cfg, target_cfg, dtype) -> tuple[dict | None, int, tuple[int, ...]]:
-    """(the draft's HF config or None for ngram, its KV bytes per block, the target hidden
-    states an EAGLE head reads (`Llama.capture`))."""
+    """(what build_decoder needs of the draft (a draft model: its config and weights placed on
+    the device; EAGLE: its config), its KV bytes per block, the target hidden states an EAGLE
+    head reads (`Llama.capture`)); None, 0, () for ngram."""
     if spec.model is None:
         return None, 0, ()
     import jax
@@ -22,9 +24,14 @@ def draft_config(spec: SpeculativeConfig, cfg, target_cfg, dtype) -> tuple[dict 
     if cfg.tensor_parallel_size > 1 or cfg.num_processes > 1 or jax.process_count() > 1:
         raise ValueError(f"speculative_config.method {spec.method!r} with tensor_parallel_size > 1 "
                          "or several processes is not implemented (use method 'ngram')")
-    if spec.method == "draft_model":
-        from jaxllm.spec.draft_model import page_bytes
-        return hf, page_bytes(hf, cfg.block_size, dtype), ()
+    if spec.method == "draft_model":  # weights placed now: the pool is sized beside them
+        from jaxllm.spec.draft_model import load_draft, page_bytes, place_weights
+        try:
+            hf, weights = load_draft(spec.model, cfg.load_format, cfg.cache_dir)
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"speculative_config.model: cannot load the draft: {e}") from e
+        placed = place_weights(hf, weights, dtype, cfg.attention_backend, cfg.seed)
+        return {"hf": hf, "placed": placed}, page_bytes(hf, cfg.block_size, dtype), ()
     import jax.numpy as jnp
     from jaxllm.models.config import ModelConfig
     from jaxllm.spec.eagle import aux_layers
@@ -44,13 +51,14 @@ def build_decoder(engine, spec: SpeculativeConfig, draft_hf: dict | None, num_ho
     proposer = None
     if spec.method == "draft_model":
         from jaxllm.spec.draft_model import DraftModelProposer, load_draft
-        try:
+        if draft_hf is None:  # (not prepared by draft_config: load it here)
             hf, weights = load_draft(spec.model, engine.cfg.load_format, engine.cfg.cache_dir)
-        except (FileNotFoundError, ValueError) as e:
-            raise ValueError(f"speculative_config.model: cannot load the draft: {e}") from e
+            placed = None
+        else:
+            hf, weights, placed = draft_hf["hf"], None, draft_hf["placed"]
         r = engine.runner
         proposer = DraftModelProposer(
-            hf, weights, k=spec.num_speculative_tokens, dtype=r.dtype, num_blocks=r.num_blocks,
+            hf, weights, placed=placed, k=spec.num_speculative_tokens, dtype=r.dtype, num_blocks=r.num_blocks,
             block_size=engine.cfg.block_size, max_blocks=r.max_blocks, max_copies=engine.cfg.max_num_seqs,
             num_host_blocks=num_host_blocks, kv=engine.kv, no_ids=r.no_ids,
             seq_buckets=engine.seq_buckets, attention_backend=engine.cfg.attention_backend,

@@ -62,32 +62,45 @@ def page_bytes(hf: dict, block_size: int, dtype) -> int:
     return m.num_layers * 2 * m.num_kv_heads * block_size * m.head_dim * jnp.dtype(dtype).itemsize
 
 
+def place_weights(hf: dict, weights: dict | None, dtype, attention_backend: str | None = None,
+                  seed: int = 0) -> tuple:
+    """The draft's module on the device: (model config, graphdef, flat weights, their treedef).
+
+    The engine calls this before the target's runner sizes the KV pool, so the pool is sized
+    from the memory left beside both models' weights."""
+    platform = jax.devices()[0].platform
+    entry = registry.resolve(hf)
+    m = entry.config(hf)
+    attn = pick_attention(attention_backend, platform)
+    make = lambda: entry.model_cls(m, dtype, rngs=nnx.Rngs(seed), attention_fn=attn)
+    if weights is None:  # load_format="dummy": random weights drawn on the device
+        graphdef, _ = nnx.split(nnx.eval_shape(make))
+        params = jax.jit(lambda: nnx.state(make()))()
+    else:
+        model = nnx.eval_shape(make)
+        load_state(model, entry.to_state(m, weights, dtype, consume=True))
+        graphdef, params = nnx.split(model)
+    layers = entry.split_layers(params, m) if platform != "cpu" else None
+    flat, treedef = jax.tree.flatten(params if layers is None else (params, layers))
+    return m, graphdef, flat, treedef
+
+
 class DraftModelProposer:
     takes_requests = True  # propose() gets the ready requests, not token histories
 
     def __init__(self, hf: dict, weights: dict | None, *, k: int, dtype, num_blocks: int,
                  block_size: int, max_blocks: int, max_copies: int, num_host_blocks: int,
-                 kv, no_ids: jax.Array, seq_buckets: tuple[int, ...], attention_backend: str | None = None, seed: int = 0):
+                 kv, no_ids: jax.Array, seq_buckets: tuple[int, ...], attention_backend: str | None = None,
+                 seed: int = 0, placed: tuple | None = None):
+        """`placed`: `place_weights`' result (else the weights are placed here)."""
         self.k, self.block_size, self.max_blocks = k, block_size, max_blocks
         self.kv = kv  # the target's KVCacheManager: its block tables index these pages too
         self.no_ids = no_ids
         self.dtype = dtype
         self.seq_buckets = seq_buckets  # rows buckets of `loop`
-        platform = jax.devices()[0].platform
-        entry = registry.resolve(hf)
-        self.model_cfg = m = entry.config(hf)
-        attn = pick_attention(attention_backend, platform)
-        make = lambda: entry.model_cls(m, dtype, rngs=nnx.Rngs(seed), attention_fn=attn)
-        if weights is None:  # load_format="dummy": random weights drawn on the device
-            graphdef, _ = nnx.split(nnx.eval_shape(make))
-            params = jax.jit(lambda: nnx.state(make()))()
-        else:
-            model = nnx.eval_shape(make)
-            load_state(model, entry.to_state(m, weights, dtype, consume=True))
-            graphdef, params = nnx.split(model)
-        layers = entry.split_layers(params, m) if platform != "cpu" else None
-        self.graphdef = graphdef
-        self.flat, self._def = jax.tree.flatten(params if layers is None else (params, layers))
+        placed = placed or place_weights(hf, weights, dtype, attention_backend, seed)
+        self.model_cfg, self.graphdef, self.flat, self._def = placed
+        m = self.model_cfg
         self.pages = jnp.zeros((m.num_layers, 2, m.num_kv_heads, num_blocks, block_size, m.head_dim), dtype)
         self.kv_ops = KVOps(num_blocks, max_copies, num_host_blocks, self.pages)
         self._shadow = jax.jit(self._shadow_impl, donate_argnums=(1,))
