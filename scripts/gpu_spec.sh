@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Speculative decoding on one H200 (< 9 minutes). Prints and writes $OUT/spec_*.json:
+# Speculative decoding on one H200 (typically < 9 minutes; each run has its own timeout, 13 min in all). Prints and writes $OUT/spec_*.json:
 #  1. Llama-3-8B shape (dummy bf16 weights), context 1024: a verification step with k = 4
 #     random drafts per row vs a plain decode step, sync and async baselines, same engine and
 #     process; batch 1 (target <= 1.15x) and batch 32 (target <= 1.3x). Batch 32 twice: with
