@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxllm.parallel.mesh import AXIS, HeadLayout
+from jaxllm.quantization.qarray import QArray
 
 log = logging.getLogger("jaxllm")
 
@@ -93,7 +94,7 @@ def place_state(abstract_state: nnx.State, state: dict, mesh: Mesh, layout: Head
             if isinstance(val, dict):
                 out[name] = place(val, shard_tree[name], want[name], f"{prefix}{name}.")
                 continue
-            if not isinstance(val, (np.ndarray, jax.Array, np.generic, float, int)):
+            if isinstance(val, QArray):
                 out[name] = _place_quantized(val, name, shard_tree[name], want[name], layout,
                                              f"{prefix}{name}")
                 continue
