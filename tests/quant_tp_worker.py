@@ -1,7 +1,7 @@
 """Quantized weights with tensor parallelism, run as a subprocess by test_quant_tp.py
 (forced host devices, as tests/tp_worker.py; JSON on the last line of stdout).
 
-    python tests/quant_tp_worker.py    online fp8 / int8 / int4 and an HF FP8 block checkpoint,
+    python tests/quant_tp_worker.py    online fp8 / int4 and an HF FP8 block checkpoint,
                                        tp=1 vs tp=2 (scan layout; int4 also unrolled)
 """
 
@@ -60,7 +60,7 @@ def run() -> dict:
                        "wq": parts(r, "wq"), "wo": parts(r, "wo"), "w_down": parts(r, "w_down"),
                        "weight_bytes": r.device_bytes["weight_bytes"]}
 
-    for method in ("fp8", "int8", "int4"):
+    for method in ("fp8", "int4"):  # int8's rules are int4's without the packing (CI time)
         for tp in (1, 2):
             go(f"{method}_tp{tp}", tp, hf_config=cfg, weights=dict(weights), quantization=method)
     go("int4_tp2_unrolled", 2, unroll=True, hf_config=cfg, weights=dict(weights), quantization="int4")
