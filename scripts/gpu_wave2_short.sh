@@ -9,7 +9,8 @@
 #      kernels, vs the touched-bytes floor and torch grouped_mm (bench_moe.py gmm);
 #   4. KV offload: 16k-token prompt from the host tier vs recomputed, restore bandwidth
 #      (gpu_kvoffload.sh);
-#   5. speculative decoding: a k = 4 verification step vs a plain decode step at batch 1.
+#   5. decode attention B64 ctx 2048 on bf16/fp8/int8/int4 pages, fp8 through the Mosaic kernel too;
+#   6. speculative decoding: a k = 4 verification step vs a plain decode step at batch 1.
 # Wheels the image lacks are carried in .whl (scripts/fetch_wheels.sh).
 set -u -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -32,11 +33,16 @@ timeout ${T_CHECK:-50} python3 scripts/check_prefill.py --variants mosaic --out 
   > "$OUT/check/check.log" 2>&1; echo "rc=$?"; grep -v '^{' "$OUT/check/check.log" | tail -16
 
 part moe_gmm; mkdir -p "$OUT/moe"
-timeout ${T_MOE:-100} python3 scripts/bench_moe.py gmm --tokens 1 64 --output-json "$OUT/moe/moe_gmm.json" \
+timeout ${T_MOE:-90} python3 scripts/bench_moe.py gmm --tokens 1 64 --output-json "$OUT/moe/moe_gmm.json" \
   > "$OUT/moe/moe_gmm.log" 2>&1; echo "rc=$?"; tail -22 "$OUT/moe/moe_gmm.log"
 
 part kvoffload; mkdir -p "$OUT/kv"
-OUT="$OUT/kv" LIMIT=${T_KV:-140} bash scripts/gpu_kvoffload.sh 2>&1 | tail -22
+OUT="$OUT/kv" LIMIT=${T_KV:-130} bash scripts/gpu_kvoffload.sh 2>&1 | tail -22
+
+part quant_attention; mkdir -p "$OUT/quant"
+timeout ${T_ATTN:-40} python3 scripts/bench_quant.py attention --batch 64 --ctx 2048 \
+  --json "$OUT/quant/quant_attention.json" > "$OUT/quant/quant_attention.log" 2>&1; echo "rc=$?"
+sed -n '/^summary/,$p' "$OUT/quant/quant_attention.log" | tail -10
 
 part spec_step_b1; mkdir -p "$OUT/spec"
 timeout ${T_SPEC:-60} python3 scripts/bench_spec.py step --random-shape llama3-8b --dtype bfloat16 --proposer random \

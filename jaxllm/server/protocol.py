@@ -19,7 +19,10 @@ from jaxllm.server.constraints import ConstraintFields
 from jaxllm.server.fields import RESTRICTED, unsupported
 
 MAX_N = 128  # choices per request; each choice is a sequence in the engine
-INT64 = 2 ** 63 - 1024  # the largest int64 a JSON number (a double) holds exactly, so 9.2e18 cannot overflow
+# The largest integer bound a client comparing JSON numbers as doubles reads the same way as the
+# server: above 2 ** 53, integers just past a bound round down onto it (2 ** 63 - 1000 reads as the
+# bound 2 ** 63 - 1024 in a double), so a schema-valid request could be refused (schemathesis found it).
+INT64 = 2 ** 53 - 1
 # Bounds that depend on the model or the server's flags carry a tag; `openapi.py` writes the
 # running server's value into the published schema (the vocabulary, --max-num-seqs, ...).
 
