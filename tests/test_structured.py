@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 
 import jax.numpy as jnp
@@ -236,3 +237,43 @@ def test_reasoning_end_starts_the_constraint() -> None:
     assert all(tok.decode([int(t)]) in ("y", "ye", "yes", "n", "no") for t in allowed)
     assert manager.advance("r", out + tok.encode("yes", add_special_tokens=False))  # complete
     manager.remove("r")
+
+
+def test_prepare_builds_the_grammar_backend_once(llm, caplog, monkeypatch) -> None:
+    eng = llm.engine
+    saved, eng._structured = eng._structured, None
+    try:
+        with caplog.at_level(logging.INFO, logger="jaxllm"):
+            took = eng.prepare_structured_outputs()
+        assert took is not None and eng._structured is not None
+        assert "structured outputs ready" in caplog.text
+        assert eng.prepare_structured_outputs() is None  # built already: nothing to do
+    finally:
+        eng._structured = saved if saved is not None else eng._structured
+
+    # The server builds it at start-up, before it answers anything.
+    import argparse
+
+    import jaxllm.engine.async_engine as ae
+    from jaxllm.engine.arg_utils import add_engine_args
+    from jaxllm.server.args import add_serve_args, build_server_app
+
+    calls = []
+
+    class Engine:
+        def prepare_structured_outputs(self):
+            calls.append("prepared")
+
+    class Stub:
+        engine = Engine()
+
+        @classmethod
+        def from_config(cls, *a, **k):
+            return cls()
+
+    monkeypatch.setattr(ae, "AsyncLLM", Stub)
+    monkeypatch.setattr("jaxllm.server.app.build_app", lambda *a, **k: "app")
+    p = argparse.ArgumentParser()
+    add_serve_args(p)
+    add_engine_args(p)
+    assert build_server_app(p.parse_args([])) == "app" and calls == ["prepared"]

@@ -58,6 +58,7 @@ def build_server_app(args: argparse.Namespace):
     bound = None if args.max_waiting_requests < 0 else args.max_waiting_requests
     engine = AsyncLLM.from_config(args.model_tag or args.model, max_waiting_requests=bound,
                                   **{"usage_context": "serve", **engine_kwargs(args)})
+    engine.engine.prepare_structured_outputs()  # not at the first constrained request, mid-batch
     return build_app(engine, served_names(args), api_key=args.api_key, tool_call_parser=args.tool_call_parser,
                      enable_auto_tool_choice=args.enable_auto_tool_choice, reasoning_parser=args.reasoning_parser,
                      max_request_bytes=args.max_request_body_bytes)
