@@ -6,6 +6,7 @@ with fake sampled tokens, exactly as the engine would after running the step.
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import textwrap
@@ -163,12 +164,17 @@ def _lines_executed(fn) -> int:
             count += 1
         return tracer
 
+    # A collection during `fn` runs other objects' finalizers (earlier tests' engines, executors)
+    # under the tracer and counts their lines: collect first and keep the collector off meanwhile.
+    gc.collect()
+    gc.disable()
     old = sys.gettrace()  # e.g. a coverage tracer: put it back afterwards
     sys.settrace(tracer)
     try:
         fn()
     finally:
         sys.settrace(old)
+        gc.enable()
     return count
 
 
