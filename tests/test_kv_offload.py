@@ -165,12 +165,13 @@ def test_full_disk_and_unwritable_dir_keep_serving(tmp_path, want, caplog):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     with caplog.at_level(logging.WARNING, logger="jaxllm"):
-        full = make(kv_offload_cpu_gib=gib(24), kv_offload_disk_dir="fullfs://kv")
-        bad = make(kv_offload_cpu_gib=gib(24), kv_offload_disk_dir=str(blocker / "kv"))
+        # A host tier that holds A and B (38 blocks): the third A is a host hit whatever the disk does.
+        full = make(kv_offload_cpu_gib=gib(48), kv_offload_disk_dir="fullfs://kv")
+        bad = make(kv_offload_cpu_gib=gib(48), kv_offload_disk_dir=str(blocker / "kv"))
         for llm in (full, bad):
             for name, p in (("A", A), ("B", B), ("A", A)):
                 assert run1(llm, p).outputs[0].token_ids == want[name]
-            llm.engine.flush_kv()
+                llm.engine.flush_kv()  # each run's saves done before the next looks: no race with them
             st = llm.stats()
             assert st["kv_offload_disk_failed"] and st["external_prefix_cache_hits"] > 0  # host tier
     stops = [r for r in caplog.records if "stopped" in r.getMessage()]
