@@ -38,3 +38,16 @@ def make(**kw) -> LLM:
 
 def run1(llm: LLM, prompt: list[int]):
     return llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+
+
+def gen(llm: LLM, prompt: list[int], max_tokens: int, params: dict | None = None, rid: str = "r"):
+    """One greedy request through the engine's own loop (kv_transfer_params passed through);
+    its last output."""
+    e = llm.engine
+    e.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+                  kv_transfer_params=params)
+    last = None
+    while e.has_unfinished_requests():
+        for o in e.step():
+            last = o
+    return last

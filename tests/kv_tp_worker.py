@@ -23,6 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def main(root: str) -> dict:
     sys.path.insert(0, HERE)
+    from kv_tiny import gen
     from tp_worker import tiny_model
 
     from jaxllm import LLM, SamplingParams
@@ -55,16 +56,6 @@ def main(root: str) -> dict:
     def free(llm: LLM) -> bool:
         e = llm.engine
         return e.kv.num_free_blocks == e.runner.num_blocks and not e.scheduler.loading
-
-    def gen(llm, prompt, n=8, params=None, rid="r"):
-        e = llm.engine
-        e.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                      kv_transfer_params=params)
-        last = None
-        while e.has_unfinished_requests():
-            for o in e.step():
-                last = o
-        return last
 
     res: dict = {}
     host_blocks = {}

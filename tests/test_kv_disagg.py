@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from kv_tiny import make, rand
+from kv_tiny import gen, make, rand
 
 from jaxllm import SamplingParams
 
@@ -14,17 +14,6 @@ A, B, C = rand(300, 1), rand(200, 5), rand(200, 6)
 
 def conf(role, **extra):
     return {"kv_connector": "JaxTransferConnector", "kv_role": role, "kv_connector_extra_config": extra}
-
-
-def gen(llm, prompt, max_tokens, params=None, rid="r"):
-    e = llm.engine
-    e.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-                  kv_transfer_params=params)
-    last = None
-    while e.has_unfinished_requests():
-        for o in e.step():
-            last = o
-    return last
 
 
 @pytest.fixture(scope="module")
