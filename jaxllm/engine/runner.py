@@ -409,10 +409,10 @@ class ModelRunner:
                                      m.hidden_size, m.moe.moe_intermediate_size, self.dtype)
         pairs = compiled_pairs(token_buckets, seq_buckets)
         if self.channel is None:
-            place = (lambda hb: Batch.from_host(hb)) if self.tp is None else \
-                (lambda hb: Batch.from_host(hb, self.tp.replicated))
+            sharding = None if self.tp is None else self.tp.replicated
             self._compiled = compile_all(lambda T, R: self._step.lower(
-                self.flat_params, self.kv_pages, place(self._empty_batch(T, R)), self.no_ids), pairs)
+                self.flat_params, self.kv_pages, Batch.from_host(self._empty_batch(T, R), sharding),
+                self.no_ids), pairs)
         for T, R in pairs:
             jax.block_until_ready(self.execute(self._empty_batch(T, R)))
         if self.eplb is not None:
