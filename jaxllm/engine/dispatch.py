@@ -30,6 +30,7 @@ class Launched:
     sample: Future | PendingSample | None  # a Future while the dispatch thread owns it
     mask: Future | None = None  # structured outputs: the draw's bitmask, set by the host later
     num_rows: int = 0  # the draw's padded row count
+    mask_queued: bool = False  # its fill was handed to the mask thread (async scheduling)
     spec_rows: dict = field(default_factory=dict)  # request id -> rows verifying its drafts
 
     @property

@@ -309,7 +309,8 @@ class LLMEngine:
             if prev is not None:
                 outputs += self._process(prev, then=launched)
         finally:  # the draw of `launched` waits for its mask, which needs prev's tokens
-            if launched is not None and launched.mask is not None and not launched.mask.done():
+            if launched is not None and launched.mask is not None and not launched.mask_queued \
+                    and not launched.mask.done():
                 self._fill_mask(launched)
         if launched is not None:
             if self.dispatcher.threaded and self.beam is None:
@@ -393,9 +394,17 @@ class LLMEngine:
                                                  verify)
         return launched
 
-    def _fill_mask(self, launched: Launched) -> None:
-        """Set the step's bitmask from the matchers (which have seen every earlier token)."""
+    def _fill_mask(self, launched: Launched, background: bool = False) -> None:
+        """Set the step's bitmask from the matchers (which have seen every earlier token).
+
+        `background`: on the manager's mask thread, so the host's detokenizing and the
+        server's streaming go on meanwhile (the draw waits for the mask, and the next
+        advance of these matchers waits for the draw, so nothing moves them under it)."""
         rows = [(sid, i) for sid, i in launched.row_of.items() if sid in self.structured]
+        if background:
+            launched.mask_queued = True
+            self.structured.fill_into(launched.mask, rows, launched.num_rows)
+            return
         try:
             launched.mask.set_result(self.structured.fill(rows, launched.num_rows))
         except BaseException as exc:  # the dispatch thread must not wait forever
@@ -441,7 +450,7 @@ class LLMEngine:
                 if self._structured.advance(req.request_id, req.output_token_ids) and not req.finished:
                     self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)  # grammar complete
             if then is not None and then.mask is not None and not then.mask.done():
-                self._fill_mask(then)
+                self._fill_mask(then, background=True)
 
         outputs: dict[str, RequestOutput] = {}
         for req in touched:
