@@ -386,8 +386,8 @@ class LLMEngine:
         sbatch = self.sampler.prepare(rows, hb.block_tables.shape[0])
         if spec_rows:
             verify = self.spec.verifier.bind(self.spec.draft_ids(out, spec_rows, sbatch.num_rows))
-        launched = Launched(out, rows, row_of, None, Future() if sbatch.masked else None, sbatch.num_rows,
-                            spec_rows)
+        launched = Launched(out, rows, row_of, None, mask=Future() if sbatch.masked else None,
+                            num_rows=sbatch.num_rows, spec_rows=spec_rows)
         if launched.mask is not None and prev is None:  # every earlier token is known: fill now
             self._fill_mask(launched)
         launched.sample = self.dispatcher.submit(out, hb, sbatch, prev.sample if prev else None, launched.mask,
