@@ -12,7 +12,8 @@ times jit lowering, XLA compile and the first run of:
   * layersN: N calls of the direct kernel in one program (different layer operands, the same
              kernel text: the unrolled engine step's case),
   * pallas:  the portable Pallas kernel, for comparison.
-One JSON line per (T, variant): lower_s, compile_s, first_run_s. No persistent cache.
+One JSON line per (T, variant): lower_s, compile_s, first_run_s. No persistent cache unless
+--cache-dir names one.
 """
 
 from __future__ import annotations
@@ -82,7 +83,14 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[256, 2048, 8192])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--only", nargs="*", default=None, help="variant names to run")
+    p.add_argument("--cache-dir", default=None,
+                   help="JAX's persistent compilation cache here (run twice: is a Mosaic kernel's "
+                        "compile kept?)")
     args = p.parse_args()
+    if args.cache_dir:
+        jax.config.update("jax_compilation_cache_dir", args.cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     print(json.dumps({"jax": jax.__version__, "device": str(jax.devices()[0])}), flush=True)
     for T in args.tokens:
         q, kv, md = case(T)

@@ -112,6 +112,7 @@ def test_gpu_prefill_path_falls_back_off_hopper_and_probe_batch_is_valid(caplog,
     import logging
     from jaxllm.kernels import gpu_prefill_attention, mosaic_attention, prefill_choice
     monkeypatch.setenv("JAXLLM_PREFILL_KERNEL", "auto")
+    monkeypatch.setenv("JAXLLM_MOSAIC_MIN_TOKENS", "0")  # the probe's small batch asks too
     ok, why = prefill_choice.mosaic_prefill_ok(8, 2, 64, 16, "float32")
     assert not ok and "Hopper" in why
     q, kv, md, real = prefill_choice.probe_case(8, 2, 32, 16, jnp.float32)
@@ -142,7 +143,30 @@ def test_hopper_kernel_lowers_for_cuda_on_cpu(group, page_size, block_keys):
     f = jax.jit(lambda q, kv, md: mosaic_prefill.ragged_prefill_attention(
         q, kv, jnp.int32(1), md, sm_scale=0.1, block_keys=block_keys))
     exported = jax.export.export(f, platforms=["cuda"])(q, kv, md)
-    assert "mosaic_gpu" in exported.mlir_module()
+    # one kernel per call: each Mosaic call site compiles on its own (1.4 s on an H200 host)
+    assert exported.mlir_module().count("@mosaic_gpu_v2") == 1
+
+
+def test_auto_choice_keeps_pallas_below_the_token_threshold(monkeypatch):
+    """"auto" on Hopper: steps under JAXLLM_MOSAIC_MIN_TOKENS tokens keep the Pallas kernel
+    (their Mosaic compiles would cost more start-up than the kernel saves), larger ones take
+    the Mosaic kernel once its probe passed; a bad threshold is refused by name."""
+    from jaxllm.kernels import prefill_choice
+    monkeypatch.setattr(prefill_choice, "mosaic_prefill_ok", lambda *key: (True, "probe ok"))
+    monkeypatch.setenv("JAXLLM_PREFILL_KERNEL", "auto")
+    kv = jnp.zeros((1, 2, 2, 4, 16, 64), jnp.bfloat16)
+    q = lambda T: jax.ShapeDtypeStruct((T, 8, 64), jnp.bfloat16)
+    assert prefill_choice.prefill_kernel(q(2048), kv) == "pallas"
+    assert prefill_choice.prefill_kernel(q(4096), kv) == "mosaic"
+    monkeypatch.setenv("JAXLLM_MOSAIC_MIN_TOKENS", "256")
+    assert prefill_choice.prefill_kernel(q(256), kv) == "mosaic"
+    assert prefill_choice.prefill_kernel(q(255), kv) == "pallas"
+    monkeypatch.setenv("JAXLLM_PREFILL_KERNEL", "mosaic")  # forced: every prefill step
+    assert prefill_choice.prefill_kernel(q(16), kv) == "mosaic"
+    monkeypatch.setenv("JAXLLM_PREFILL_KERNEL", "auto")
+    monkeypatch.setenv("JAXLLM_MOSAIC_MIN_TOKENS", "many")
+    with pytest.raises(ValueError, match="JAXLLM_MOSAIC_MIN_TOKENS"):
+        prefill_choice.prefill_kernel(q(4096), kv)
 
 
 @pytest.mark.parametrize("reqs,page_size,num_kv_heads,group,rows", CASES)

@@ -280,31 +280,22 @@ def ragged_prefill_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array
                              semantics: str | None = None) -> jax.Array:
     """Ragged paged attention for prefill/mixed batches, q [T, H, D] -> [T, H, D].
 
-    Batches whose segments all start at multiples of 8 (one prompt, chunks of aligned
-    lengths) run in place; others through `aligned_layout` (a scatter of q and a gather of
-    the output around the kernel), chosen at run time by `lax.cond` (interpret mode: always
-    relabeled)."""
+    The kernel runs on `aligned_layout`'s relabeled batch (a scatter of q and a gather of the
+    output around it), so one kernel serves every batch: a `lax.cond` between it and a direct
+    call for already aligned batches put two kernels in each layer (every call site of a Mosaic
+    kernel compiles on its own: about 1.4 s each on an H200 host, `scripts/mosaic_compile_time.py`)
+    and made each layer read its predicate back to the host."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, num_kv_heads, _, page_size, _ = kv_pages.shape
     if not supported(num_heads, num_kv_heads, head_dim, page_size, block_keys):
         raise ValueError(f"unsupported shape: H={num_heads} K={num_kv_heads} D={head_dim} "
                          f"S={page_size} BK={block_keys}")
-    run = functools.partial(_attend, kv_pages=kv_pages, layer=layer, md=md, sm_scale=sm_scale,
-                            block_keys=block_keys, num_stages=num_stages, interpret=interpret,
-                            semantics=semantics)
     qsl = md.query_start_loc.astype(jnp.int32)
-
-    def direct(q):
-        return run(q, qsl, md.positions)
-
-    def relabeled(q):
-        new_qsl, new_pos, dest, padded = aligned_layout(qsl, md.positions, num_tokens)
-        q_pad = jnp.zeros((padded,) + q.shape[1:], q.dtype).at[dest].set(q)
-        return run(q_pad, new_qsl, new_pos)[dest]
-
-    if interpret:  # Mosaic's CPU interpreter hangs on a kernel inside lax.cond
-        return relabeled(q)
-    return lax.cond(jnp.all(qsl % ALIGN == 0), direct, relabeled, q)
+    new_qsl, new_pos, dest, padded = aligned_layout(qsl, md.positions, num_tokens)
+    q_pad = jnp.zeros((padded,) + q.shape[1:], q.dtype).at[dest].set(q)
+    out = _attend(q_pad, new_qsl, new_pos, kv_pages=kv_pages, layer=layer, md=md, sm_scale=sm_scale,
+                  block_keys=block_keys, num_stages=num_stages, interpret=interpret, semantics=semantics)
+    return out[dest]
 
 
 def _attend(q: jax.Array, qsl: jax.Array, positions: jax.Array, *, kv_pages: jax.Array,

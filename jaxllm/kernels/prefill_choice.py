@@ -8,6 +8,12 @@ logs why and falls back to the portable Pallas kernel (`pallas_ragged.py`, Trito
 is also what non-Hopper GPUs use. The probe runs during start-up compilation (warm-up),
 so no compile happens after it.
 
+Steps of fewer than JAXLLM_MOSAIC_MIN_TOKENS tokens (default 4096) keep the Pallas kernel in
+"auto" mode: each layer's Mosaic call compiles on its own (about 1.4 s per call site on an H200
+host, 32 per step shape for an 8B model), and below 4,096 tokens attention is a small part of
+the step and the kernels are close (1x2048: Mosaic 176 TFLOP/s, Pallas 156; 1x8192: 494 vs 250;
+docs/benchmarks.md), so the start-up compiles only the large buckets' Mosaic kernels.
+
 JAXLLM_PREFILL_KERNEL: "auto" (the probe; the default), "mosaic" or "pallas" (forced).
 "auto" became the default once the kernel passed `scripts/gpu_kernel.sh` on an H200
 (2026-12-02, jax 0.11.2: correct on ragged batches and the probe's mixed batch, 494-563
@@ -30,6 +36,18 @@ from jaxllm.kernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 DEFAULT_MODE = "auto"  # the probe picks the Mosaic kernel on Hopper (validated on an H200)
+MOSAIC_MIN_TOKENS = 4096  # "auto": smaller steps keep the Pallas kernel (module docstring)
+
+
+def mosaic_min_tokens() -> int:
+    raw = os.environ.get("JAXLLM_MOSAIC_MIN_TOKENS", str(MOSAIC_MIN_TOKENS))
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"JAXLLM_MOSAIC_MIN_TOKENS must be an integer, got {raw!r}") from None
+    if n < 0:
+        raise ValueError(f"JAXLLM_MOSAIC_MIN_TOKENS must be >= 0, got {n}")
+    return n
 
 
 def is_hopper() -> bool:
@@ -120,8 +138,15 @@ def prefill_kernel(q: jax.Array, kv_pages: jax.Array) -> str:
     if mode not in ("auto", "mosaic", "pallas"):
         raise ValueError(f"JAXLLM_PREFILL_KERNEL must be auto, mosaic or pallas, got {mode!r}")
     key = (q.shape[1], kv_pages.shape[2], q.shape[2], kv_pages.shape[4], jnp.dtype(q.dtype).name)
+    if mode == "auto" and q.shape[0] < mosaic_min_tokens():
+        if (key, "small") not in _logged:
+            _logged.add((key, "small"))
+            log.info("prefill/mixed attention for H=%d K=%d D=%d S=%d %s, steps under %d tokens: "
+                     "portable Pallas kernel (Triton)", *key, mosaic_min_tokens())
+        return "pallas"
     if mode == "auto":
         ok, why = mosaic_prefill_ok(*key)
+        why += f"; steps under {mosaic_min_tokens()} tokens: the Pallas kernel" if ok else ""
     else:
         explicit = "JAXLLM_PREFILL_KERNEL" in os.environ
         ok = mode == "mosaic"
