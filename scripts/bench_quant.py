@@ -182,6 +182,14 @@ def torch_peers(name: str, K: int, N: int, M: int, C: float) -> list[dict]:
     return out
 
 
+def quantized_kv(kv_bf16: jax.Array, fmt: str) -> tuple[jax.Array, int]:
+    """The bf16 pool's pages stored as `fmt` ("auto": as they are) and the bytes of one
+    stored K or V row."""
+    dtype, width = kv_quant.page_layout(fmt, jnp.bfloat16, kv_bf16.shape[-1])
+    kv = kv_bf16 if fmt == "auto" else jax.jit(lambda k: kv_quant.encode(k, dtype, width))(kv_bf16)
+    return kv, width * jnp.dtype(dtype).itemsize
+
+
 def bench_attention(batch: int, ctx: int, C: float) -> list[dict]:
     from jaxllm.kernels import mosaic_decode, pallas_ragged, ref
 
@@ -191,12 +199,11 @@ def bench_attention(batch: int, ctx: int, C: float) -> list[dict]:
     rows, base = [], None
     for fmt in ("auto", "fp8", "int8", "int4"):
         try:
-            dtype, width = kv_quant.page_layout(fmt, jnp.bfloat16, 128)
-            kv = kv_bf16 if fmt == "auto" else jax.jit(lambda k: kv_quant.encode(k, dtype, width))(kv_bf16)
+            kv, row_bytes = quantized_kv(kv_bf16, fmt)
         except Exception as e:  # noqa: BLE001
             rows.append({"kv": fmt, "error": repr(e)})
             continue
-        page_bytes = batch * ctx * 8 * 2 * width * jnp.dtype(dtype).itemsize
+        page_bytes = batch * ctx * 8 * 2 * row_bytes
         kernels = {"pallas": lambda q, kv, l: pallas_ragged.ragged_paged_attention(q, kv, l, md, sm_scale=scale)}
         if fmt in ("auto", "fp8"):  # the Mosaic decode kernel reads bf16 and fp8 pages
             kernels["mosaic"] = lambda q, kv, l: mosaic_decode.paged_decode_attention(q, kv, l, md, sm_scale=scale)

@@ -1,8 +1,11 @@
-"""The Mosaic GPU decode kernel on fp8 pages (kernels/mosaic_decode.py), in Mosaic GPU's CPU
-interpreter with its race detector, against the reference on the same fp8 pages."""
+"""The Mosaic GPU decode kernel on fp8 pages (kernels/mosaic_decode.py): in Mosaic GPU's CPU
+interpreter with its race detector against the reference on the same fp8 pages, lowered for
+the cuda platform (the compiled path, which converts fp8 through f16: the H200 has no
+fp8 -> bf16 conversion), and the engine's routing of each page format on decode steps."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,29 +15,56 @@ from test_kv_quant import quantized_pages
 
 from jaxllm.kernels import ref
 
+# (format, splits, requests [(context, new)], kv heads, GQA group): ragged contexts (1 to 9
+# pages of 8, so one or two 64-key steps, tails masked), padding rows and a padding token.
+FP8_CASES = [
+    ("fp8", 1, [(27, 1), (70, 1), (3, 1)], 2, 4),
+    ("fp8_e5m2", 2, [(70, 1), (9, 1)], 1, 8),
+]
 
-@pytest.mark.parametrize("name,splits", [("fp8", 1), ("fp8_e5m2", 2)])
-def test_mosaic_decode_on_fp8_pages_matches_reference(name, splits):
+
+@pytest.mark.parametrize("name,splits,reqs,kv_heads,group", FP8_CASES)
+def test_mosaic_decode_on_fp8_pages_matches_reference(name, splits, reqs, kv_heads, group):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
     from jaxllm.kernels import mosaic_decode
 
     rng = np.random.default_rng(21)
-    reqs = [(27, 1)]
-    q, kv, md = make_batch(rng, reqs, page_size=8, num_kv_heads=1, group=4, head_dim=64,
-                           pad_reqs=0, pad_tokens=1, dtype=jnp.bfloat16)
+    q, kv, md = make_batch(rng, reqs, page_size=8, num_kv_heads=kv_heads, group=group,
+                           head_dim=64, pad_reqs=1, pad_tokens=1, dtype=jnp.bfloat16)
     pages = quantized_pages(kv, name)
     assert pages.dtype.itemsize == 1
     got = mosaic_decode.paged_decode_attention(q, pages, jnp.int32(1), md, sm_scale=0.3,
                                                num_splits=splits, num_stages=2, interpret=True)
-    want = ref.ragged_paged_attention(q, pages, jnp.int32(1), md, sm_scale=0.3)
-    assert rel_err(np.asarray(got[:1], np.float32), np.asarray(want[:1], np.float32)) < 1e-2
-    assert not np.asarray(got[1:], np.float32).any()
+    got = np.asarray(got, np.float32)
+    n = len(reqs)
+    want = np.asarray(ref.ragged_paged_attention(q, pages, jnp.int32(1), md, sm_scale=0.3),
+                      np.float32)
+    assert rel_err(got[:n], want[:n]) < 5e-3  # measured 7e-4 / 8e-4
+    # The tolerance separates the fp8 pages from the bf16 data they were made from (the
+    # reference on those differs by 4e-2 / 9e-2): the kernel read the fp8 values.
+    unquantized = np.asarray(ref.ragged_paged_attention(q, kv, jnp.int32(1), md, sm_scale=0.3),
+                             np.float32)
+    assert rel_err(want[:n], unquantized[:n]) > 2e-2
+    assert not got[n:].any()  # the padding token
     assert not ipc.get_races().races_found
-    # The same pages in bf16 (dequantized) give the same result: the kernel read them as fp8.
-    deq = mosaic_decode.paged_decode_attention(q, pages.astype(jnp.bfloat16), jnp.int32(1), md,
-                                               sm_scale=0.3, num_splits=splits, num_stages=2,
-                                               interpret=True)
-    assert rel_err(np.asarray(got, np.float32), np.asarray(deq, np.float32)) < 1e-3
+
+
+@pytest.mark.parametrize("name,splits", [("fp8", 1), ("fp8_e5m2", 1), ("fp8", 4)])
+def test_mosaic_decode_on_fp8_pages_lowers_for_cuda(name, splits):
+    """The compiled path (no interpreter), exported for cuda on the CPU: lowering to the
+    Mosaic GPU dialect runs every layout and conversion rule, so the fp8 -> bf16 cast the
+    H200 refused (only fp8 -> f16 exists on Hopper) fails here too. B=4, Llama-3 heads."""
+    from jaxllm.kernels import mosaic_decode
+
+    rng = np.random.default_rng(23)
+    q, kv, md = make_batch(rng, [(300, 1), (20, 1), (77, 1)], page_size=16, num_kv_heads=8,
+                           group=4, head_dim=128, num_layers=1, pad_reqs=0, pad_tokens=1,
+                           dtype=jnp.bfloat16)
+    pages = quantized_pages(kv, name)
+    f = jax.jit(lambda q, kv, md: mosaic_decode.paged_decode_attention(
+        q, kv, jnp.int32(0), md, sm_scale=0.1, num_splits=splits))
+    exported = jax.export.export(f, platforms=["cuda"])(q, pages, md)
+    assert "mosaic_gpu" in exported.mlir_module()
 
 
 def test_mosaic_decode_refuses_int_pages():
@@ -46,3 +76,24 @@ def test_mosaic_decode_refuses_int_pages():
     with pytest.raises(ValueError, match="Pallas kernel"):
         mosaic_decode.paged_decode_attention(q, quantized_pages(kv, "int8"), jnp.int32(1), md,
                                              sm_scale=0.3, interpret=True)
+
+
+@pytest.mark.parametrize("name,decode_kernel", [
+    ("auto", True), ("fp8", True), ("fp8_e5m2", True), ("int8", False), ("int4", False)])
+def test_mosaic_backend_routes_decode_steps_by_page_format(monkeypatch, name, decode_kernel):
+    """On Hopper decode steps (T <= R), bf16 and fp8 pages go to the Mosaic decode kernel,
+    int8 / int4 pages to the prefill/mixed path (the Pallas kernel); prefill steps (T > R)
+    always go there."""
+    from jaxllm.kernels import mosaic_attention, mosaic_decode
+
+    calls = []
+    monkeypatch.setattr(mosaic_decode, "paged_decode_attention",
+                        lambda q, *a, **k: calls.append("decode") or q)
+    prefill = lambda q, *a, **k: calls.append("prefill") or q  # noqa: E731
+    rng = np.random.default_rng(24)
+    for reqs, pad_reqs in (([(40, 1), (9, 1)], 1), ([(40, 5)], 0)):  # decode, then prefill
+        q, kv, md = make_batch(rng, reqs, page_size=8, num_kv_heads=2, group=4, head_dim=64,
+                               pad_reqs=pad_reqs, pad_tokens=1, dtype=jnp.bfloat16)
+        pages = kv if name == "auto" else quantized_pages(kv, name)
+        mosaic_attention(q, pages, jnp.int32(0), md, sm_scale=0.1, prefill_fn=prefill)
+    assert calls == ["decode" if decode_kernel else "prefill", "prefill"]

@@ -4,7 +4,8 @@ Backends:
   reference  plain jnp (ref.py): the CPU path and the definition the kernels are tested against;
   pallas     portable Pallas kernel (pallas_ragged.py): Triton on GPU, interpret mode on CPU;
   mosaic     Hopper: the decode kernel (mosaic_decode.py) for steps whose token bucket is no
-             larger than the request bucket (T <= R: decode steps), the ragged prefill kernel
+             larger than the request bucket (T <= R: decode steps) on bf16 or fp8 pages
+             (int8 / int4 pages: the Pallas kernel for every step), the ragged prefill kernel
              (mosaic_prefill.py) for prefill/mixed steps when prefill_choice.py picks it
              (JAXLLM_PREFILL_KERNEL=auto, the default: a start-up probe, validated on an
              H200), else the portable Pallas kernel for those.
@@ -61,9 +62,9 @@ def mosaic_attention(q, kv_pages, layer, md, *, sm_scale: float,
                      prefill_fn: AttentionFn = ref.ragged_paged_attention) -> jax.Array:
     """Decode kernel when T <= R (shapes are static under jit), else `prefill_fn`."""
     from jaxllm.kernels import kv_quant, mosaic_decode
-    if kv_quant.is_quantized(kv_pages, q.shape[-1]):
-        # The decode kernel's TMA/wgmma path takes bf16 pages only; quantized pages go to
-        # the prefill/mixed kernel, which dequantizes them in registers (kv_quant.py).
+    if kv_quant.page_format(kv_pages.dtype, kv_pages.shape[-1], q.shape[-1]) in ("int8", "int4"):
+        # int8 / int4 rows (D + 2, D/2 + 4 bytes) are no TMA shape: the prefill/mixed kernel
+        # reads them, dequantizing in registers (kv_quant.py). fp8 pages take the decode kernel.
         return prefill_fn(q, kv_pages, layer, md, sm_scale=sm_scale)
     group = q.shape[1] // kv_pages.shape[2]
     if group & (group - 1) or q.shape[2] & (q.shape[2] - 1):

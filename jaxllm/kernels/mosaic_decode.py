@@ -19,9 +19,14 @@ one wave: CTAs past real tokens x heads x splits return at once.
 
 fp8 pages (`kv_cache_dtype="fp8"` / `"fp8_e5m2"`, per-tensor scale 1.0, kernels/kv_quant.py):
 the producer TMA-copies the fp8 pages as they are (half the bytes of bf16); the consumer
-loads each [BK, D] tile into registers, converts it to the query's dtype there and stores it
-into one bf16 staging tile per operand, which the wgmma reads (wgmma's B operand lives in
-shared memory, and fp8 x bf16 has no wgmma form). int8 / int4 rows (D + 2, D/2 + 4 bytes)
+loads each [BK, D] tile into registers, converts it to float16 there and stores it into one
+f16 staging tile per operand, which the wgmma reads (wgmma's B operand lives in shared
+memory, and fp8 x bf16 has no wgmma form). The wgmmas of an fp8 cache run in f16, not bf16:
+Hopper converts fp8 to f16 in one instruction per pair (`cvt.rn.f16x2.e4m3x2` / `e5m2x2`)
+and has none to bf16 (Mosaic: "only cast from f8E4M3FN to f16 is supported"). Every
+e4m3 / e5m2 value is exact in f16; the query is scaled by sm_scale * log2(e) in float32
+before its f16 cast (so |q| up to ~5e5 fits f16's 65504), and the probabilities in [0, 1]
+are cast to f16 (3 more mantissa bits than bf16). int8 / int4 rows (D + 2, D/2 + 4 bytes)
 are not 16-byte multiples, which TMA needs: those stay with the Pallas kernel.
 
 Every token is handled independently (its request from `token_req`, its key
@@ -82,7 +87,7 @@ def active_splits(positions: jax.Array, num_kv_heads: int, max_splits: int,
 
 def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, q_ref, kv_ref, *refs,
                    sm_scale: float, num_kv_heads: int, num_pages: int, page_size: int,
-                   ppb: int, nst: int, num_splits: int, interpret: bool):
+                   ppb: int, nst: int, num_splits: int, fp8: bool, interpret: bool):
     """Body; refs = outputs (o [, lse]) then the scoped SMEM / barriers.
 
     Split grids are flat: CTA w takes (token, kv head, split) = w's digits in base
@@ -128,7 +133,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, q_ref, kv_re
 
     def page_tile(ref, deq):
         """The slot's [BK, D] tile as the wgmma reads it: fp8 pages dequantized (scale 1.0) in
-        registers into the staging tile `deq`; model-dtype pages (deq None) as they are."""
+        registers into the f16 staging tile `deq`; model-dtype pages (deq None) as they are."""
         if deq is None:
             return ref
         deq[...] = ref[...].astype(deq.dtype)
@@ -180,6 +185,8 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, q_ref, kv_re
         # The CPU interpreter has no rule for plgpu.load; a plain read is equivalent there.
         q = q_smem[...] if interpret else plgpu.load(
             q_smem, (), layout=plgpu.Layout.WGMMA, optimized=False)
+        if fp8:  # f16 operands (module docstring); the score scale moves into q
+            q = (q.astype(jnp.float32) * (sm_scale * _LOG2E)).astype(jnp.float16)
         row = plgpu.Layout.WGMMA.reduce(1)
         m = cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32), row)
         l = cast(jnp.full((_ROWS,), 0.0, jnp.float32), row)
@@ -198,7 +205,8 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, q_ref, kv_re
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((_ROWS, keys), jnp.float32))
-            s = s * (sm_scale * _LOG2E)  # log2 domain: exp2 below
+            if not fp8:
+                s = s * (sm_scale * _LOG2E)  # log2 domain: exp2 below
             s = jnp.where(col + ((p0 + step * ppb) * page_size) < key_end, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1))
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
@@ -274,6 +282,7 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     num_layers, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
     group = num_heads // num_kv_heads
     fp8 = kv_pages.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2)
+    cdt = jnp.float16 if fp8 else q.dtype  # the wgmmas' operand dtype
     if (kv_pages.dtype != q.dtype and not fp8) or kv_pages.shape[-1] != head_dim:
         raise ValueError(f"quantized or mixed-dtype pages ({kv_pages.dtype}, rows of {kv_pages.shape[-1]}) "
                          f"are not supported by the Mosaic decode kernel (it reads {q.dtype} and "
@@ -310,14 +319,14 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         plgpu.Barrier(num_arrivals=ppb, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=ppb, num_barriers=num_stages),
         plgpu.Barrier(num_barriers=num_stages),
-        # fp8 pages: the dequantized K and V tiles the wgmmas read (`page_tile`).
-        plgpu.SMEM((keys, head_dim), q.dtype, transforms=tiled) if fp8 else None,
-        plgpu.SMEM((keys, head_dim), q.dtype, transforms=tiled) if fp8 else None,
+        # fp8 pages: the dequantized f16 K and V tiles the wgmmas read (`page_tile`).
+        plgpu.SMEM((keys, head_dim), cdt, transforms=tiled) if fp8 else None,
+        plgpu.SMEM((keys, head_dim), cdt, transforms=tiled) if fp8 else None,
     )
     if interpret:  # staging for wgmma's A operand, see `operand`
-        scratch += (plgpu.SMEM((_ROWS, head_dim), q.dtype),
-                    plgpu.SMEM((_ROWS, keys), q.dtype),
-                    plgpu.SMEM((head_dim, keys), q.dtype))
+        scratch += (plgpu.SMEM((_ROWS, head_dim), cdt),
+                    plgpu.SMEM((_ROWS, keys), cdt),
+                    plgpu.SMEM((head_dim, keys), cdt))
     item = jnp.dtype(kv_pages.dtype).itemsize
     smem = (2 * _ROWS * head_dim + num_stages * keys * head_dim * 2 * item
             + fp8 * 2 * keys * head_dim * 2
@@ -337,7 +346,7 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     body = functools.partial(
         _decode_kernel, sm_scale=float(sm_scale), num_kv_heads=num_kv_heads,
         num_pages=num_pages, page_size=page_size, ppb=ppb, nst=num_stages, num_splits=splits,
-        interpret=interpret)
+        fp8=fp8, interpret=interpret)
     grid = ((num_ctas,), ("w",)) if splits > 1 else ((num_tokens, num_kv_heads), ("t", "h"))
     outs = plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch,

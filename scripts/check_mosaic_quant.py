@@ -1,0 +1,105 @@
+"""GPU check of the Mosaic decode kernel on quantized KV pages; one JSON line per case.
+
+    python3 scripts/check_mosaic_quant.py [--batch 64] [--ctx 2048] [--formats fp8,fp8_e5m2]
+        [--inner 10] [--json $OUT/check_mosaic_quant.json]
+
+Decode, one new token per request, B requests at context ctx, Llama-3-8B heads (32 q / 8 kv,
+D 128), 16-token pages shuffled in the pool (bench_kernels.decode_case). Cases: the Mosaic
+kernel on the bf16 pages (the baseline), then for each page format the Mosaic decode kernel
+reads (fp8 = e4m3, fp8_e5m2) the Mosaic kernel and the Pallas kernel on the same quantized
+pages (bench_quant.quantized_kv). Each case is
+  * checked: output memory poisoned and a second query set (bench_kernels.check) against
+    ref.py on the pages upcast to bf16 (exact for fp8); ok = rel err < 1e-2;
+  * timed like bench_kernels: the kernel over the pool's L layers in one jit, median
+    wall-clock per call of groups of calls ended by jax.block_until_ready (us), and the GPU
+    kernel time from a profiler trace (gpu_us); x_bf16_* = time / the bf16 Mosaic kernel's,
+    x_pallas_* = the Mosaic kernel's time / the Pallas kernel's on the same pages;
+    frac_C = bytes read and written / time / C (copy bandwidth measured here).
+A failing case prints its error in its line and the others go on. About a minute on an H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_kernels import (D, H, K, check, copy_bandwidth, decode_case, gpu_time,  # noqa: E402
+                           kernel_fns, time_fn)
+from bench_quant import quantized_kv  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxllm.kernels import ref  # noqa: E402
+
+MOSAIC_FORMATS = ("fp8", "fp8_e5m2")  # page formats mosaic_decode reads besides bf16
+
+
+def run_case(fn, case: dict, kv, row_bytes: int, inner: int, C: float) -> dict:
+    """Check `fn` on these pages against the reference on their bf16 upcast, then time it."""
+    qs, md, layers = case["qs"], case["md"], case["layers"]
+    up = kv if kv.dtype == jnp.bfloat16 else kv.astype(jnp.bfloat16)
+    want = np.asarray(jax.jit(lambda q, kv: ref.ragged_paged_attention(
+        q, kv, jnp.int32(0), md, sm_scale=D ** -0.5))(qs[-1], up).astype(jnp.float32))
+    del up
+    err = check(fn, dict(case, kv=kv), want)
+    f = jax.jit(lambda qs, kv, md: [fn(qs[l], kv, jnp.int32(l), md) for l in range(layers)])
+    us = time_fn(lambda: f(qs, kv, md), inner=inner) / layers * 1e6
+    nbytes = int(jnp.sum(md.seq_lens)) * K * 2 * row_bytes + 2 * qs[0].size * 2  # KV, q and out
+    row = dict(rel_err=err, ok=err < 1e-2, us=us, frac_C=nbytes / (us * 1e-6) / C)
+    try:
+        row["gpu_us"] = gpu_time(lambda: f(qs, kv, md)) / layers * 1e6
+    except Exception as e:  # noqa: BLE001 - the wall-clock time stands alone
+        row["profile_error"] = repr(e)[-300:]
+    return row
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--ctx", type=int, default=2048)
+    p.add_argument("--formats", default=",".join(MOSAIC_FORMATS))
+    p.add_argument("--inner", type=int, default=10)
+    p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."),
+                                                  "check_mosaic_quant.json"))
+    a = p.parse_args()
+    C = copy_bandwidth(2.0)["C"]
+    case = decode_case(a.batch, a.ctx, 16)
+    fns = kernel_fns(["mosaic", "pallas"], argparse.Namespace(
+        block_rows=64, block_keys=64, mosaic_block_keys=64))
+    head = dict(batch=a.batch, ctx=a.ctx, page=16, heads=f"{H}/{K}x{D}", layers=case["layers"],
+                device=jax.devices()[0].device_kind, jax=jax.__version__, C=C)
+    rows, times = [], {}  # (format, kernel) -> {"us": .., "gpu_us": ..}
+    plan = [("bf16", "mosaic")] + [(f, k) for f in a.formats.split(",") for k in ("pallas", "mosaic")]
+    for fmt, kname in plan:
+        row = dict(head, kv=fmt, kernel=kname)
+        try:
+            kv, row_bytes = quantized_kv(case["kv"], "auto" if fmt == "bf16" else fmt)
+            row.update(run_case(fns[kname], case, kv, row_bytes, a.inner, C))
+            del kv
+            times[fmt, kname] = {t: row[t] for t in ("us", "gpu_us") if t in row}
+            for t, v in times[fmt, kname].items():
+                for tag, other in (("bf16", ("bf16", "mosaic")), ("pallas", (fmt, "pallas"))):
+                    if other != (fmt, kname) and t in times.get(other, {}):
+                        row[f"x_{tag}_{t}"] = v / times[other][t]
+        except Exception as e:  # noqa: BLE001
+            row["error"] = "".join(traceback.format_exception_only(type(e), e))[-1500:]
+            traceback.print_exc()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    bad = [f"{r['kv']}/{r['kernel']}" for r in rows if not r.get("ok")]
+    print(f"summary: {len(rows) - len(bad)}/{len(rows)} cases ok" + (f"; failed: {bad}" if bad else ""))
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
