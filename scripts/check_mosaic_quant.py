@@ -6,8 +6,9 @@
 Decode, one new token per request, B requests at context ctx, Llama-3-8B heads (32 q / 8 kv,
 D 128), 16-token pages shuffled in the pool (bench_kernels.decode_case). Cases: the Mosaic
 kernel on the bf16 pages (the baseline), then for each page format the Mosaic decode kernel
-reads (fp8 = e4m3, fp8_e5m2) the Mosaic kernel and the Pallas kernel on the same quantized
-pages (bench_quant.quantized_kv). Each case is
+reads (fp8 = e4m3, fp8_e5m2) the Pallas kernel, the Mosaic kernel and its variant
+mosaic_early_v (the V tile converted while the QK wgmma runs: `early_v_convert`) on the same
+quantized pages (bench_quant.quantized_kv). Each case is
   * checked: output memory poisoned and a second query set (bench_kernels.check) against
     ref.py on the pages upcast to bf16 (exact for fp8); ok = rel err < 1e-2;
   * timed like bench_kernels: the kernel over the pool's L layers in one jit, median
@@ -21,6 +22,7 @@ A failing case prints its error in its line and the others go on. About a minute
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -42,13 +44,16 @@ from jaxllm.kernels import ref  # noqa: E402
 MOSAIC_FORMATS = ("fp8", "fp8_e5m2")  # page formats mosaic_decode reads besides bf16
 
 
-def run_case(fn, case: dict, kv, row_bytes: int, inner: int, C: float) -> dict:
-    """Check `fn` on these pages against the reference on their bf16 upcast, then time it."""
-    qs, md, layers = case["qs"], case["md"], case["layers"]
+def upcast_reference(case: dict, kv) -> np.ndarray:
+    """ref.py on the pages upcast to bf16, for the query set `check` uses."""
     up = kv if kv.dtype == jnp.bfloat16 else kv.astype(jnp.bfloat16)
-    want = np.asarray(jax.jit(lambda q, kv: ref.ragged_paged_attention(
-        q, kv, jnp.int32(0), md, sm_scale=D ** -0.5))(qs[-1], up).astype(jnp.float32))
-    del up
+    return np.asarray(jax.jit(lambda q, kv: ref.ragged_paged_attention(
+        q, kv, jnp.int32(0), case["md"], sm_scale=D ** -0.5))(case["qs"][-1], up).astype(jnp.float32))
+
+
+def run_case(fn, case: dict, kv, want, row_bytes: int, inner: int, C: float) -> dict:
+    """Check `fn` on these pages against `want` (poisoned output), then time it."""
+    qs, md, layers = case["qs"], case["md"], case["layers"]
     err = check(fn, dict(case, kv=kv), want)
     f = jax.jit(lambda qs, kv, md: [fn(qs[l], kv, jnp.int32(l), md) for l in range(layers)])
     us = time_fn(lambda: f(qs, kv, md), inner=inner) / layers * 1e6
@@ -74,16 +79,20 @@ def main() -> None:
     case = decode_case(a.batch, a.ctx, 16)
     fns = kernel_fns(["mosaic", "pallas"], argparse.Namespace(
         block_rows=64, block_keys=64, mosaic_block_keys=64))
+    fns["mosaic_early_v"] = functools.partial(fns["mosaic"], early_v_convert=True)
     head = dict(batch=a.batch, ctx=a.ctx, page=16, heads=f"{H}/{K}x{D}", layers=case["layers"],
                 device=jax.devices()[0].device_kind, jax=jax.__version__, C=C)
-    rows, times = [], {}  # (format, kernel) -> {"us": .., "gpu_us": ..}
-    plan = [("bf16", "mosaic")] + [(f, k) for f in a.formats.split(",") for k in ("pallas", "mosaic")]
+    rows, times, pages = [], {}, {}  # (format, kernel) -> {"us", "gpu_us"}; format -> pages
+    plan = [("bf16", "mosaic")] + [(f, k) for f in a.formats.split(",")
+                                   for k in ("pallas", "mosaic", "mosaic_early_v")]
     for fmt, kname in plan:
         row = dict(head, kv=fmt, kernel=kname)
         try:
-            kv, row_bytes = quantized_kv(case["kv"], "auto" if fmt == "bf16" else fmt)
-            row.update(run_case(fns[kname], case, kv, row_bytes, a.inner, C))
-            del kv
+            if fmt not in pages:  # one pool and one reference per format
+                pages.clear()
+                kv, row_bytes = quantized_kv(case["kv"], "auto" if fmt == "bf16" else fmt)
+                pages[fmt] = (kv, upcast_reference(case, kv), row_bytes)
+            row.update(run_case(fns[kname], case, *pages[fmt], a.inner, C))
             times[fmt, kname] = {t: row[t] for t in ("us", "gpu_us") if t in row}
             for t, v in times[fmt, kname].items():
                 for tag, other in (("bf16", ("bf16", "mosaic")), ("pallas", (fmt, "pallas"))):

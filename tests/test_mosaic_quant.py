@@ -15,16 +15,18 @@ from test_kv_quant import quantized_pages
 
 from jaxllm.kernels import ref
 
-# (format, splits, requests [(context, new)], kv heads, GQA group): ragged contexts (1 to 9
-# pages of 8, so one or two 64-key steps, tails masked), padding rows and a padding token.
+# (format, splits, requests [(context, new)], kv heads, GQA group, early V conversion):
+# ragged contexts (1 to 9 pages of 8, so one or two 64-key steps, tails masked), padding rows
+# and a padding token.
 FP8_CASES = [
-    ("fp8", 1, [(27, 1), (70, 1), (3, 1)], 2, 4),
-    ("fp8_e5m2", 2, [(70, 1), (9, 1)], 1, 8),
+    ("fp8", 1, [(27, 1), (70, 1), (3, 1)], 2, 4, False),
+    ("fp8_e5m2", 2, [(70, 1), (9, 1)], 1, 8, True),
 ]
 
 
-@pytest.mark.parametrize("name,splits,reqs,kv_heads,group", FP8_CASES)
-def test_mosaic_decode_on_fp8_pages_matches_reference(name, splits, reqs, kv_heads, group):
+@pytest.mark.parametrize("name,splits,reqs,kv_heads,group,early", FP8_CASES)
+def test_mosaic_decode_on_fp8_pages_matches_reference(name, splits, reqs, kv_heads, group,
+                                                      early):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
     from jaxllm.kernels import mosaic_decode
 
@@ -34,7 +36,8 @@ def test_mosaic_decode_on_fp8_pages_matches_reference(name, splits, reqs, kv_hea
     pages = quantized_pages(kv, name)
     assert pages.dtype.itemsize == 1
     got = mosaic_decode.paged_decode_attention(q, pages, jnp.int32(1), md, sm_scale=0.3,
-                                               num_splits=splits, num_stages=2, interpret=True)
+                                               num_splits=splits, num_stages=2, interpret=True,
+                                               early_v_convert=early)
     got = np.asarray(got, np.float32)
     n = len(reqs)
     want = np.asarray(ref.ragged_paged_attention(q, pages, jnp.int32(1), md, sm_scale=0.3),
@@ -49,8 +52,9 @@ def test_mosaic_decode_on_fp8_pages_matches_reference(name, splits, reqs, kv_hea
     assert not ipc.get_races().races_found
 
 
-@pytest.mark.parametrize("name,splits", [("fp8", 1), ("fp8_e5m2", 1), ("fp8", 4)])
-def test_mosaic_decode_on_fp8_pages_lowers_for_cuda(name, splits):
+@pytest.mark.parametrize("name,splits,early", [
+    ("fp8", 1, False), ("fp8_e5m2", 1, False), ("fp8", 4, False), ("fp8", 1, True)])
+def test_mosaic_decode_on_fp8_pages_lowers_for_cuda(name, splits, early):
     """The compiled path (no interpreter), exported for cuda on the CPU: lowering to the
     Mosaic GPU dialect runs every layout and conversion rule, so the fp8 -> bf16 cast the
     H200 refused (only fp8 -> f16 exists on Hopper) fails here too. B=4, Llama-3 heads."""
@@ -62,7 +66,7 @@ def test_mosaic_decode_on_fp8_pages_lowers_for_cuda(name, splits):
                            dtype=jnp.bfloat16)
     pages = quantized_pages(kv, name)
     f = jax.jit(lambda q, kv, md: mosaic_decode.paged_decode_attention(
-        q, kv, jnp.int32(0), md, sm_scale=0.1, num_splits=splits))
+        q, kv, jnp.int32(0), md, sm_scale=0.1, num_splits=splits, early_v_convert=early))
     exported = jax.export.export(f, platforms=["cuda"])(q, pages, md)
     assert "mosaic_gpu" in exported.mlir_module()
 

@@ -87,7 +87,8 @@ def active_splits(positions: jax.Array, num_kv_heads: int, max_splits: int,
 
 def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, q_ref, kv_ref, *refs,
                    sm_scale: float, num_kv_heads: int, num_pages: int, page_size: int,
-                   ppb: int, nst: int, num_splits: int, fp8: bool, interpret: bool):
+                   ppb: int, nst: int, num_splits: int, fp8: bool, early_v: bool,
+                   interpret: bool):
     """Body; refs = outputs (o [, lse]) then the scoped SMEM / barriers.
 
     Split grids are flat: CTA w takes (token, kv head, split) = w's digits in base
@@ -199,9 +200,13 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, q_ref, kv_re
             plgpu.barrier_wait(k_bar.at[slot])
 
             k_tile = page_tile(k_smem.at[slot], k_deq)
+            v_tiles = []
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, operand(q, 0), keys_t(k_tile))
+                if early_v:  # convert the V tile while the async QK wgmma runs
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    v_tiles.append(page_tile(v_smem.at[slot], v_deq))
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((_ROWS, keys), jnp.float32))
@@ -213,9 +218,10 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, q_ref, kv_re
             alpha = jnp.exp2(m - m_new)
             l = l * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            plgpu.barrier_wait(v_bar.at[slot])
-
-            v_tile = page_tile(v_smem.at[slot], v_deq)
+            if not early_v:
+                plgpu.barrier_wait(v_bar.at[slot])
+                v_tiles.append(page_tile(v_smem.at[slot], v_deq))
+            v_tile = v_tiles[0]
 
             def pv(acc_ref):
                 plgpu.wgmma(acc_ref, operand(p.astype(q.dtype), 1), v_tile)
@@ -271,12 +277,15 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
                            num_splits: int | None = None, block_keys: int = 64,
                            num_stages: int | None = None, interpret: bool = False,
                            reduction_scratch_bytes: int | None = None,
-                           return_partials: bool = False, num_sms: int = 132) -> jax.Array:
+                           return_partials: bool = False, num_sms: int = 132,
+                           early_v_convert: bool = False) -> jax.Array:
     """Decode attention, q [T, H, D] -> [T, H, D]; same contract as ref.ragged_paged_attention.
 
     Without num_splits the grid has the splits one real token would want, and the
     count in use follows the real tokens at run time (`active_splits`).
     return_partials (benchmarks only): skip the split combine and return the kernel's outputs.
+    early_v_convert (fp8 pages; a variant to measure): convert the V tile while the QK wgmma
+    runs instead of after the softmax.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_layers, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
@@ -346,7 +355,7 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     body = functools.partial(
         _decode_kernel, sm_scale=float(sm_scale), num_kv_heads=num_kv_heads,
         num_pages=num_pages, page_size=page_size, ppb=ppb, nst=num_stages, num_splits=splits,
-        fp8=fp8, interpret=interpret)
+        fp8=fp8, early_v=fp8 and early_v_convert, interpret=interpret)
     grid = ((num_ctas,), ("w",)) if splits > 1 else ((num_tokens, num_kv_heads), ("t", "h"))
     outs = plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch,
