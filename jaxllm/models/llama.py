@@ -184,8 +184,8 @@ class Llama(nnx.Module):
             layer_fn = per_layer(self._layer, inv_freq)
             caught = list(caught)
             for i, w in enumerate(layer_weights):
-                if i in ids:
-                    caught[ids.index(i)] = x
+                for j in (j for j, c in enumerate(ids) if c == i):  # (a layer may be listed twice)
+                    caught[j] = x
                 x, kv_pages = layer_fn(x, w, kv_pages, jnp.int32(i), md)
         else:
             xs = (self.layers.weights(), jnp.arange(self.cfg.num_layers, dtype=jnp.int32))
