@@ -226,7 +226,7 @@ class ModelRunner:
         if self.tp is None:
             return jax.jit(self._step_flat, donate_argnums=(1,), compiler_options=options or None)
         return self.tp.jit_step(self._step_flat, self.flat_params, compiler_options=options or None,
-                                num_aux=1 if self.eplb else 0)
+                                num_aux=(1 if self.eplb else 0) + (1 if self.capture else 0))
 
     def _compile_probe(self, num_blocks: int, options: dict):
         """The largest (tokens, rows) step compiled, not run, against a pool of `num_blocks`."""
@@ -356,6 +356,8 @@ class ModelRunner:
         batch = Batch.from_host(hb, self.tp.replicated)
         prev_ids = jax.device_put(prev_ids, self.tp.replicated)  # a no-op for the step's own ids
         self.kv_pages, logits, ids, *aux = step(self.flat_params, self.kv_pages, batch, prev_ids)
+        if self.capture:  # replicated, as the residual stream is: the head reads it in place
+            self.last_hidden = aux.pop()
         self._after_step(aux)
         # One process: the ids stay replicated, so the next step takes them as they are.
         # Several: only this process's copy can be read on the host.

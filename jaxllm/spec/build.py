@@ -21,17 +21,22 @@ def draft_config(spec: SpeculativeConfig, cfg, target_cfg, dtype) -> tuple[dict 
     import jax
     from jaxllm.spec.draft import check_draft
     hf = check_draft(spec, target_cfg.vocab_size, target_cfg.hidden_size)
-    if cfg.tensor_parallel_size > 1 or cfg.num_processes > 1 or jax.process_count() > 1:
-        raise ValueError(f"speculative_config.method {spec.method!r} with tensor_parallel_size > 1 "
-                         "or several processes is not implemented (use method 'ngram')")
+    if cfg.num_processes > 1 or jax.process_count() > 1:
+        raise ValueError(f"speculative_config.method {spec.method!r} with several processes "
+                         f"(num_processes={max(cfg.num_processes, jax.process_count())}) is not implemented: "
+                         "followers would need the draft's batches too; run one process "
+                         "(tensor_parallel_size > 1 works there) or use method 'ngram'")
+    tp = cfg.tensor_parallel_size
     if spec.method == "draft_model":  # weights placed now: the pool is sized beside them
         from jaxllm.spec.draft_model import load_draft, page_bytes, place_weights
+        if tp > 1:  # heads the mesh cannot split: refused before any weight is read
+            page_bytes(hf, cfg.block_size, dtype, tp)
         try:
             hf, weights = load_draft(spec.model, cfg.load_format, cfg.cache_dir)
         except (FileNotFoundError, ValueError) as e:
             raise ValueError(f"speculative_config.model: cannot load the draft: {e}") from e
-        placed = place_weights(hf, weights, dtype, cfg.attention_backend, cfg.seed)
-        return {"hf": hf, "placed": placed}, page_bytes(hf, cfg.block_size, dtype), ()
+        placed = place_weights(hf, weights, dtype, cfg.attention_backend, cfg.seed, tp)
+        return {"hf": hf, "placed": placed}, page_bytes(hf, cfg.block_size, dtype, tp), ()
     import jax.numpy as jnp
     from jaxllm.models.config import ModelConfig
     from jaxllm.spec.eagle import aux_layers
@@ -41,8 +46,9 @@ def draft_config(spec: SpeculativeConfig, cfg, target_cfg, dtype) -> tuple[dict 
                          f"{target_cfg.architecture} target are not implemented (dense Llama-family only)")
     if cfg.quantization is not None:
         raise ValueError(f"speculative_config.method {spec.method!r} with quantization is not implemented")
+    from jaxllm.spec.eagle_tp import head_heads
     head = ModelConfig.from_hf(dict(hf, model_type="llama"))
-    per_block = 2 * head.num_kv_heads * cfg.block_size * head.head_dim * jnp.dtype(dtype).itemsize
+    per_block = 2 * head_heads(head, tp) * cfg.block_size * head.head_dim * jnp.dtype(dtype).itemsize
     return hf, per_block, aux_layers(hf, spec.method, target_cfg.num_layers)
 
 
@@ -62,7 +68,7 @@ def build_decoder(engine, spec: SpeculativeConfig, draft_hf: dict | None, num_ho
             block_size=engine.cfg.block_size, max_blocks=r.max_blocks, max_copies=engine.cfg.max_num_seqs,
             num_host_blocks=num_host_blocks, kv=engine.kv, no_ids=r.no_ids,
             seq_buckets=engine.seq_buckets, attention_backend=engine.cfg.attention_backend,
-            seed=engine.cfg.seed)
+            seed=engine.cfg.seed, tp=engine.cfg.tensor_parallel_size)
     elif spec.method in ("eagle", "eagle3"):
         from jaxllm.spec.eagle import EagleProposer
         proposer = EagleProposer(

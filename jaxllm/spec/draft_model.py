@@ -15,6 +15,13 @@ rollback and preemption are the target's own bookkeeping. Two jitted programs wr
   into the lookahead slots the scheduler keeps (`num_lookahead_tokens`). One dispatch
   and one fetch per step, none per draft token.
 
+Tensor parallelism (one process): the draft is split over the target's mesh as the target
+is (`jaxllm.parallel.TensorParallel` over the same first N devices): query and KV heads and
+the MLP over 'tp', embedding and LM head by vocabulary, its pages by KV head. Replicating
+it instead would hold its whole KV pool on every device (a 1B draft's pages cost more per
+block than an 8B target's share at tp=8) and run its steps N times over; split, each
+device holds 1/N of both, and the draft's pages follow the target's block ids as before.
+
 Proposals are the draft's argmax (a point-mass q), which the rejection sampler
 verifies exactly. Zero compiles after warm-up: `warmup` compiles `shadow` for every
 (tokens, rows) bucket pair and `loop` for every rows bucket.
@@ -56,15 +63,31 @@ def load_draft(path: str, load_format: str, cache_dir: str | None) -> tuple[dict
     return hf, weights
 
 
-def page_bytes(hf: dict, block_size: int, dtype) -> int:
-    """Bytes one block of the draft's pages takes (added to the target's when sizing the pool)."""
+def page_bytes(hf: dict, block_size: int, dtype, tp: int = 1) -> int:
+    """Bytes one block of the draft's pages takes on each device (added to the target's when
+    sizing the pool): its share of the KV heads over `tp` devices."""
     m = registry.resolve(hf).config(hf)
-    return m.num_layers * 2 * m.num_kv_heads * block_size * m.head_dim * jnp.dtype(dtype).itemsize
+    heads = m.num_kv_heads if tp == 1 else _layout(m, tp).kv_heads_per_device
+    return m.num_layers * 2 * heads * block_size * m.head_dim * jnp.dtype(dtype).itemsize
+
+
+def _layout(m, tp: int):
+    from jaxllm.parallel.mesh import head_layout
+    if m.moe is not None:
+        raise ValueError("speculative_config.model: a mixture-of-experts draft with "
+                         "tensor_parallel_size > 1 is not implemented")
+    try:
+        return head_layout(m, tp)
+    except ValueError as e:
+        raise ValueError(f"speculative_config.model: the draft cannot be split like the target: {e}") from None
 
 
 def place_weights(hf: dict, weights: dict | None, dtype, attention_backend: str | None = None,
-                  seed: int = 0) -> tuple:
-    """The draft's module on the device: (model config, graphdef, flat weights, their treedef).
+                  seed: int = 0, tp: int = 1, unroll: bool | None = None) -> tuple:
+    """The draft's module on the device(s): (model config, graphdef, flat weights, their
+    treedef, its `TensorParallel` or None). With `tp` > 1 every weight is placed shard by
+    shard on the target's mesh (the first `tp` devices, as the runner's). `unroll`: one array
+    per layer, the runner's accelerator layout (default: on unless on CPU).
 
     The engine calls this before the target's runner sizes the KV pool, so the pool is sized
     from the memory left beside both models' weights."""
@@ -72,17 +95,29 @@ def place_weights(hf: dict, weights: dict | None, dtype, attention_backend: str 
     entry = registry.resolve(hf)
     m = entry.config(hf)
     attn = pick_attention(attention_backend, platform)
-    make = lambda: entry.model_cls(m, dtype, rngs=nnx.Rngs(seed), attention_fn=attn)
-    if weights is None:  # load_format="dummy": random weights drawn on the device
+    par, embed_fn, ckpt = None, None, m
+    if tp > 1:
+        from jaxllm.parallel import TensorParallel
+        _layout(m, tp)
+        par = TensorParallel(m, tp, split_axes=entry.split_axes(False))
+        attn, embed_fn, m = par.attention(attn), par.embedding(), par.model_cfg
+    make = lambda c=m: entry.model_cls(c, dtype, rngs=nnx.Rngs(seed), attention_fn=attn, embed_fn=embed_fn)
+    if par is not None:
+        state = None if weights is None else entry.to_state(ckpt, weights, dtype, consume=True)
+        graphdef, params = par.build_params(make, lambda: make(ckpt), state)
+    elif weights is None:  # load_format="dummy": random weights drawn on the device
         graphdef, _ = nnx.split(nnx.eval_shape(make))
         params = jax.jit(lambda: nnx.state(make()))()
     else:
         model = nnx.eval_shape(make)
         load_state(model, entry.to_state(m, weights, dtype, consume=True))
         graphdef, params = nnx.split(model)
-    layers = entry.split_layers(params, m) if platform != "cpu" else None
+    unroll = platform != "cpu" if unroll is None else unroll
+    layers = entry.split_layers(params, m, shards=tp) if unroll else None
+    if par is not None and layers is not None:
+        layers = par.place_layers(params, layers)
     flat, treedef = jax.tree.flatten(params if layers is None else (params, layers))
-    return m, graphdef, flat, treedef
+    return m, graphdef, flat, treedef, par
 
 
 class DraftModelProposer:
@@ -91,20 +126,29 @@ class DraftModelProposer:
     def __init__(self, hf: dict, weights: dict | None, *, k: int, dtype, num_blocks: int,
                  block_size: int, max_blocks: int, max_copies: int, num_host_blocks: int,
                  kv, no_ids: jax.Array, seq_buckets: tuple[int, ...], attention_backend: str | None = None,
-                 seed: int = 0, placed: tuple | None = None):
-        """`placed`: `place_weights`' result (else the weights are placed here)."""
+                 seed: int = 0, placed: tuple | None = None, tp: int = 1):
+        """`placed`: `place_weights`' result (else the weights are placed here, over `tp` devices)."""
         self.k, self.block_size, self.max_blocks = k, block_size, max_blocks
         self.kv = kv  # the target's KVCacheManager: its block tables index these pages too
         self.no_ids = no_ids
         self.dtype = dtype
         self.seq_buckets = seq_buckets  # rows buckets of `loop`
-        placed = placed or place_weights(hf, weights, dtype, attention_backend, seed)
-        self.model_cfg, self.graphdef, self.flat, self._def = placed
+        placed = placed or place_weights(hf, weights, dtype, attention_backend, seed, tp)
+        self.model_cfg, self.graphdef, self.flat, self._def, self.tp = placed
         m = self.model_cfg
-        self.pages = jnp.zeros((m.num_layers, 2, m.num_kv_heads, num_blocks, block_size, m.head_dim), dtype)
+        shape = (m.num_layers, 2, m.num_kv_heads, num_blocks, block_size, m.head_dim)
+        if self.tp is None:
+            self.pages = jnp.zeros(shape, dtype)
+            self._shadow = jax.jit(self._shadow_impl, donate_argnums=(1,))
+            self._loop = jax.jit(self._loop_impl, donate_argnums=(1,))
+        else:  # fixed shardings: the pages stay split in place, a mis-placed input is an error
+            self.pages = self.tp.zeros(shape, dtype)
+            w, kv, rep = [x.sharding for x in self.flat], self.tp.kv_sharding, self.tp.replicated
+            self._shadow = jax.jit(self._shadow_impl, donate_argnums=(1,), in_shardings=(w, kv, rep, rep),
+                                   out_shardings=kv)
+            self._loop = jax.jit(self._loop_impl, donate_argnums=(1,), in_shardings=(w, kv, *[rep] * 4),
+                                 out_shardings=(kv, rep))
         self.kv_ops = KVOps(num_blocks, max_copies, num_host_blocks, self.pages)
-        self._shadow = jax.jit(self._shadow_impl, donate_argnums=(1,))
-        self._loop = jax.jit(self._loop_impl, donate_argnums=(1,))
         log.info("draft model %s: %d layers, hidden %d, %.1f MiB weights, %.1f MiB KV pages",
                  m.architecture, m.num_layers, m.hidden_size,
                  sum(x.nbytes for x in self.flat) / 2**20, self.pages.nbytes / 2**20)
@@ -155,7 +199,7 @@ class DraftModelProposer:
         self.pages = self.kv_ops.swap_in(pages, out.swap_in)
 
     def after_forward(self, out, hb: HostBatch, prev_ids: jax.Array | None) -> None:
-        self.pages = self._shadow(self.flat, self.pages, Batch.from_host(hb),
+        self.pages = self._shadow(self.flat, self.pages, Batch.from_host(hb, self.tp and self.tp.replicated),
                                   self.no_ids if prev_ids is None else prev_ids)
 
     # -- proposals (host) ------------------------------------------------------------------------

@@ -22,7 +22,8 @@ at p), so one program per step (`propose`, when the accepted tokens are known): 
 tokens with their successors (the sampled token after the last accepted one) write the
 entries whose inputs are known, the entry at each ready request's last accepted position
 gives the first draft, and a `lax.fori_loop` of k-1 more steps feeds the head its own
-output hidden state. Proposals are argmax (point-mass q), verified exactly.
+output hidden state. Proposals are argmax (point-mass q), verified exactly. With tensor
+parallelism the head is split over the target's mesh (`eagle_tp.py`).
 """
 
 from __future__ import annotations
@@ -133,14 +134,27 @@ class EagleProposer:
         shared = {"embed": value(p["embed"])}  # the target's arrays, not copies
         if not runner.model_cfg.tie_word_embeddings:
             shared["lm_head"] = value(p["lm_head"])
-        self.weights = {n: jnp.asarray(a, jnp.int32 if n == "d2t" else self.dtype) for n, a in w.items()}
+        par = runner.tp  # tensor parallel: the head split over the target's mesh (eagle_tp.py)
+        self.attn = pick_attention(attention_backend, jax.devices()[0].platform)
+        self.embed_fn = None  # the target's vocabulary-parallel lookup, where its table is split
+        if par is None:
+            self.weights = {n: jnp.asarray(a, jnp.int32 if n == "d2t" else self.dtype) for n, a in w.items()}
+        else:
+            from jaxllm.spec.eagle_tp import place_head
+            self.cfg, self.weights = place_head(self.cfg, w, self.dtype, par)
+            self.attn, self.embed_fn = par.attention(self.attn), par.embedding()
         for n, a in shared.items():
             self.weights.setdefault(n, a)  # (tied: logits from embed.T inside the program)
         m = self.cfg
-        self.pages = jnp.zeros((1, 2, m.num_kv_heads, runner.num_blocks, block_size, m.head_dim), self.dtype)
+        shape = (1, 2, m.num_kv_heads, runner.num_blocks, block_size, m.head_dim)
+        if par is None:
+            self.pages = jnp.zeros(shape, self.dtype)
+            self._program = jax.jit(self._propose_impl, donate_argnums=(1,))
+        else:
+            from jaxllm.spec.eagle_tp import jit_program
+            self.pages = par.zeros(shape, self.dtype)
+            self._program = jit_program(self._propose_impl, self.weights, par)
         self.kv_ops = KVOps(runner.num_blocks, max_copies, num_host_blocks, self.pages)
-        self.attn = pick_attention(attention_backend, jax.devices()[0].platform)
-        self._program = jax.jit(self._propose_impl, donate_argnums=(1,))
         self._last: tuple | None = None  # (scheduler output, batch, target hidden) of the last step
         log.info("%s head: hidden %d, reads target %s, %d-token draft vocabulary", method, m.hidden_size,
                  "final hidden state" if self.capture == (-1,) else f"layers {self.capture}",
@@ -150,7 +164,7 @@ class EagleProposer:
     def _layer(self, w, pages, tok, h, md: AttentionMetadata):
         """One head step over tokens [T] with hidden h [T, E] -> (pages, out hidden, logits input)."""
         m, eps = self.cfg, self.cfg.rms_norm_eps
-        e = w["embed"][tok]
+        e = w["embed"][tok] if self.embed_fn is None else self.embed_fn(w["embed"], tok)
         if self.method == "eagle3":
             hn = rms_norm(h, w["hidden_norm"], eps)
             x, resid = jnp.concatenate([rms_norm(e, w["ln_in"], eps), hn], -1), h
@@ -269,6 +283,8 @@ class EagleProposer:
         for T, R in compiled_pairs(token_buckets, seq_buckets):
             hidden = jnp.zeros((T, width or len(self.capture) * self.runner.model_cfg.hidden_size),
                                self.runner.last_hidden.dtype if width else self.dtype)
+            if self.runner.tp is not None:  # as the step returns it (jit's cache keys on placement)
+                hidden = jax.device_put(hidden, self.runner.tp.replicated)
             z = np.zeros(self.rows, np.int32)
             md = AttentionMetadata(np.full(T, -1, np.int32), np.zeros(T, np.int32), np.full(T, -1, np.int32),
                                    np.zeros((R, self.max_blocks), np.int32), np.zeros(R, np.int32),
