@@ -200,6 +200,7 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--seq-buckets", type=int, nargs="+", default=None)
     p.add_argument("--token-buckets", type=int, nargs="+", default=None)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
 
@@ -210,7 +211,8 @@ def main() -> None:
         spec_cfg["model"] = embedded_model_path()
     k = spec_cfg["num_speculative_tokens"]
     max_b = max(args.batch_size)
-    kw = dict(dtype=args.dtype, max_num_seqs=max_b, speculative_config=spec_cfg)
+    kw = dict(dtype=args.dtype, max_num_seqs=max_b, speculative_config=spec_cfg,
+              tensor_parallel_size=args.tensor_parallel_size)
     if args.random_shape:
         kw.update(random_shape=args.random_shape, load_format="dummy")
     if args.mode == "step":
@@ -233,7 +235,8 @@ def main() -> None:
         hf, _ = load_draft(spec_cfg["model"], "dummy", None)
         twin = DraftModelProposer(hf, None, k=k, dtype=own.dtype, num_blocks=1, block_size=own.block_size,
                                   max_blocks=own.max_blocks, max_copies=1, num_host_blocks=0, kv=None,
-                                  no_ids=own.no_ids, seq_buckets=own.seq_buckets, seed=1)
+                                  no_ids=own.no_ids, seq_buckets=own.seq_buckets, seed=1,
+                                  tp=args.tensor_parallel_size)
         eng.draft_weights = {"own": own.flat, "random": twin.flat}
         eng.proposers["random_draft"] = own
     elif "random_draft" in args.proposer:
@@ -242,6 +245,7 @@ def main() -> None:
     import jax
     result = {"mode": args.mode, "model": args.model or args.random_shape or "SmolLM2-135M-Instruct (embedded)",
               "speculative_config": spec_cfg, "proposer": args.proposer, "device": str(jax.devices()[0]),
+              "tensor_parallel_size": args.tensor_parallel_size,
               "start_s": time.perf_counter() - t0}
     result["rows"] = run_e2e(llm, args) if args.mode == "e2e" else run_step(llm, args)
     st = llm.stats()
