@@ -3,6 +3,7 @@ min_tokens, logprobs, and no recompiles after warmup."""
 
 from __future__ import annotations
 
+import dataclasses
 import jax
 import numpy as np
 import pytest
@@ -159,7 +160,7 @@ def test_penalties_match_vllm_formula(sampler: Sampler) -> None:
     rows = [_row(p, seed=i, out=o, prompt=pr) for i, (p, pr, o) in enumerate(cases)]
     batch = sampler.prepare(rows, 4)
     logits = rng.normal(size=(4, V)).astype(np.float32) * 3
-    got = np.asarray(jax.jit(_apply_penalties)(jax.device_put(logits), batch.tensors))
+    got = np.asarray(jax.jit(_apply_penalties)(jax.device_put(logits), batch.tensors.unpack()))
     for i, (p, pr, o) in enumerate(cases):
         np.testing.assert_allclose(got[i], _ref_penalties(logits[i], pr, o, p), rtol=1e-6, atol=1e-6)
     # End to end: a strong frequency penalty moves the greedy choice off a repeated token.
@@ -242,3 +243,24 @@ def test_prepare_rejects_bad_batches(sampler: Sampler) -> None:
         sampler.prepare([_row(SamplingParams(repetition_penalty=1.1), out=[0] * MAX_LEN)], 4)
     with pytest.raises(ValueError, match="logits shape"):
         sampler.sample(jax.device_put(np.zeros((8, V), np.float32)), sampler.prepare([], 4))
+
+
+def test_packed_sampling_round_trips_every_field():
+    """The three-array transfer form unpacks (inside jit) to exactly the fifteen fields packed."""
+    from jaxllm.engine.sampling_tensors import PackedSampling, SamplingTensors, pack
+    rng = np.random.default_rng(3)
+    R, H, S, W = 5, 7, 16, 4
+    host = SamplingTensors(
+        rng.random(R, dtype=np.float32), rng.random(R) < 0.5, rng.integers(1, 99, R, dtype=np.int32),
+        rng.random(R, dtype=np.float32), rng.random(R, dtype=np.float32), rng.random(R, dtype=np.float32),
+        rng.random(R, dtype=np.float32), rng.random(R, dtype=np.float32) + 1,
+        rng.integers(0, 2**32, (R, 2), dtype=np.uint32), rng.integers(0, 50, R, dtype=np.int32),
+        rng.integers(0, 9, R, dtype=np.int32), rng.integers(-1, 99, (R, H), dtype=np.int32),
+        rng.integers(-1, 99, (R, S), dtype=np.int32), rng.integers(-1, 20, R, dtype=np.int32),
+        rng.integers(-2**31, 2**31, (R, W), dtype=np.int32))
+    packed = jax.device_put(pack(host))
+    assert isinstance(packed, PackedSampling) and len(jax.tree_util.tree_leaves(packed)) == 3
+    got = jax.jit(lambda p: p.unpack())(packed)
+    for f in dataclasses.fields(SamplingTensors):
+        want, have = getattr(host, f.name), np.asarray(getattr(got, f.name))
+        assert have.dtype == np.asarray(want).dtype and np.array_equal(have, want), f.name

@@ -31,6 +31,7 @@ import dataclasses
 
 from jaxllm.engine.sampler import (_NEG_INF, PendingSample, SamplingBatch, SamplingTensors,
                                    _apply_penalties, _draw, _min_p, _top_k_top_p, apply_bitmask, pad_ids)
+from jaxllm.engine.sampling_tensors import PackedSampling
 
 _ACCEPT_FOLD = 0x5EC0
 
@@ -40,9 +41,10 @@ def _uniform(seed: jax.Array, step: jax.Array) -> jax.Array:
     return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(key, step), _ACCEPT_FOLD))
 
 
-def verify(logits: jax.Array, t: SamplingTensors, draft: jax.Array, max_logprobs: int,
+def verify(logits: jax.Array, t: SamplingTensors | PackedSampling, draft: jax.Array, max_logprobs: int,
            pad_to: int = 0) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """logits [R, V], draft [R] (-1: none) -> (tokens, token logprob, top ids, top logprobs)."""
+    t = t.unpack() if isinstance(t, PackedSampling) else t
     num_rows, vocab = logits.shape
     raw = logits.astype(jnp.float32)
     x = raw
