@@ -2,7 +2,7 @@
 # Where the server's host time goes with structured outputs on one H200 (issue 16): the same
 # server and load as gpu_structured_serving.sh, run twice: with Python's default GIL switch
 # interval (5 ms) and with SWITCH (default 0.0005 s, set by a wrapper before the server starts),
-# printing each run's ratio; in the first run py-spy (carried in .whl) samples the server during
+# printing each run's ratio (OUTPUT_LEN tokens per request, default 128); in the first run py-spy (carried in .whl) samples the server during
 # each phase (raw folded stacks per thread under $OUT, summarised by scripts/pyspy_summary.py).
 set -u -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -22,7 +22,7 @@ runpy.run_module('jaxllm.cli', run_name='__main__')" > "$OUT/serve_$SW.log" 2>&1
   for _ in $(seq ${T_UP:-110}); do curl -sf localhost:$PORT/health > /dev/null && break; kill -0 $SRV 2>/dev/null || break; sleep 1; done
   grep -E "compiled|engine ready" "$OUT/serve_$SW.log" | cut -c1-200
   timeout ${T_BENCH:-90} python3 scripts/bench_serving.py --base-url http://127.0.0.1:$PORT --structured-output json \
-    --num-prompts 64 --max-concurrency 64 --input-len 64 --output-len 128 --ignore-eos --temperature 1.0 \
+    --num-prompts 64 --max-concurrency 64 --input-len 64 --output-len ${OUTPUT_LEN:-128} --ignore-eos --temperature 1.0 \
     --result-json "$OUT/structured_$SW.json" > "$OUT/bench_$SW.log" 2>&1 &
   BENCH=$!
   if [ "$SW" = default ] && command -v py-spy > /dev/null; then
