@@ -20,7 +20,7 @@ SRV=$!
 for _ in $(seq ${T_UP:-150}); do curl -sf localhost:$PORT/health > /dev/null && break; kill -0 $SRV 2>/dev/null || break; sleep 1; done
 grep -E "prefill/mixed|compiled|engine ready" "$OUT/serve.log" | cut -c1-250
 timeout ${T_BENCH:-120} python3 scripts/bench_serving.py --base-url http://127.0.0.1:$PORT --structured-output json \
-  --num-prompts 64 --max-concurrency 64 --input-len 64 --output-len 128 --ignore-eos --temperature 1.0 \
+  --num-prompts 64 --max-concurrency 64 --input-len 64 --output-len ${OUTPUT_LEN:-128} --ignore-eos --temperature 1.0 \
   --result-json "$OUT/structured_serving.json" > "$OUT/bench.log" 2>&1; echo "rc=$?"
 tail -22 "$OUT/bench.log"
 kill $SRV 2>/dev/null; wait $SRV 2>/dev/null

@@ -113,3 +113,27 @@ def test_restricted_fields_accept_their_honest_values(live_server, field, value)
         assert r.status_code == 400 and "best_of" in r.json()["error"]["message"]
     else:
         assert r.status_code == 200, r.text
+
+
+def test_serve_sets_the_gil_switch_interval(monkeypatch):
+    """`jaxllm serve` shortens Python's GIL switch interval (its threads hand work to each other
+    every step); JAXLLM_SWITCH_INTERVAL overrides it, 0 keeps Python's, bad values are refused."""
+    import sys as _sys
+    from jaxllm.server import args as server_args
+    before = _sys.getswitchinterval()
+    try:
+        monkeypatch.delenv("JAXLLM_SWITCH_INTERVAL", raising=False)
+        server_args.set_switch_interval()
+        assert abs(_sys.getswitchinterval() - server_args.SWITCH_INTERVAL) < 1e-9
+        monkeypatch.setenv("JAXLLM_SWITCH_INTERVAL", "0.002")
+        server_args.set_switch_interval()
+        assert abs(_sys.getswitchinterval() - 0.002) < 1e-9
+        monkeypatch.setenv("JAXLLM_SWITCH_INTERVAL", "0")
+        server_args.set_switch_interval()
+        assert abs(_sys.getswitchinterval() - 0.002) < 1e-9
+        for bad in ("fast", "-1"):
+            monkeypatch.setenv("JAXLLM_SWITCH_INTERVAL", bad)
+            with pytest.raises(SystemExit, match="JAXLLM_SWITCH_INTERVAL"):
+                server_args.set_switch_interval()
+    finally:
+        _sys.setswitchinterval(before)

@@ -30,7 +30,7 @@ class Launched:
     sample: Future | PendingSample | None  # a Future while the dispatch thread owns it
     mask: Future | None = None  # structured outputs: the draw's bitmask, set by the host later
     num_rows: int = 0  # the draw's padded row count
-    mask_queued: bool = False  # its fill was handed to the mask thread (async scheduling)
+    mask_queued: bool = False  # its fill was handed to the dispatch thread (async scheduling)
     spec_rows: dict = field(default_factory=dict)  # request id -> rows verifying its drafts
 
     @property
@@ -100,8 +100,9 @@ class Dispatcher:
         logits, greedy_ids = self.runner.execute(hb, prev_ids)
         if self.spec_hook is not None:
             self.spec_hook.after_forward(out, hb, prev_ids)
-        if mask is not None:
-            sbatch.bitmask = mask.result()
+        if mask is not None:  # an array, or a thunk that fills it here (LLMEngine._fill_mask)
+            bits = mask.result()
+            sbatch.bitmask = bits() if callable(bits) else bits
         return (sampler or self.sampler).launch(logits, sbatch, greedy_ids)
 
     def _kv_ops(self, out: SchedulerOutput) -> None:

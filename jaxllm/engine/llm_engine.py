@@ -394,16 +394,18 @@ class LLMEngine:
                                                  verify)
         return launched
 
-    def _fill_mask(self, launched: Launched, background: bool = False) -> None:
+    def _fill_mask(self, launched: Launched, deferred: bool = False) -> None:
         """Set the step's bitmask from the matchers (which have seen every earlier token).
 
-        `background`: on the manager's mask thread, so the host's detokenizing and the
-        server's streaming go on meanwhile (the draw waits for the mask, and the next
-        advance of these matchers waits for the draw, so nothing moves them under it)."""
+        `deferred`: hand the dispatch thread, which waits for the mask to launch the draw, a
+        thunk that fills it there, so the host's detokenizing and the server's streaming go on
+        meanwhile and no third thread has to be woken on the step's critical path (the next
+        advance of these matchers waits for this draw, so nothing moves them under it)."""
         rows = [(sid, i) for sid, i in launched.row_of.items() if sid in self.structured]
-        if background:
+        if deferred:
             launched.mask_queued = True
-            self.structured.fill_into(launched.mask, rows, launched.num_rows)
+            structured, num_rows = self.structured, launched.num_rows
+            launched.mask.set_result(lambda: structured.fill(rows, num_rows))
             return
         try:
             launched.mask.set_result(self.structured.fill(rows, launched.num_rows))
@@ -450,7 +452,7 @@ class LLMEngine:
                 if self._structured.advance(req.request_id, req.output_token_ids) and not req.finished:
                     self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)  # grammar complete
             if then is not None and then.mask is not None and not then.mask.done():
-                self._fill_mask(then, background=True)
+                self._fill_mask(then, deferred=True)
 
         outputs: dict[str, RequestOutput] = {}
         for req in touched:

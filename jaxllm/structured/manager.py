@@ -8,8 +8,8 @@ shrunk output rolls the matcher back), and asks it to ``fill`` the bitmask of a 
 Timing (async scheduling stays on): the engine schedules and dispatches step k+1 while step k
 runs. The forward pass of k+1 needs no mask; its draw does. So the dispatch thread launches the
 forward pass of k+1, then waits for the mask; the host meanwhile reads step k's tokens, advances
-the matchers with them and has the mask thread fill step k+1's mask (``LLMEngine._fill_mask``,
-``fill_into``) while it detokenizes and streams step k. Every mask is thus computed from every
+the matchers with them and hands the dispatch thread a thunk that fills step k+1's mask there
+(``LLMEngine._fill_mask``) while it detokenizes and streams step k. Every mask is thus computed from every
 earlier token, exactly as in a synchronous engine, and the mask work overlaps both the device's
 forward pass and the host's other work. No JAX here.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -47,7 +47,6 @@ class StructuredManager:
         self.backend = self.compiler.backend
         self.words = (vocab_size + 31) // 32  # the model's vocab; padding ids stay 0 (forbidden)
         self.states: dict[str, _SeqState] = {}
-        self._mask_thread: ThreadPoolExecutor | None = None  # made on the first background fill
         self.mask_seconds = 0.0
         self.mask_steps = 0
         self.mask_rows = 0
@@ -133,20 +132,6 @@ class StructuredManager:
         self.mask_steps += 1
         self.mask_rows += len(live)
         return mask
-
-    def fill_into(self, future: Future, rows: list[tuple[str, int]], num_rows: int) -> None:
-        """``fill`` on the mask thread; its result (or exception) lands in ``future``. The
-        masks themselves are computed with the GIL released, so the caller's thread runs on."""
-        if self._mask_thread is None:
-            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="structured-mask")
-
-        def job() -> None:
-            try:
-                future.set_result(self.fill(rows, num_rows))
-            except BaseException as exc:  # the draw waiting on it raises this
-                future.set_exception(exc)
-
-        self._mask_thread.submit(job)
 
     def stats(self) -> dict:
         steps = max(self.mask_steps, 1)
