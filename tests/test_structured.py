@@ -277,3 +277,29 @@ def test_prepare_builds_the_grammar_backend_once(llm, caplog, monkeypatch) -> No
     add_serve_args(p)
     add_engine_args(p)
     assert build_server_app(p.parse_args([])) == "app" and calls == ["prepared"]
+
+
+def test_in_place_mask_job_equals_the_scratch_path() -> None:
+    """The dispatch thread's mask job writes the rows in place when the mask has the tokenizer's
+    width, through a scratch array otherwise (model padding ids): both give the same bits for the
+    same matcher states, on rows out of order, and rows left unconstrained stay all ones."""
+    from jaxllm.models.loader import embedded_model_path
+    from jaxllm.models.tokenizer import Tokenizer
+    from jaxllm.structured.manager import StructuredManager
+
+    tok = Tokenizer.from_gguf(embedded_model_path())
+    exact, padded = StructuredManager(tok, tok.vocab_size), StructuredManager(tok, tok.vocab_size + 40)
+    params = [S(json=SCHEMA), S(regex=r"[a-c]{2,5}x"), S(choice=["alpha", "beta"])]
+    prefixes = ['{"name": "Al', "ab", "al"]
+    for m in (exact, padded):
+        for i, (p, text) in enumerate(zip(params, prefixes)):
+            m.add(f"s{i}", p, m.submit(p))
+            m.submit(p).result()
+            assert not m.advance(f"s{i}", tok.encode(text, add_special_tokens=False))
+    rows = [("s2", 0), ("s0", 3), ("s1", 1)]  # row 2 and 4 unconstrained
+    job = exact.fill_job(rows, 5)
+    a, b = job(), padded.fill(rows, 5)
+    w = exact.words
+    assert np.array_equal(a, b[:, :w]) and (b[[0, 1, 3], w:] == 0).all()
+    assert (a[[2, 4]] == -1).all() and not (a[[0, 1, 3]] == -1).all()
+    assert exact.mask_steps == 1 and exact.mask_rows == 3

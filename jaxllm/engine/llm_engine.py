@@ -404,8 +404,7 @@ class LLMEngine:
         rows = [(sid, i) for sid, i in launched.row_of.items() if sid in self.structured]
         if deferred:
             launched.mask_queued = True
-            structured, num_rows = self.structured, launched.num_rows
-            launched.mask.set_result(lambda: structured.fill(rows, num_rows))
+            launched.mask.set_result(self.structured.fill_job(rows, launched.num_rows))
             return
         try:
             launched.mask.set_result(self.structured.fill(rows, launched.num_rows))

@@ -11,6 +11,7 @@ No JAX here: the scheduler hook and the host-side engine code use this module.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import numpy as np
 
@@ -69,3 +70,8 @@ class Backend(ABC):
     @abstractmethod
     def fill_bitmask(self, matchers: list[tuple[Matcher, int]], bitmask: np.ndarray) -> None:
         """Write each matcher's allowed-next-token mask into ``bitmask[row]`` ([rows, words] int32)."""
+
+    def bitmask_job(self, matchers: list[tuple[Matcher, int]], bitmask: np.ndarray) -> Callable[[], None]:
+        """``fill_bitmask`` split in two: what needs Python now, and a thunk that computes the
+        rows later (on the thread that waits for them), touching as little Python as it can."""
+        return lambda: self.fill_bitmask(matchers, bitmask)

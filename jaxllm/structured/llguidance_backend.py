@@ -130,3 +130,11 @@ class LLGuidanceBackend(Backend):
         rows = np.fromiter((r for _, r in matchers), np.int64, n)
         w = min(self.words, bitmask.shape[1])  # a model vocab smaller than the tokenizer's drops ids
         bitmask[rows, :w] = scratch[:, :w]
+
+    def bitmask_job(self, matchers: list[tuple[Matcher, int]], bitmask: np.ndarray):
+        """When the mask is exactly the tokenizer's width, the rows are computed in place by one
+        call that drops the GIL (no scratch copy, no Python after it); else ``fill_bitmask``."""
+        if not matchers or bitmask.shape[1] != self.words or not bitmask.flags["C_CONTIGUOUS"]:
+            return super().bitmask_job(matchers, bitmask)
+        pairs = [(m.inner, row) for m, row in matchers]
+        return lambda: fill_next_token_bitmask_par(self.executor, pairs, bitmask)

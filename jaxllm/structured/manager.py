@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import numpy as np
@@ -117,6 +118,12 @@ class StructuredManager:
     # -- the step's mask ---------------------------------------------------------
     def fill(self, rows: list[tuple[str, int]], num_rows: int) -> np.ndarray:
         """The packed [num_rows, words] int32 mask: all ones except the constrained rows."""
+        return self.fill_job(rows, num_rows)()
+
+    def fill_job(self, rows: list[tuple[str, int]], num_rows: int) -> Callable[[], np.ndarray]:
+        """``fill`` in two parts: the all-ones mask and the live matchers now (the caller's
+        thread), and a thunk that computes the constrained rows and returns the mask, for the
+        thread that waits for it (the dispatch thread: there it is one GIL-free call)."""
         t0 = time.perf_counter()
         mask = np.full((num_rows, self.words), -1, np.int32)
         live = []
@@ -124,14 +131,23 @@ class StructuredManager:
             st = self.states.get(sid)
             if st is not None and not st.done and st.start is not None:
                 live.append((self._matcher(st), row))
+        compute = None
         if live:
-            self.backend.fill_bitmask(live, mask)
             idx = np.fromiter((r for _, r in live), np.int64, len(live))
             mask[idx, self.backend.words:] = 0
-        self.mask_seconds += time.perf_counter() - t0
-        self.mask_steps += 1
-        self.mask_rows += len(live)
-        return mask
+            compute = self.backend.bitmask_job(live, mask)
+        prepared = time.perf_counter() - t0
+
+        def run() -> np.ndarray:
+            t1 = time.perf_counter()
+            if compute is not None:
+                compute()
+            self.mask_seconds += prepared + time.perf_counter() - t1
+            self.mask_steps += 1
+            self.mask_rows += len(live)
+            return mask
+
+        return run
 
     def stats(self) -> dict:
         steps = max(self.mask_steps, 1)
