@@ -360,7 +360,9 @@ class LLMEngine:
         if out.empty:
             if out.has_kv_ops:  # (with KV loads in flight: the worker looks at their copies)
                 self.dispatcher.submit(out)
-            if self.scheduler.loading:  # only KV fetches and loads left: do not spin hot
+            if self.scheduler.loading or self.scheduler.waiting:
+                # only KV loads, or requests waiting on their grammar's compile, are left: do not
+                # spin hot (a spinning loop holds the GIL the compile and the HTTP threads need)
                 time.sleep(0.001)
             return None
         now = time.time()
