@@ -5,6 +5,7 @@ everything and cancels the load before its blocks are reused.
 """
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -102,6 +103,79 @@ def test_slow_load_does_not_stall_the_batch(llm, gate, want):
     assert idle(llm)
     assert device_is_host(llm, A, 18)
     assert e.kv_ops.num_compiled() == llm.kv_compiled
+
+
+@pytest.fixture
+def copy_gate(llm):
+    """Holds every async load's copies back on the watcher thread while cleared: the copies
+    count as done (and the engine is woken) only once it is set."""
+    conn = llm.engine.connector
+    g, wait = threading.Event(), conn._wait_copies
+    g.set()
+    conn._wait_copies = lambda p: (g.wait(), wait(p))
+    yield g
+    g.set()
+    conn._wait_copies = wait
+
+
+def until_copied(conn):
+    for _ in range(10000):
+        if conn._pending and all(p.copied is not None for p in conn._pending.values()):
+            return
+        time.sleep(0.001)
+    raise AssertionError("the watcher never saw the copies done")
+
+
+def test_restored_request_runs_in_the_step_after_its_copies(llm, copy_gate, want):
+    """With a batch running, a request whose copies are done is scheduled by the very next
+    step (its blocks written before that step's forward), not after the worker's next look."""
+    e, conn = llm.engine, llm.engine.connector
+    for p in (A, B):
+        run1(llm, p)
+    e.flush_kv()
+    copy_gate.clear()
+    e.add_request("y", rand(20, 16), GREEDY)  # (a prompt the tiers have not seen: no load)
+    e.add_request("a", A, GREEDY)
+    req = e.scheduler.requests["a"]
+    toks = {}
+    while len(toks.get("y", ())) < 2:  # y decodes while a's copies are held back
+        toks.update({o.request_id: o.outputs[0].token_ids for o in e.step()})
+    assert req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+    copy_gate.set()
+    until_copied(conn)
+    e.step()
+    assert req.status is RequestStatus.RUNNING  # one step after its load completed
+    toks.update(drive(e, lambda: not e.has_unfinished_requests()))
+    assert toks["a"] == want["A"] and len(toks["y"]) == 8
+    e.flush()
+    assert idle(llm) and device_is_host(llm, A, 18)
+    assert conn.load_log[-1]["request_id"] == "a" and conn.load_log[-1]["blocks"] > 0
+
+
+def test_an_idle_engine_waits_for_the_copies(llm, copy_gate, want, monkeypatch):
+    """Nothing else to run: the step waits for the copies (woken when they are done), it
+    neither spins nor sleeps out its timeout."""
+    from jaxllm.engine import llm_engine
+    monkeypatch.setattr(llm_engine, "IDLE_WAIT_S", 30.0)
+    e = llm.engine
+    for p in (A, B):
+        run1(llm, p)
+    e.flush_kv()
+    copy_gate.clear()
+    e.add_request("a", A, GREEDY)
+    req = e.scheduler.requests["a"]
+    timer = threading.Timer(0.3, copy_gate.set)
+    t0, steps = time.perf_counter(), 0
+    timer.start()
+    while req.status is not RequestStatus.RUNNING and steps < 100:
+        e.step()
+        steps += 1
+    took = time.perf_counter() - t0
+    assert steps <= 3 and 0.3 <= took < 10  # admission, the wait woken by the copies, scheduled
+    toks = drive(e, lambda: not e.has_unfinished_requests())
+    assert toks["a"] == want["A"]
+    e.flush()
+    assert idle(llm)
 
 
 def test_abort_while_loading_frees_and_cancels(llm, gate, want):

@@ -106,8 +106,10 @@ class Dispatcher:
         return (sampler or self.sampler).launch(logits, sbatch, greedy_ids)
 
     def _kv_ops(self, out: SchedulerOutput) -> None:
-        """Connector saves, swap-outs, copy-on-write copies, swap-ins, connector loads:
-        before the forward, in this order (reads of the pages as they were, then writes)."""
+        """Connector loads found done, connector saves, swap-outs, copy-on-write copies,
+        swap-ins, connector loads: before the forward, in this order (the blocks of loads
+        that were in flight, which no other move touches; reads of the pages as they were;
+        then writes)."""
         if not out.has_kv_ops:
             return
         runner, conn, meta = self.runner, self.connector, out.kv_connector_metadata
@@ -115,6 +117,7 @@ class Dispatcher:
             runner.channel.send_copies(out.copies)  # followers hold the other KV heads
         pages = runner.kv_pages
         if meta is not None:
+            pages = conn.finish_load_kv(pages, meta)
             conn.save_kv_layer(None, pages, meta)
         self.kv_ops.swap_out(pages, out.swap_out)
         pages = self.kv_ops.copy(pages, out.copies)

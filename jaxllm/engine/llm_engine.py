@@ -36,6 +36,7 @@ from jaxllm.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxllm.sampling_params import SamplingParams
 
 log = logging.getLogger("jaxllm")
+IDLE_WAIT_S = 0.005  # at most, with only KV loads in flight (a finished load wakes it at once)
 
 
 class LLMEngine:
@@ -358,11 +359,14 @@ class LLMEngine:
 
     def _launch(self, out: SchedulerOutput, prev: Launched | None) -> Launched | None:
         if out.empty:
-            if out.has_kv_ops:  # (with KV loads in flight: the worker looks at their copies)
+            if out.has_kv_ops:  # saves, loads to start or write, page moves: nothing to compute
                 self.dispatcher.submit(out)
-            if self.scheduler.loading or self.scheduler.waiting:
-                # only KV loads, or requests waiting on their grammar's compile, are left: do not
-                # spin hot (a spinning loop holds the GIL the compile and the HTTP threads need)
+            if self.scheduler.loading and prev is None and self.connector is not None:
+                # only KV fetches and loads left: wait until one may be done (no spinning)
+                self.connector.wait_for_progress(IDLE_WAIT_S)
+            elif self.scheduler.waiting:
+                # only requests waiting on their grammar's compile are left: do not spin hot
+                # (a spinning loop holds the GIL the compile and the HTTP threads need)
                 time.sleep(0.001)
             return None
         now = time.time()

@@ -16,9 +16,14 @@ Scheduler side (host, no JAX; called by `jaxllm.runtime.scheduler`):
   done; its blocks may be saved, or held (delay_free) until `get_finished()` names it sent.
 * `get_finished() -> (sent, received)`: request ids whose delayed blocks may be freed, and
   ids whose background fetches or asynchronous loads finished (schedulable again).
+* `wait_for_progress(timeout)` (not in vLLM's API): the engine has nothing to run but
+  requests waiting for this connector; block until something may have finished
+  (`notify_progress()`, from the connector's threads) or `timeout` seconds passed.
 
 Worker side (device; called on the dispatch thread in step order by `engine/dispatch.py`,
-with `mover` the engine's `KVOps`): `save_kv_layer` runs before the step's page writes
+with `mover` the engine's `KVOps`): `finish_load_kv` (not in vLLM's API) writes the
+asynchronous loads this step's `get_finished` reported into the pages, before any other
+page move; `save_kv_layer` runs before the step's other page writes
 (it reads blocks that finished earlier, as they were before this step); `start_load_kv`
 writes loaded blocks after the step's swap-ins and before the forward pass;
 `wait_for_save` marks the end of a step's saves. The step is one jitted program over all
@@ -29,6 +34,7 @@ for and the layer name is None.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Any
 
 from jaxllm.kv_transfer.config import KVTransferConfig
@@ -55,6 +61,15 @@ class KVConnectorBase:
 
     def __init__(self, cfg: KVTransferConfig, ctx: ConnectorContext):
         self.cfg, self.ctx = cfg, ctx
+        self._progress = threading.Event()  # set when a load or fetch may have finished
+
+    def notify_progress(self) -> None:
+        self._progress.set()
+
+    def wait_for_progress(self, timeout: float) -> None:
+        """Return when `notify_progress()` was called since the last `get_finished()`, or
+        after `timeout` seconds (a connector that never notifies: a plain sleep)."""
+        self._progress.wait(timeout)
 
     # -- scheduler side -----------------------------------------------------
     def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -73,9 +88,14 @@ class KVConnectorBase:
         """Recompute preemption is about to free the request's blocks (not in vLLM's API)."""
 
     def get_finished(self) -> tuple[set[str], set[str]]:
+        """(Subclasses clear `_progress` before they look, so a notify after it is not lost.)"""
+        self._progress.clear()
         return set(), set()
 
     # -- worker side --------------------------------------------------------
+    def finish_load_kv(self, pages, meta):
+        return pages
+
     def start_load_kv(self, pages, meta):
         return pages
 

@@ -123,6 +123,7 @@ class JaxTransferConnector(KVConnectorBase):
             if out is not None:
                 self._fetched[rid] = out
             self._ready.add(rid)
+        self.notify_progress()
 
     def update_state_after_alloc(self, req, block_ids, num_external_tokens):
         if self._remote(req) is None:
@@ -167,6 +168,7 @@ class JaxTransferConnector(KVConnectorBase):
                        "remote_fingerprint": self.ctx.fingerprint}
 
     def get_finished(self):
+        self._progress.clear()
         with self._lock:
             ready, self._ready = self._ready, set()
         return set(), ready

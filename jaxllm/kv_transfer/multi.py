@@ -22,6 +22,8 @@ class MultiConnector(KVConnectorBase):
             raise ValueError("kv_transfer_config.kv_connector_extra_config.connectors must be a "
                              "non-empty list of connector configs")
         self.connectors = [make_connector(KVTransferConfig.from_dict(c), ctx) for c in subs]
+        for c in self.connectors:  # one event: any of them finishing wakes the engine
+            c._progress = self._progress
         self._loader: dict[str, int] = {}  # request -> index of the connector loading it
         self._delays: dict[str, int] = {}  # request -> connectors still sending
 
@@ -59,6 +61,7 @@ class MultiConnector(KVConnectorBase):
         return delays > 0, params or None
 
     def get_finished(self):
+        self._progress.clear()
         sent, received = set(), set()
         for c in self.connectors:
             s, r = c.get_finished()
@@ -71,6 +74,11 @@ class MultiConnector(KVConnectorBase):
                 else:
                     self._delays[rid] = left
         return sent, received
+
+    def finish_load_kv(self, pages, meta):
+        for c, m in zip(self.connectors, meta or [None] * len(self.connectors)):
+            pages = c.finish_load_kv(pages, m)
+        return pages
 
     def start_load_kv(self, pages, meta):
         for c, m in zip(self.connectors, meta or [None] * len(self.connectors)):

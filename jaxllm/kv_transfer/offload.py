@@ -12,11 +12,13 @@ evictable only once its owner finished or was preempted (preemption finishes its
 Loads: on admission, the blocks past the device prefix hits are looked up by key in the
 host tier and pinned. Asynchronously (`load_async`, the default, vLLM's async load): the
 request gets its blocks and waits (WAITING_FOR_REMOTE_KVS) while the batch runs on; the
-worker starts the host-to-device copies (`KVOps.put_blocks`) and, at each later step, writes
-the blocks whose copies are done into the pages and reports them in `get_finished()`; the
-request then computes the rest of its prompt. A request finished while loading cancels
-its load before its blocks can be reused. Inline (`"load_async": false`): the blocks are
-written before the step's forward pass, and the same step computes the rest. Blocks only the disk holds are
+worker starts the host-to-device copies and a watcher thread waits for them; before each
+schedule `get_finished()` reports the requests whose copies are done, and the step that
+schedules them writes their blocks into the pages before its forward pass
+(`async_load.py`); the request then computes the rest of its prompt. A request finished
+while loading cancels its load before its blocks can be reused. Inline
+(`"load_async": false`): the blocks are written before the step's forward pass, and the
+same step computes the rest. Blocks only the disk holds are
 first read (checksums verified) into the host tier on a background thread while the
 request steps aside (`get_num_new_matched_tokens` returns None), then it is admitted from
 the host tier. Keys are the prefix-cache hashes (SHA-256 over parent, salt and tokens),
@@ -33,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from jaxllm.kv_transfer.async_load import AsyncLoads
 from jaxllm.kv_transfer.base import ConnectorContext, KVConnectorBase
 from jaxllm.kv_transfer.config import KVTransferConfig
 from jaxllm.kv_transfer.disk_store import DiskStore
@@ -52,19 +55,10 @@ class OffloadMeta:
     saves: list[tuple[int, int | None, int]]  # (key, parent key, device block) device -> tiers
     async_loads: list[tuple[int, list[tuple[int, int]]]] = dataclasses.field(default_factory=list)
     cancels: list[int] = dataclasses.field(default_factory=list)  # tickets of dropped async loads
+    finishes: list[int] = dataclasses.field(default_factory=list)  # copies done: into the pages now
 
 
-@dataclasses.dataclass
-class PendingLoad:
-    """An asynchronous load on the worker: its host-to-device copies in flight."""
-
-    dev: list  # device blocks (KVOps.put_blocks)
-    ids: list[int]  # the request's device blocks they go to
-    start: float
-    nbytes: int
-
-
-class OffloadingConnector(KVConnectorBase):
+class OffloadingConnector(AsyncLoads, KVConnectorBase):
     def __init__(self, cfg: KVTransferConfig, ctx: ConnectorContext):
         super().__init__(cfg, ctx)
         extra = cfg.kv_connector_extra_config
@@ -83,12 +77,7 @@ class OffloadingConnector(KVConnectorBase):
         self._lock = threading.Lock()
         self._loads: list[tuple[int, int]] = []
         self.load_async = bool(extra.get("load_async", True))
-        self._tickets = 0
-        self._async: list[tuple[int, list[tuple[int, int]]]] = []  # (ticket, (key, block)) to start
-        self._inflight: dict[str, int] = {}  # request -> ticket of its async load, until reported
-        self._cancels: list[int] = []
-        self._pending: dict[int, PendingLoad] = {}  # worker side: ticket -> copies in flight
-        self._loaded: set[int] = set()  # worker side: tickets written to the pages, not yet reported
+        self._init_async()
         self._saves: list[tuple[int, int | None, int]] = []
         self._queued: set[int] = set()  # keys in _saves or with the worker, not yet in the host tier
         self._lookup_pins: dict[str, list[int]] = {}  # request -> host keys its last lookup pinned
@@ -160,6 +149,7 @@ class OffloadingConnector(KVConnectorBase):
             self._promoted.add(rid)
             self._ready.add(rid)
             self._promo_pins[rid] = pins
+        self.notify_progress()
 
     def update_state_after_alloc(self, req, block_ids: list[int], num_external_tokens: int) -> None:
         rid, S = req.request_id, self.ctx.block_size
@@ -169,9 +159,7 @@ class OffloadingConnector(KVConnectorBase):
         self.host.unpin(pins[n:])
         pairs = list(zip(pins[:n], block_ids[start:start + n]))
         if pairs and self.load_async:
-            self._tickets += 1
-            self._async.append((self._tickets, pairs))
-            self._inflight[rid] = self._tickets
+            self._queue_load(rid, pairs)
         else:
             self._loads.extend(pairs)
         if req.num_preemptions == 0:
@@ -179,25 +167,12 @@ class OffloadingConnector(KVConnectorBase):
             self.hits += num_external_tokens
 
     def build_connector_meta(self) -> OffloadMeta | None:
-        """This step's work; while async loads are in flight, a (maybe empty) meta each
-        step, so the worker looks at their copies."""
-        if not (self._loads or self._saves or self._async or self._cancels or self._inflight):
+        """This step's work (none while async loads only copy: nothing to look at)."""
+        if not (self._loads or self._saves or self._async or self._cancels or self._finish):
             return None
-        meta = OffloadMeta(self._loads, self._saves, self._async, self._cancels)
-        self._loads, self._saves, self._async, self._cancels = [], [], [], []
+        meta = OffloadMeta(self._loads, self._saves, *self._take_async())
+        self._loads, self._saves = [], []
         return meta
-
-    def _drop_load(self, rid: str) -> None:
-        """rid finished while loading: unpin what is not started, cancel what is."""
-        ticket = self._inflight.pop(rid, None)
-        if ticket is None:
-            return
-        for i, (t, pairs) in enumerate(self._async):
-            if t == ticket:
-                del self._async[i]
-                self.host.unpin([k for k, _ in pairs])
-                return
-        self._cancels.append(ticket)  # the worker drops it before the blocks' next owner writes
 
     def request_preempted(self, req, block_ids: list[int]) -> None:
         self.request_finished(req, block_ids)
@@ -227,15 +202,10 @@ class OffloadingConnector(KVConnectorBase):
         return False, None
 
     def get_finished(self) -> tuple[set[str], set[str]]:
+        self._progress.clear()  # (before looking: a notify after this wakes the next wait)
         with self._lock:
             ready, self._ready = self._ready, set()
-            loaded, self._loaded = self._loaded, set()
-        if loaded:
-            for rid, t in list(self._inflight.items()):
-                if t in loaded:
-                    del self._inflight[rid]
-                    ready.add(rid)
-        return set(), ready
+        return set(), ready | self._loads_done()
 
     # -- worker side --------------------------------------------------------
     def save_kv_layer(self, layer_name, pages, meta: OffloadMeta | None) -> None:
@@ -273,30 +243,11 @@ class OffloadingConnector(KVConnectorBase):
             raise RuntimeError("a pinned host KV block went missing")
         return blocks
 
-    def _load_done(self, p: PendingLoad) -> bool:
-        return all(a.is_ready() for a in p.dev)
-
     def start_load_kv(self, pages, meta: OffloadMeta | None):
         if not meta:
             return pages
         mover = self.ctx.mover
-        for t in meta.cancels:
-            self._pending.pop(t, None)
-        for t, pairs in meta.async_loads:  # start the copies; the steps run on meanwhile
-            keys = [k for k, _ in pairs]
-            blocks = self._host_blocks(keys)
-            self._pending[t] = PendingLoad(mover.put_blocks(blocks), [b for _, b in pairs],
-                                           time.perf_counter(), sum(b.nbytes for b in blocks))
-            self.host.unpin(keys)  # the copies hold the arrays; host blocks are never rewritten
-        done = [t for t, p in self._pending.items() if self._load_done(p)]
-        for t in done:
-            p = self._pending.pop(t)
-            pages = mover.scatter_blocks(pages, p.dev, p.ids)
-            self.io["kv_offload_cpu_load_bytes"] += p.nbytes
-            self.io["kv_offload_cpu_load_seconds"] += time.perf_counter() - p.start
-        if done:
-            with self._lock:
-                self._loaded.update(done)
+        self._start_async(meta)  # (their copies run behind the steps; see finish_load_kv)
         if meta.loads:
             t0 = time.perf_counter()
             keys = [k for k, _ in meta.loads]
@@ -334,5 +285,6 @@ class OffloadingConnector(KVConnectorBase):
     def shutdown(self) -> None:
         self.flush()
         self._saver.shutdown(wait=True)
+        self._watcher.shutdown(wait=True)
         if self._reader is not None:
             self._reader.shutdown(wait=True)
