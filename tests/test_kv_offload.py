@@ -231,3 +231,53 @@ def test_disk_tier_lru_bound(tmp_path):
     assert sorted(k for k in range(1, 6) if k in s) == [1, 4, 5] and s.nbytes <= cap
     assert sorted(os.listdir(s.root)) == sorted(f"{k:032x}.kv" for k in (1, 4, 5))
     assert s.failed is None  # evicting to stay under the bound is not a failure
+
+
+def test_saves_start_few_copies_ahead():
+    """Only `save_copies_ahead` chunks' device-to-host copies are started ahead of the saver
+    (a load's copies must not queue behind a whole prompt's saves); every block still lands."""
+    import threading
+
+    import numpy as np
+
+    from jaxllm.kv_transfer.base import ConnectorContext
+    from jaxllm.kv_transfer.config import KVTransferConfig
+    from jaxllm.kv_transfer.offload import OffloadingConnector, OffloadMeta
+
+    shape, log = (1, 2, 1, 2, 2), []
+
+    class Chunk:  # a gathered device chunk: its copy to the host, then its read
+        def __init__(self, ids):
+            self.ids = ids
+
+        def copy_to_host_async(self):
+            log.append(("copy", self.ids[0]))
+
+        def __array__(self, dtype=None, copy=None):
+            log.append(("read", self.ids[0]))
+            return np.stack([np.full(shape, i, np.float32) for i in self.ids])
+
+    class Mover:
+        chunk = 2
+
+        def gather_chunk(self, pages, ids):
+            return Chunk(ids)
+
+    cfg = KVTransferConfig.from_dict({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                      "kv_connector_extra_config": {"cpu_gib": 0.001}})
+    ctx = ConnectorContext(block_size=2, block_bytes=32, block_shape=shape, dtype="float32",
+                           fingerprint="fp", mover=Mover())
+    conn = OffloadingConnector(cfg, ctx)
+    assert conn.save_copies_ahead == 2
+    hold = threading.Event()
+    conn._saver.submit(hold.wait)  # the saver is busy: nothing is read yet
+    conn.save_kv_layer(None, None, OffloadMeta([], [(k, None, k) for k in range(1, 11)]))
+    assert log == [("copy", 1), ("copy", 3)]
+    hold.set()
+    conn.flush()
+    assert [i for op, i in log if op == "read"] == [1, 3, 5, 7, 9]
+    for n in range(len(log)):  # at most the chunk being read and two more copying
+        ops = [op for op, _ in log[:n + 1]]
+        assert ops.count("copy") <= ops.count("read") + 3
+    assert all(conn.host.get(k)[0, 0, 0, 0, 0] == k for k in range(1, 11))
+    conn.shutdown()

@@ -2,9 +2,11 @@
 
 Saves: when a request finishes, its full blocks that the host tier lacks are queued; the
 worker gathers them on the device before the next step's page writes (so a block freed
-and reused that step is read first) and starts their copy to the host; a saver thread
-waits for the copy, puts the blocks in the host tier and queues them for the disk tier,
-so the dispatch thread never waits for a save.
+and reused that step is read first); a saver thread waits for their copy to the host,
+puts the blocks in the host tier and queues them for the disk tier, so the dispatch
+thread never waits for a save. Only `save_copies_ahead` chunks (default 2; None: all)
+have their device-to-host copies started ahead of the saver, so a load's host-to-device
+copies never queue behind a whole prompt's saves where the two share a transfer path.
 Every block a device eviction drops has been offered this way, since a cached block is
 evictable only once its owner finished or was preempted (preemption finishes its use too:
 `request_finished` is called then as well).
@@ -27,7 +29,9 @@ stable across processes, so a restarted engine finds its disk blocks.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -88,6 +92,11 @@ class OffloadingConnector(AsyncLoads, KVConnectorBase):
         self._gone: set[str] = set()  # finished while promoting
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-kv-read") if self.disk is not None else None
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-kv-save")
+        ahead = extra.get("save_copies_ahead", 2)
+        self.save_copies_ahead = None if ahead is None else int(ahead)
+        if ahead is not None and self.save_copies_ahead < 0:
+            raise ValueError(f"save_copies_ahead must be >= 0 or null, got {ahead}")
+        self._save_q: collections.deque[list] = collections.deque()  # [chunk, copy started], FIFO
         self.queries = self.hits = 0
         self.io = {f"kv_offload_{t}_{d}_{u}": 0 for t in ("cpu", "disk") for d in ("load", "save")
                    for u in ("bytes", "seconds")}
@@ -210,18 +219,30 @@ class OffloadingConnector(AsyncLoads, KVConnectorBase):
     # -- worker side --------------------------------------------------------
     def save_kv_layer(self, layer_name, pages, meta: OffloadMeta | None) -> None:
         """Gather the blocks on the device (before this step's writes, in dispatch order) and
-        start their copies to the host; the saver thread waits for them, so this does not."""
+        start the first chunks' copies to the host; the saver thread waits for them (and
+        starts the next ones), so this does not."""
         if not meta or not meta.saves:
             return
         mover, n = self.ctx.mover, mover_chunk(self.ctx.mover)
         for i in range(0, len(meta.saves), n):
             part = meta.saves[i:i + n]
             dev = mover.gather_chunk(pages, [b for _, _, b in part])
-            dev.copy_to_host_async()
+            with self._lock:
+                entry = [dev, False]
+                self._save_q.append(entry)
+                if self.save_copies_ahead is None or len(self._save_q) <= self.save_copies_ahead:
+                    dev.copy_to_host_async()
+                    entry[1] = True
             self._saver.submit(self._finish_save, part, dev)
 
     def _finish_save(self, part: list[tuple[int, int | None, int]], dev) -> None:
         t0 = time.perf_counter()
+        with self._lock:
+            self._save_q.popleft()  # this chunk (one saver thread, in submission order)
+            for entry in itertools.islice(self._save_q, self.save_copies_ahead):
+                if not entry[1]:  # the next chunks' copies start while this one is stored
+                    entry[0].copy_to_host_async()
+                    entry[1] = True
         try:
             arr = np.asarray(dev)
             for j, (key, parent, _) in enumerate(part):
