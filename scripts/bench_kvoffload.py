@@ -17,7 +17,8 @@ issued, copies done, reported ready, scheduled, first token, and the engine step
 between); then once more, reset again, with the connector's inline load (written before
 the step) for comparison. Every timed call starts with no saves in flight; one more restore
 ("contended") runs right after another prompt R was computed, with R's saves in flight
-(its ratio is to R's TTFT). Each restore
+(its ratio is to R's TTFT): with the connector's default `save_copies_ahead` (2 chunks'
+device-to-host copies started ahead of the saver) and with all of them started at once. Each restore
 must load all of P's full blocks but the last from the host tier (`all_from_host`) and
 give the recomputed first token. Restore bandwidth: the engine's own
 block writes (KVOps.write_blocks, host arrays -> device pages) of P's blocks, timed to
@@ -187,14 +188,20 @@ def main():
         P = rng.integers(0, vocab, args.input_len).tolist()
         ttft(llm, P, one)
         drained(llm)
-        R = rng.integers(0, vocab, args.input_len).tolist()
-        t_r, _ = ttft(llm, R, one)  # R's saves are queued as it finishes: not drained
-        eng.kv.reset_prefix_cache()
-        h0 = hits()
-        t_c, out_c, br = from_host(llm, "contended", P, one)
-        res["contended"] = {"ttft_host_s": t_c, "ratio": t_c / t_r, "external_hit_tokens": hits() - h0,
-                            "save_drain_after_s": drained(llm), "restore": br}
-        print(json.dumps(res["contended"]), flush=True)
+        res["contended"] = {}
+        for ahead in (eng.connector.save_copies_ahead, None):  # bounded (the default), all at once
+            eng.connector.save_copies_ahead = ahead
+            R = rng.integers(0, vocab, args.input_len).tolist()
+            t_r, _ = ttft(llm, R, one)  # R's saves are queued as it finishes: not drained
+            eng.kv.reset_prefix_cache()
+            h0 = hits()
+            t_c, out_c, br = from_host(llm, f"contended{ahead}", P, one)
+            row = {"save_copies_ahead": ahead, "ttft_host_s": t_c, "ratio": t_c / t_r,
+                   "external_hit_tokens": hits() - h0, "save_drain_after_s": drained(llm), "restore": br}
+            res["contended"]["bounded" if ahead else "all"] = row
+            print(json.dumps(row), flush=True)
+            eng.kv.reset_prefix_cache()  # (P's device blocks: the next restore loads it all again)
+        eng.connector.save_copies_ahead = res["contended"]["bounded"]["save_copies_ahead"]
     except Exception as e:
         res["contended_error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()
@@ -266,9 +273,9 @@ def main():
         print(f"repeat {i}: TTFT host/recompute {r['ratio']:.3f} ({r['ttft_host_s'] * 1e3:.1f} / "
               f"{r['ttft_recompute_s'] * 1e3:.1f} ms), inline {r['ratio_inline']:.3f}, "
               f"{r['external_hit_tokens']} tokens from the host tier, restore {r['restore']}")
-    c = res.get("contended")
-    if c:
-        print(f"contended (another prompt's saves in flight): TTFT host/recompute {c['ratio']:.3f}, "
+    for k, c in res.get("contended", {}).items():
+        print(f"contended, another prompt's saves in flight ({k}: save_copies_ahead "
+              f"{c['save_copies_ahead']}): TTFT host/recompute {c['ratio']:.3f}, "
               f"{c['external_hit_tokens']} tokens from the host tier, restore {c['restore']}")
     print(f"\nTTFT ratio host/recompute (median, {args.input_len} tokens): "
           f"{res.get('ttft_ratio_median', float('nan')):.3f} asynchronous load, "
