@@ -28,9 +28,8 @@ class Launched:
     rows: list[SampleRow]  # one per logits row; PAD_ROW where the row samples nothing
     row_of: dict[str, int]  # sequence id -> its row in the step's sampled ids
     sample: Future | PendingSample | None  # a Future while the dispatch thread owns it
-    mask: Future | None = None  # structured outputs: the draw's bitmask, set by the host later
+    mask: Future | None = None  # structured outputs: the draw's bitmask job, set by the host later
     num_rows: int = 0  # the draw's padded row count
-    mask_queued: bool = False  # its fill was handed to the dispatch thread (async scheduling)
     spec_rows: dict = field(default_factory=dict)  # request id -> rows verifying its drafts
 
     @property
@@ -82,7 +81,7 @@ class Dispatcher:
                prev: Future | PendingSample | None = None,
                mask: Future | None = None, sampler=None) -> Future | PendingSample | None:
         """Queue the step's device work; `prev` is the step before's draw (placeholders);
-        `mask` the structured-outputs bitmask, which the draw waits for (inline: already set);
+        `mask` a Future of the structured-outputs bitmask job, which the draw waits for and runs;
         `sampler`: draws instead of the engine's sampler (speculative verification)."""
         if self._pool is None:
             return self._run(out, hb, sbatch, prev, mask, sampler)
@@ -100,9 +99,8 @@ class Dispatcher:
         logits, greedy_ids = self.runner.execute(hb, prev_ids)
         if self.spec_hook is not None:
             self.spec_hook.after_forward(out, hb, prev_ids)
-        if mask is not None:  # an array, or a thunk that fills it here (LLMEngine._fill_mask)
-            bits = mask.result()
-            sbatch.bitmask = bits() if callable(bits) else bits
+        if mask is not None:  # a job that computes the bitmask here (LLMEngine._fill_mask)
+            sbatch.bitmask = mask.result()()
         return (sampler or self.sampler).launch(logits, sbatch, greedy_ids)
 
     def _kv_ops(self, out: SchedulerOutput) -> None:

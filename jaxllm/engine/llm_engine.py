@@ -310,8 +310,7 @@ class LLMEngine:
             if prev is not None:
                 outputs += self._process(prev, then=launched)
         finally:  # the draw of `launched` waits for its mask, which needs prev's tokens
-            if launched is not None and launched.mask is not None and not launched.mask_queued \
-                    and not launched.mask.done():
+            if launched is not None and launched.mask is not None and not launched.mask.done():
                 self._fill_mask(launched)
         if launched is not None:
             if self.dispatcher.threaded and self.beam is None:
@@ -400,20 +399,14 @@ class LLMEngine:
                                                  verify)
         return launched
 
-    def _fill_mask(self, launched: Launched, deferred: bool = False) -> None:
-        """Set the step's bitmask from the matchers (which have seen every earlier token).
-
-        `deferred`: hand the dispatch thread, which waits for the mask to launch the draw, a
-        thunk that fills it there, so the host's detokenizing and the server's streaming go on
-        meanwhile and no third thread has to be woken on the step's critical path (the next
-        advance of these matchers waits for this draw, so nothing moves them under it)."""
+    def _fill_mask(self, launched: Launched) -> None:
+        """Hand the step's draw its bitmask job, made from the matchers (which have seen every
+        earlier token): the dispatch thread, which waits for it to launch the draw, computes the
+        rows there, so the host's detokenizing and the server's streaming go on meanwhile (the
+        next advance of these matchers waits for this draw, so nothing moves them under it)."""
         rows = [(sid, i) for sid, i in launched.row_of.items() if sid in self.structured]
-        if deferred:
-            launched.mask_queued = True
-            launched.mask.set_result(self.structured.fill_job(rows, launched.num_rows))
-            return
         try:
-            launched.mask.set_result(self.structured.fill(rows, launched.num_rows))
+            launched.mask.set_result(self.structured.fill_job(rows, launched.num_rows))
         except BaseException as exc:  # the dispatch thread must not wait forever
             launched.mask.set_exception(exc)
             raise
@@ -457,7 +450,7 @@ class LLMEngine:
                 if self._structured.advance(req.request_id, req.output_token_ids) and not req.finished:
                     self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)  # grammar complete
             if then is not None and then.mask is not None and not then.mask.done():
-                self._fill_mask(then, deferred=True)
+                self._fill_mask(then)
 
         outputs: dict[str, RequestOutput] = {}
         for req in touched:

@@ -8,10 +8,10 @@ shrunk output rolls the matcher back), and asks it to ``fill`` the bitmask of a 
 Timing (async scheduling stays on): the engine schedules and dispatches step k+1 while step k
 runs. The forward pass of k+1 needs no mask; its draw does. So the dispatch thread launches the
 forward pass of k+1, then waits for the mask; the host meanwhile reads step k's tokens, advances
-the matchers with them and hands the dispatch thread a thunk that fills step k+1's mask there
-(``LLMEngine._fill_mask``) while it detokenizes and streams step k. Every mask is thus computed from every
-earlier token, exactly as in a synchronous engine, and the mask work overlaps both the device's
-forward pass and the host's other work. No JAX here.
+the matchers with them and hands the dispatch thread a job (``fill_job``) that computes step
+k+1's mask there (``LLMEngine._fill_mask``) while it detokenizes and streams step k. Every mask
+is thus computed from every earlier token, exactly as in a synchronous engine, and the mask
+work overlaps both the device's forward pass and the host's other work. No JAX here.
 """
 
 from __future__ import annotations
