@@ -46,9 +46,10 @@ def draft_config(spec: SpeculativeConfig, cfg, target_cfg, dtype) -> tuple[dict 
                          f"{target_cfg.architecture} target are not implemented (dense Llama-family only)")
     if cfg.quantization is not None:
         raise ValueError(f"speculative_config.method {spec.method!r} with quantization is not implemented")
-    from jaxllm.spec.eagle_tp import head_heads
+    from jaxllm.spec.draft import kv_heads_per_device
+    from jaxllm.spec.eagle_tp import HEAD
     head = ModelConfig.from_hf(dict(hf, model_type="llama"))
-    per_block = 2 * head_heads(head, tp) * cfg.block_size * head.head_dim * jnp.dtype(dtype).itemsize
+    per_block = 2 * kv_heads_per_device(head, tp, HEAD) * cfg.block_size * head.head_dim * jnp.dtype(dtype).itemsize
     return hf, per_block, aux_layers(hf, spec.method, target_cfg.num_layers)
 
 

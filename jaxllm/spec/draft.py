@@ -2,7 +2,8 @@
 
 Only the configs are read (a folder's config.json, a GGUF's metadata): a missing path, a
 vocabulary that differs from the target's, or an EAGLE head whose hidden size is not the
-target's fail at start-up with a ValueError naming `speculative_config.model`.
+target's fail at start-up with a ValueError naming `speculative_config.model`; so does a
+draft or head whose heads the target's tensor-parallel mesh cannot split (`split_layout`).
 """
 
 from __future__ import annotations
@@ -43,3 +44,18 @@ def check_draft(cfg: SpeculativeConfig, target_vocab: int, target_hidden: int) -
             raise ValueError(f"speculative_config.model: the EAGLE head's hidden_size {hidden} does not "
                              f"match the target's {target_hidden}")
     return hf
+
+
+def split_layout(m, tp: int, what: str):
+    """How `m`'s heads split over the target's `tp` devices (`parallel.mesh.head_layout`), for
+    a draft model or an EAGLE head (`what`); a ValueError naming speculative_config.model."""
+    from jaxllm.parallel.mesh import head_layout
+    try:
+        return head_layout(m, tp)
+    except ValueError as e:
+        raise ValueError(f"speculative_config.model: the {what} cannot be split like the target: {e}") from None
+
+
+def kv_heads_per_device(m, tp: int, what: str) -> int:
+    """KV heads of the draft's (or head's) pages on each device."""
+    return m.num_kv_heads if tp == 1 else split_layout(m, tp, what).kv_heads_per_device

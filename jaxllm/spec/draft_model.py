@@ -44,6 +44,7 @@ from jaxllm.kernels.metadata import AttentionMetadata
 from jaxllm.models import registry
 from jaxllm.models.llama import load_state
 from jaxllm.runtime.request import Request
+from jaxllm.spec.draft import split_layout
 
 log = logging.getLogger("jaxllm")
 
@@ -72,14 +73,10 @@ def page_bytes(hf: dict, block_size: int, dtype, tp: int = 1) -> int:
 
 
 def _layout(m, tp: int):
-    from jaxllm.parallel.mesh import head_layout
     if m.moe is not None:
         raise ValueError("speculative_config.model: a mixture-of-experts draft with "
                          "tensor_parallel_size > 1 is not implemented")
-    try:
-        return head_layout(m, tp)
-    except ValueError as e:
-        raise ValueError(f"speculative_config.model: the draft cannot be split like the target: {e}") from None
+    return split_layout(m, tp, "draft")
 
 
 def place_weights(hf: dict, weights: dict | None, dtype, attention_backend: str | None = None,

@@ -25,23 +25,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxllm.models.config import ModelConfig
+from jaxllm.spec.draft import split_layout
+
+HEAD = "EAGLE head"  # (in the errors of speculative_config.model)
 
 # Head weights split like the target's stacked layer weights (by name, without the layer axis).
 _LAYER = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-
-
-def head_layout(cfg: ModelConfig, tp: int):
-    """The head's `HeadLayout` over `tp` devices; a ValueError naming speculative_config.model."""
-    from jaxllm.parallel.mesh import head_layout as layout
-    try:
-        return layout(cfg, tp)
-    except ValueError as e:
-        raise ValueError(f"speculative_config.model: the EAGLE head cannot be split like the target: {e}") from None
-
-
-def head_heads(cfg: ModelConfig, tp: int) -> int:
-    """KV heads of the head's pages on each device."""
-    return cfg.num_kv_heads if tp == 1 else head_layout(cfg, tp).kv_heads_per_device
 
 
 def place_head(cfg: ModelConfig, w: dict[str, np.ndarray], dtype, par) -> tuple[ModelConfig, dict]:
@@ -49,7 +38,7 @@ def place_head(cfg: ModelConfig, w: dict[str, np.ndarray], dtype, par) -> tuple[
     mesh of `par`, the target's `TensorParallel`)."""
     import dataclasses
     from jaxllm.parallel.sharding import param_spec, repeat_kv_heads
-    layout = head_layout(cfg, par.tp)
+    layout = split_layout(cfg, par.tp, HEAD)
     out = {}
     for name, a in w.items():
         a = np.asarray(a)
