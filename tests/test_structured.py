@@ -303,3 +303,58 @@ def test_in_place_mask_job_equals_the_scratch_path() -> None:
     assert np.array_equal(a, b[:, :w]) and (b[[0, 1, 3], w:] == 0).all()
     assert (a[[2, 4]] == -1).all() and not (a[[0, 1, 3]] == -1).all()
     assert exact.mask_steps == 1 and exact.mask_rows == 3
+
+
+def test_every_mask_placement_gives_the_same_output(llm) -> None:
+    """The step's constrained rows computed on the mask thread (the default), on the dispatch
+    thread or on the engine thread: the same seeded samples, every one matching the regex."""
+    sp = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=24,
+                        structured_outputs=S(regex=r"[a-z]{3,8}( [a-z]{3,8}){2}\."))
+    manager = llm.engine.structured
+    assert manager.mask_on == "thread"
+    texts = {}
+    try:
+        for where in ("thread", "dispatch", "engine"):
+            manager.mask_on = where
+            texts[where] = [c.text for c in llm.generate(["Three words:"], sp, use_tqdm=False)[0].outputs]
+    finally:
+        manager.mask_on = "thread"
+    assert texts["thread"] == texts["dispatch"] == texts["engine"]
+    assert all(re.fullmatch(r"[a-z]{3,8}( [a-z]{3,8}){2}\.", t) for t in texts["thread"])
+    _clean(llm)
+
+
+def test_hand_off_resolves_or_fails_the_draws_future(monkeypatch) -> None:
+    """Each placement resolves the Future the draw waits for with the same mask; a job that
+    raises on the mask thread fails the Future (the draw does not wait forever); a bad
+    JAXLLM_MASK_ON is refused naming the variable."""
+    from concurrent.futures import Future
+
+    from jaxllm.models.loader import embedded_model_path
+    from jaxllm.models.tokenizer import Tokenizer
+    from jaxllm.structured.manager import StructuredManager
+
+    tok = Tokenizer.from_gguf(embedded_model_path())
+    m = StructuredManager(tok, tok.vocab_size)
+    m.add("s", S(regex=r"[a-c]{2,5}x"), m.submit(S(regex=r"[a-c]{2,5}x")))
+    m.submit(S(regex=r"[a-c]{2,5}x")).result()
+    assert not m.advance("s", tok.encode("ab", add_special_tokens=False))
+    masks = {}
+    for where in ("thread", "dispatch", "engine"):
+        m.mask_on, fut = where, Future()
+        m.hand_off([("s", 1)], 2, fut)
+        masks[where] = fut.result(timeout=10)()
+    assert np.array_equal(masks["thread"], masks["dispatch"]) and np.array_equal(masks["thread"], masks["engine"])
+    assert (masks["thread"][0] == -1).all() and not (masks["thread"][1] == -1).all()
+
+    def boom():
+        raise RuntimeError("mask failed")
+
+    monkeypatch.setattr(m, "fill_job", lambda rows, n: boom)
+    m.mask_on, fut = "thread", Future()
+    m.hand_off([("s", 0)], 1, fut)
+    with pytest.raises(RuntimeError, match="mask failed"):
+        fut.result(timeout=10)
+    monkeypatch.setenv("JAXLLM_MASK_ON", "gpu")
+    with pytest.raises(ValueError, match="JAXLLM_MASK_ON"):
+        StructuredManager(tok, tok.vocab_size)

@@ -400,13 +400,13 @@ class LLMEngine:
         return launched
 
     def _fill_mask(self, launched: Launched) -> None:
-        """Hand the step's draw its bitmask job, made from the matchers (which have seen every
-        earlier token): the dispatch thread, which waits for it to launch the draw, computes the
-        rows there, so the host's detokenizing and the server's streaming go on meanwhile (the
-        next advance of these matchers waits for this draw, so nothing moves them under it)."""
+        """Hand the step's draw its bitmask, made from the matchers (which have seen every
+        earlier token) off the engine thread by default (`StructuredManager.hand_off`), so the
+        host's detokenizing and the server's streaming go on meanwhile (the next advance of
+        these matchers waits for this draw, so nothing moves them under it)."""
         rows = [(sid, i) for sid, i in launched.row_of.items() if sid in self.structured]
         try:
-            launched.mask.set_result(self.structured.fill_job(rows, launched.num_rows))
+            self.structured.hand_off(rows, launched.num_rows, launched.mask)
         except BaseException as exc:  # the dispatch thread must not wait forever
             launched.mask.set_exception(exc)
             raise

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.envs import env_int
 from jaxllm.kernels import ref
 from jaxllm.kernels.metadata import AttentionMetadata
 
@@ -40,14 +41,7 @@ MOSAIC_MIN_TOKENS = 4096  # "auto": smaller steps keep the Pallas kernel (module
 
 
 def mosaic_min_tokens() -> int:
-    raw = os.environ.get("JAXLLM_MOSAIC_MIN_TOKENS", str(MOSAIC_MIN_TOKENS))
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"JAXLLM_MOSAIC_MIN_TOKENS must be an integer, got {raw!r}") from None
-    if n < 0:
-        raise ValueError(f"JAXLLM_MOSAIC_MIN_TOKENS must be >= 0, got {n}")
-    return n
+    return env_int("JAXLLM_MOSAIC_MIN_TOKENS", MOSAIC_MIN_TOKENS, minimum=0)
 
 
 def is_hopper() -> bool:

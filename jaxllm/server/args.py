@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 
+from jaxllm.envs import env_float
 from jaxllm.server.reasoning import REASONING_PARSERS
 from jaxllm.server.tool_parsers import TOOL_PARSERS
 
@@ -74,13 +75,10 @@ def set_switch_interval() -> None:
     another runs Python. At 0.5 ms the serving step of an 8B model on an H200 went from 13.5 to
     9.9 ms per output token (64 streams, `scripts/gpu_structured_profile.sh`, docs/benchmarks.md).
     JAXLLM_SWITCH_INTERVAL sets it (seconds; 0 keeps Python's)."""
-    raw = os.environ.get("JAXLLM_SWITCH_INTERVAL", str(SWITCH_INTERVAL))
     try:
-        value = float(raw)
-    except ValueError:
-        raise SystemExit(f"JAXLLM_SWITCH_INTERVAL must be a number of seconds, got {raw!r}") from None
-    if value < 0:
-        raise SystemExit(f"JAXLLM_SWITCH_INTERVAL must be >= 0, got {raw!r}")
+        value = env_float("JAXLLM_SWITCH_INTERVAL", SWITCH_INTERVAL, minimum=0.0)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     if value > 0:
         sys.setswitchinterval(value)
 

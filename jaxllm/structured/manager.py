@@ -8,10 +8,10 @@ shrunk output rolls the matcher back), and asks it to ``fill`` the bitmask of a 
 Timing (async scheduling stays on): the engine schedules and dispatches step k+1 while step k
 runs. The forward pass of k+1 needs no mask; its draw does. So the dispatch thread launches the
 forward pass of k+1, then waits for the mask; the host meanwhile reads step k's tokens, advances
-the matchers with them and hands the dispatch thread a job (``fill_job``) that computes step
-k+1's mask there (``LLMEngine._fill_mask``) while it detokenizes and streams step k. Every mask
-is thus computed from every earlier token, exactly as in a synchronous engine, and the mask
-work overlaps both the device's forward pass and the host's other work. No JAX here.
+the matchers with them and hands the step's rows to a mask thread (``hand_off``), which computes
+step k+1's mask while the host detokenizes and streams step k and the dispatch thread launches
+kernels. Every mask is thus computed from every earlier token, exactly as in a synchronous
+engine, and the mask work overlaps both the device's forward pass and the host's other work. No JAX here.
 """
 
 from __future__ import annotations
@@ -19,15 +19,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from jaxllm.envs import env_choice
 from jaxllm.sampling_params import StructuredOutputsParams
 from jaxllm.structured import compiler_for
 from jaxllm.structured.backend import Matcher
 
 log = logging.getLogger("jaxllm")
+# Where a step's constrained rows are computed (``hand_off``); JAXLLM_MASK_ON picks one.
+MASK_ON = ("thread", "dispatch", "engine")
 
 
 class _SeqState:
@@ -51,6 +54,8 @@ class StructuredManager:
         self.mask_seconds = 0.0
         self.mask_steps = 0
         self.mask_rows = 0
+        self.mask_on = env_choice("JAXLLM_MASK_ON", MASK_ON[0], MASK_ON)
+        self._mask_pool: ThreadPoolExecutor | None = None
 
     # -- sequences ---------------------------------------------------------------
     def submit(self, params: StructuredOutputsParams) -> Future:
@@ -149,6 +154,25 @@ class StructuredManager:
 
         return run
 
+    def hand_off(self, rows: list[tuple[str, int]], num_rows: int, future: Future) -> None:
+        """Resolve ``future``, which the step's draw waits for, with a thunk returning its mask.
+
+        The matchers are read now (they have seen every earlier token); the rows are computed
+        by one GIL-free call where ``mask_on`` says: "thread" (a mask thread of the manager's, at
+        once, beside the host's detokenizing and the dispatch thread's kernel launches),
+        "dispatch" (by the thunk, on the dispatch thread, after it launched the forward pass)
+        or "engine" (here, before the host goes on)."""
+        job = self.fill_job(rows, num_rows)
+        if self.mask_on == "dispatch":
+            future.set_result(job)
+        elif self.mask_on == "engine":
+            mask = job()
+            future.set_result(lambda: mask)
+        else:
+            if self._mask_pool is None:
+                self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-mask")
+            self._mask_pool.submit(_resolve, job, future)
+
     def stats(self) -> dict:
         steps = max(self.mask_steps, 1)
         return {"structured_mask_steps": self.mask_steps, "structured_mask_seconds": self.mask_seconds,
@@ -156,3 +180,12 @@ class StructuredManager:
                 "structured_rows_per_step": self.mask_rows / steps,
                 "structured_compiles": self.compiler.num_compiles,
                 "structured_compile_seconds": self.compiler.compile_seconds}
+
+
+def _resolve(job: Callable[[], np.ndarray], future: Future) -> None:
+    try:
+        mask = job()
+    except BaseException as exc:  # the draw waiting for it must not wait forever
+        future.set_exception(exc)
+        return
+    future.set_result(lambda: mask)
