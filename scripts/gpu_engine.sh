@@ -9,6 +9,8 @@
 #   2. scripts/bench_latency.py: decode step latency at batch 1 and 64 (context 2,048) vs the floor.
 #   3. `jaxllm serve --random-shape llama3-8b` + scripts/bench_serving.py at request rates 4, 16, inf
 #      (p50/p99 TTFT and ITL, the run's roofline).
+# PARTS picks the parts (default "engine latency serving"); split over two calls when one
+# call's 600 s is too short for all three.
 # Every log is kept whole in $OUT; at the end they are searched for XLA's "Can't reduce memory use"
 # warning (never filtered) and the count is reported. Figures: $OUT/gpu_engine.json.
 # The H200 image lacks the server's fastapi/uvicorn/pydantic: run scripts/fetch_wheels.sh here
@@ -32,7 +34,10 @@ fi
 SHAPE=${SHAPE:-llama3-8b}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"
 t_all=$(date +%s)
+PARTS=${PARTS:-"engine latency serving"}
+has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 
+if has engine; then
 echo "== 1a engine (jaxllm, defaults)"
 timeout ${T1:-150} python3 scripts/bench_engine.py --random-shape $SHAPE --output-json "$OUT/engine_jax.json" \
   > "$OUT/engine_jax.log" 2>&1; echo "rc $?"; grep "^== " "$OUT/engine_jax.log" | cut -c1-400
@@ -40,12 +45,16 @@ timeout ${T1:-150} python3 scripts/bench_engine.py --random-shape $SHAPE --outpu
 echo "== 1b engine peer (HF transformers, sdpa)"
 timeout ${T2:-60} python3 scripts/bench_engine.py --random-shape $SHAPE --peer hf --output-json "$OUT/engine_hf.json" \
   > "$OUT/engine_hf.log" 2>&1; echo "rc $?"; grep "^== " "$OUT/engine_hf.log" | cut -c1-400
+fi
 
+if has latency; then
 echo "== 2 decode latency"
 timeout ${T3:-60} python3 scripts/bench_latency.py --random-shape $SHAPE --batch-size 1 64 --input-len 2048 \
   --num-iters 10 --max-num-batched-tokens 64 --output-json "$OUT/latency.json" > "$OUT/latency.log" 2>&1
 echo "rc $?"; tail -5 "$OUT/latency.log"
+fi
 
+if has serving; then
 echo "== 3 serving"
 PORT=${PORT:-8321}
 python3 -m jaxllm.cli serve --random-shape $SHAPE --port $PORT --max-model-len 2048 \
@@ -64,6 +73,7 @@ for spec in "4 40" "16 100" "inf 100"; do
   echo "rc $?"; tail -7 "$OUT/serving_rate_$1.log"
 done
 kill $SRV 2>/dev/null; wait $SRV 2>/dev/null
+fi
 
 echo "== summary ($(( $(date +%s) - t_all )) s)"
 python3 - "$OUT" <<'EOF'

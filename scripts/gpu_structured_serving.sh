@@ -5,6 +5,8 @@
 # prints the output-throughput ratio (issue 16: >= 0.95) and the host's mask time per step.
 # The prefill kernel is the portable one by default here (PREFILL_KERNEL=auto for the Hopper
 # choice), which keeps the server's start-up compiles short. Carry .whl (server packages, llguidance).
+# MASK_ON: one server and bench per value of JAXLLM_MASK_ON (where the step's constrained rows are
+# computed: thread, dispatch, engine; default "thread"), each bench's JSON as structured_<value>.json.
 set -u -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -13,14 +15,17 @@ if ls .whl/*.whl > /dev/null 2>&1; then
     && export PYTHONPATH=$PWD:/tmp/site
 fi
 PORT=${PORT:-8321}
-JAXLLM_PREFILL_KERNEL=${PREFILL_KERNEL:-pallas} python3 -m jaxllm.cli serve --random-shape llama3-8b \
+for MO in ${MASK_ON:-thread}; do
+echo "== JAXLLM_MASK_ON=$MO"
+JAXLLM_MASK_ON=$MO JAXLLM_PREFILL_KERNEL=${PREFILL_KERNEL:-pallas} python3 -m jaxllm.cli serve --random-shape llama3-8b \
   --load-format dummy --max-model-len 2048 --max-num-seqs 64 --max-num-batched-tokens 2048 --port $PORT \
-  > "$OUT/serve.log" 2>&1 &
+  > "$OUT/serve_$MO.log" 2>&1 &
 SRV=$!
 for _ in $(seq ${T_UP:-150}); do curl -sf localhost:$PORT/health > /dev/null && break; kill -0 $SRV 2>/dev/null || break; sleep 1; done
-grep -E "prefill/mixed|compiled|engine ready" "$OUT/serve.log" | cut -c1-250
+grep -E "prefill/mixed|compiled|engine ready" "$OUT/serve_$MO.log" | cut -c1-250
 timeout ${T_BENCH:-120} python3 scripts/bench_serving.py --base-url http://127.0.0.1:$PORT --structured-output json \
   --num-prompts 64 --max-concurrency 64 --input-len 64 --output-len ${OUTPUT_LEN:-128} --ignore-eos --temperature 1.0 \
-  --result-json "$OUT/structured_serving.json" > "$OUT/bench.log" 2>&1; echo "rc=$?"
-tail -22 "$OUT/bench.log"
+  --result-json "$OUT/structured_$MO.json" > "$OUT/bench_$MO.log" 2>&1; echo "rc=$?"
+grep -E "ratio|TPOT|TTFT|throughput|mask" "$OUT/bench_$MO.log" | tail -14
 kill $SRV 2>/dev/null; wait $SRV 2>/dev/null
+done
