@@ -128,7 +128,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
-LARGE_TOKEN_BUCKET = 1024  # token buckets above this double (see default_token_buckets)
+LARGE_TOKEN_BUCKET = 256  # token buckets above this double (see default_token_buckets)
 
 
 def default_buckets(limit: int, start: int, growth: int = 4) -> tuple[int, ...]:
@@ -149,14 +149,16 @@ def default_max_num_batched_tokens(platform: str, usage_context: str, max_num_se
 
 
 def default_token_buckets(max_tokens: int, seq_buckets: tuple[int, ...]) -> tuple[int, ...]:
-    """Padded token counts: 16, 64, 256, 1024, then doubling (2048, 4096, ...) up to the budget,
+    """Padded token counts: 16, 64, 256, then doubling (512, 1,024, 2,048, ...) up to the budget,
     plus every request bucket.
 
     A decode-only step of n rows then pads to its row bucket (T = R, the decode kernel), never
     to the prefill budget: on an H200 the Llama-3-8B batch-1 step took 9.1 ms at T=16/R=1 and
-    7.1 ms at T=8/R=8 (docs/benchmarks.md). Above 1,024 tokens the buckets double rather than
+    7.1 ms at T=8/R=8 (docs/benchmarks.md). Above 256 tokens the buckets double rather than
     quadruple: a 2,048-token prompt padded to 4,096 took 2.12x its FLOP floor to the first token
-    on an H200 (docs/benchmarks.md); large buckets compile one request bucket each (batch.py).
+    on an H200, and the mixed workload's typical step (63 decode rows and one prompt of a few
+    hundred tokens) is compute-bound, and a 300-token step padded to 1,024 computes 3.4x its tokens
+    (docs/benchmarks.md, session 7); large buckets compile one request bucket each (batch.py).
     """
     out = set(default_buckets(min(max_tokens, LARGE_TOKEN_BUCKET), 16))
     b = 2 * LARGE_TOKEN_BUCKET

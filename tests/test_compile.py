@@ -28,14 +28,14 @@ def _pairs(budget: int, max_seqs: int):
 def test_large_token_buckets_compile_one_row_bucket():
     toks, seqs, pairs = _pairs(16384, 256)  # the GPU offline defaults
     everything = [(T, R) for T in toks for R in seqs if R <= pick_bucket(seqs, min(T, seqs[-1]))]
-    assert len(everything) == 35 and len(pairs) == 20
+    assert len(everything) == 39 and len(pairs) == 24
     for T in toks:
         rows = [R for t, R in pairs if t == T]
         if T >= ROWS_PADDED_ABOVE * seqs[-1]:
             assert rows == [seqs[-1]]
         else:
             assert rows == [R for R in seqs if R <= pick_bucket(seqs, min(T, seqs[-1]))]
-    assert len(_pairs(2048, 256)[2]) == 17  # serve defaults
+    assert len(_pairs(2048, 256)[2]) == 21  # serve defaults
 
 
 @pytest.mark.parametrize("budget,max_seqs", [(16384, 256), (2048, 64), (512, 8), (1024, 32)])
