@@ -292,3 +292,41 @@ def test_completions_constraint_and_continue_final_message(srv, client):
                                            extra_body={"continue_final_message": True})
     prompt = srv.engine.tokenizer.decode(seen["prompt_ids"], skip_special_tokens=False)
     assert prompt.endswith("The weather in Paris is") and r.choices[0].message.content == " sunny."
+
+
+def test_a_cached_constraint_takes_no_hop_through_the_engine_loop():
+    """The up-front compile of a request's constraint goes through the engine's loop only to
+    build the compiler the first time; afterwards a cached grammar is checked inline (a burst of
+    JSON requests otherwise waited a step each for that hop). A bad schema is still a 400."""
+    import asyncio
+
+    from jaxllm.models.loader import embedded_model_path
+    from jaxllm.models.tokenizer import Tokenizer
+    from jaxllm.server.protocol import APIError
+    from jaxllm.server.serving import ServingBase
+
+    tok = Tokenizer.from_gguf(embedded_model_path())  # a fresh tokenizer: no compiler built yet
+    calls = []
+
+    class Engine:
+        tokenizer = tok
+
+        async def call(self, fn):
+            calls.append(fn)
+            return fn(SimpleNamespace(tokenizer=tok))
+
+    serving = ServingBase(Engine(), [MODEL])
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    def req(s):
+        return SimpleNamespace(constraint_kwargs=lambda: ("response_format", {"json": s}), whitespace=lambda: {})
+
+    first = asyncio.run(serving.constraint(req(schema)))
+    assert first.json == schema and len(calls) == 1
+    for _ in range(3):
+        assert asyncio.run(serving.constraint(req(schema))).json == schema
+    assert len(calls) == 1  # no hop once the compiler exists and the grammar is cached
+    with pytest.raises(APIError) as err:
+        asyncio.run(serving.constraint(req({"type": "object", "properties": {"a": {"type": "nonsense"}}})))
+    assert err.value.status == 400 and err.value.param == "response_format"
+    assert len(calls) == 1

@@ -15,8 +15,8 @@ from jaxllm.sampling_params import StructuredOutputsParams
 from jaxllm.structured.backend import Backend, Grammar, Matcher
 from jaxllm.structured.compiler import COMPILE_TIMEOUT_S, GrammarCompiler
 
-__all__ = ["Backend", "Grammar", "Matcher", "GrammarCompiler", "compiler_for", "register_eos", "validate",
-           "COMPILE_TIMEOUT_S"]
+__all__ = ["Backend", "Grammar", "Matcher", "GrammarCompiler", "built_compiler", "compiler_for", "register_eos",
+           "validate", "COMPILE_TIMEOUT_S"]
 
 _compilers: "weakref.WeakKeyDictionary[object, GrammarCompiler]" = weakref.WeakKeyDictionary()
 _eos_of: "weakref.WeakKeyDictionary[object, tuple[int, ...]]" = weakref.WeakKeyDictionary()
@@ -28,6 +28,12 @@ def register_eos(tokenizer, eos_ids: tuple[int, ...]) -> None:
     set, which may be wider than the tokenizer's); the engine calls this at start-up (cheap)."""
     with _lock:
         _eos_of[tokenizer] = tuple(eos_ids)
+
+
+def built_compiler(tokenizer) -> GrammarCompiler | None:
+    """The compiler of ``tokenizer`` if it was built already (never builds one)."""
+    with _lock:
+        return _compilers.get(tokenizer)
 
 
 def compiler_for(tokenizer, backend: str = "guidance") -> GrammarCompiler:
