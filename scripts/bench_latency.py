@@ -26,27 +26,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 def copy_bandwidth(gib: float = 4.0) -> float:
-    """Bytes/s of a large float32 elementwise pass (read + write), median of 50.
+    """C, as every roofline of the project measures it (`jaxllm.benchmarks.roofline.copy_rate`:
+    the fastest of rounds of queued copies, after ~1 s of warm-up)."""
+    from jaxllm.benchmarks.roofline import copy_rate
 
-    Timed after ~1 s of the same work: an idle GPU starts at a low clock, and
-    20 back-to-back 2 ms runs measured 2.7-3.5 TB/s on an H200 that copies at 4.3.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    n = int(gib * (1 << 30)) // 4
-    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
-    f = jax.jit(lambda a: a + 1.0)
-    t = time.perf_counter()
-    while time.perf_counter() - t < 1.0:
-        f(x).block_until_ready()
-    ts = []
-    for _ in range(50):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        ts.append(time.perf_counter() - t)
-    del x
-    return 2 * n * 4 / statistics.median(ts)
+    return copy_rate(gib)
 
 
 def fill_random(runner) -> None:

@@ -14,22 +14,19 @@
 # Every log is kept whole in $OUT; at the end they are searched for XLA's "Can't reduce memory use"
 # warning (never filtered) and the count is reported. Figures: $OUT/gpu_engine.json.
 # The H200 image lacks the server's fastapi/uvicorn/pydantic: run scripts/fetch_wheels.sh here
-# first and carry ".whl"; the missing ones are installed into /tmp/site.
+# first and carry ".whl"; they are installed into /tmp/site.
 set -u -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-missing=""
-for m in fastapi:fastapi uvicorn:uvicorn pydantic:pydantic pydantic_core:pydantic_core starlette:starlette \
-         annotated_types:annotated_types annotated_doc:annotated_doc typing_inspection:typing_inspection \
-         prometheus_client:prometheus_client; do
-  python3 -c "import ${m%%:*}" 2>/dev/null || missing="$missing $(ls .whl/${m#*:}-*.whl 2>/dev/null || echo MISSING-${m#*:})"
-done
-if [ -n "$missing" ]; then
-  echo "installing into /tmp/site:$missing"
-  case "$missing" in *MISSING-*) echo "server packages missing and not carried: run scripts/fetch_wheels.sh, carry .whl";; esac
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    $(echo $missing | tr ' ' '\n' | grep -v MISSING-) && export PYTHONPATH=$PWD:/tmp/site
+if ! python3 -c "import fastapi, uvicorn, pydantic, prometheus_client" 2>/dev/null; then
+  # every carried wheel (fastapi 0.165 also needs opentelemetry-api, which the image lacks)
+  if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+      && export PYTHONPATH=$PWD:/tmp/site
+  else
+    echo "server packages missing and not carried: run scripts/fetch_wheels.sh, carry .whl"
+  fi
 fi
 SHAPE=${SHAPE:-llama3-8b}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used,memory.total --format=csv | tee "$OUT/gpu.txt"

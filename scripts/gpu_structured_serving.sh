@@ -10,10 +10,11 @@
 set -u -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-if ls .whl/*.whl > /dev/null 2>&1; then
+if ! PYTHONPATH=$PWD:/tmp/site python3 -c "import fastapi, uvicorn, llguidance" 2>/dev/null && ls .whl/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PWD:/tmp/site
 fi
+[ -d /tmp/site ] && export PYTHONPATH=$PWD:/tmp/site
 PORT=${PORT:-8321}
 for MO in ${MASK_ON:-thread}; do
 echo "== JAXLLM_MASK_ON=$MO"
