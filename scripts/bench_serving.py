@@ -284,6 +284,25 @@ def shape_config(args: argparse.Namespace) -> dict | None:
 
 _STRUCTURED_METRICS = ("jaxllm:structured_mask_seconds", "jaxllm:structured_mask_steps",
                        "jaxllm:structured_compile_seconds", "jaxllm:structured_compiles")
+# The server's own split of the first token's wait (arrival in the engine -> first step -> first
+# token): set beside the client's TTFT, it shows the time spent before the request reached the engine.
+_WAIT_METRICS = tuple(f"jaxllm:{n}_{k}" for n in ("time_to_first_token_seconds", "request_queue_time_seconds",
+                                                   "request_prefill_time_seconds") for k in ("sum", "count"))
+
+
+def server_wait(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Mean server-side TTFT, queue and prefill time (ms) between two scrapes."""
+    out = {}
+    for short, n in (("ttft", "time_to_first_token_seconds"), ("queue", "request_queue_time_seconds"),
+                     ("prefill", "request_prefill_time_seconds")):
+        c = after[f"jaxllm:{n}_count"] - before[f"jaxllm:{n}_count"]
+        out[f"server_{short}_ms_mean"] = 1e3 * (after[f"jaxllm:{n}_sum"] - before[f"jaxllm:{n}_sum"]) / c if c else None
+    return out
+
+
+def _wait_line(d: dict) -> str:
+    return "server-side means: " + "  ".join(
+        f"{k[7:-8]} {'-' if v is None else f'{v:.1f}'} ms" for k, v in d.items())
 
 
 def run_structured(args: argparse.Namespace) -> dict:
@@ -293,21 +312,23 @@ def run_structured(args: argparse.Namespace) -> dict:
     neither phase finds the other's prompts in the prefix cache."""
     def metrics() -> dict[str, float]:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        return scrape(httpx.get(args.base_url + "/metrics", headers=headers, timeout=30).text, _STRUCTURED_METRICS)
+        return scrape(httpx.get(args.base_url + "/metrics", headers=headers, timeout=30).text,
+                      _STRUCTURED_METRICS + _WAIT_METRICS)
 
     args.constraint = None
+    start = metrics()
     results, duration, _ = asyncio.run(run(args))
-    plain = summarize(results, duration, args)
-    print("-- unconstrained\n" + table(plain))
     before = metrics()
+    plain = {**summarize(results, duration, args), **server_wait(start, before)}
+    print("-- unconstrained\n" + table(plain) + "\n" + _wait_line(server_wait(start, before)))
     args.constraint, args.warmup = {"json": STRUCTURED_SCHEMA}, 0  # the first request compiles the schema
     args.seed += 1
     results, duration, _ = asyncio.run(run(args))
     args.seed -= 1
     after = metrics()
     args.constraint = "json"
-    constrained = summarize(results, duration, args)
-    print("-- json schema\n" + table(constrained))
+    constrained = {**summarize(results, duration, args), **server_wait(before, after)}
+    print("-- json schema\n" + table(constrained) + "\n" + _wait_line(server_wait(before, after)))
     d = {k: after[k] - before[k] for k in _STRUCTURED_METRICS}
     steps = d["jaxllm:structured_mask_steps"]
     ratio = constrained["output_token_throughput"] / max(plain["output_token_throughput"], 1e-9)

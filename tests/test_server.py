@@ -226,8 +226,13 @@ def test_64_concurrent_streams(srv):
 
 def test_prometheus_metrics(srv):
     text = httpx.get(f"{srv.url}/metrics").text
-    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                 "request_queue_time_seconds", "request_prefill_time_seconds"):
         assert srv.metric(f"jaxllm:{name}_count") > 0, name
+    # the first token's wait splits into queued and prefill time (vLLM's two histograms)
+    ttft, queue, prefill = (srv.metric(f"jaxllm:{n}_sum") for n in (
+        "time_to_first_token_seconds", "request_queue_time_seconds", "request_prefill_time_seconds"))
+    assert 0 < queue + prefill <= ttft + 1.0
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert f"jaxllm:{name}{{" in text, name
     assert srv.metric("jaxllm:prompt_tokens_total") > 0 and srv.metric("jaxllm:generation_tokens_total") > 64 * 8

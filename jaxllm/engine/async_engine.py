@@ -43,7 +43,8 @@ class StatObserver(Protocol):
 
     def on_request_added(self, num_prompt_tokens: int) -> None: ...
     def on_tokens(self, new_tokens: int, ttft: float | None, itl: float | None) -> None: ...
-    def on_request_finished(self, e2e: float, finish_reason: str | None) -> None: ...
+    def on_request_finished(self, e2e: float, finish_reason: str | None,
+                            queue: float | None = None, prefill: float | None = None) -> None: ...
 
 
 class AsyncLLM:
@@ -319,5 +320,9 @@ class AsyncLLM:
                 self._streams.pop(out.request_id, None)
                 self._num_seqs -= stream.params.n
                 if obs is not None:
-                    obs.on_request_finished(now - out.metrics.arrival_time,
-                                            out.outputs[0].finish_reason if out.outputs else None)
+                    m = out.metrics  # vLLM's split of the first token's wait: queued, then prefill
+                    queue = m.first_scheduled_time - m.arrival_time if m.first_scheduled_time else None
+                    prefill = m.first_token_time - m.first_scheduled_time \
+                        if m.first_token_time and m.first_scheduled_time else None
+                    obs.on_request_finished(now - m.arrival_time, out.outputs[0].finish_reason if out.outputs else None,
+                                            queue, prefill)

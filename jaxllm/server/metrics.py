@@ -32,6 +32,11 @@ class ServerMetrics:
                              labels, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
         self.e2e = Histogram("jaxllm:e2e_request_latency_seconds", "End-to-end request latency.",
                              labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.queue = Histogram("jaxllm:request_queue_time_seconds", "Time a request waited before it was "
+                               "first scheduled (arrival to first step).", labels, buckets=_LATENCY_BUCKETS,
+                               registry=r).labels(model_name)
+        self.prefill = Histogram("jaxllm:request_prefill_time_seconds", "Time from a request's first step to "
+                                 "its first token.", labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
         self.running = Gauge("jaxllm:num_requests_running", "Sequences running in the engine.",
                              labels, registry=r).labels(model_name)
         self.waiting = Gauge("jaxllm:num_requests_waiting", "Sequences waiting to be scheduled.",
@@ -101,8 +106,13 @@ class ServerMetrics:
         if itl is not None:
             self.itl.observe(itl)
 
-    def on_request_finished(self, e2e: float, finish_reason: str | None) -> None:
+    def on_request_finished(self, e2e: float, finish_reason: str | None,
+                            queue: float | None = None, prefill: float | None = None) -> None:
         self.e2e.observe(e2e)
+        if queue is not None:
+            self.queue.observe(queue)
+        if prefill is not None:
+            self.prefill.observe(prefill)
         self._success.labels(self.model_name, finish_reason or "unknown").inc()
 
     # -- scrape ------------------------------------------------------------
