@@ -57,7 +57,7 @@ def attempt(result: dict, key: str, fn, *a) -> None:
 
 def run_jax(args) -> dict:
     from jaxllm import LLM, SamplingParams
-    from jaxllm.benchmarks.roofline import ModelCost, StepRecorder, measure_rates, run_floor
+    from jaxllm.benchmarks.roofline import ModelCost, StepRecorder, breakdown, measure_rates, run_floor
 
     res: dict = {"engine": "jaxllm", "rates": measure_rates()}
     F = res["rates"]["matmul_flops_per_s"]
@@ -110,9 +110,12 @@ def run_jax(args) -> dict:
         params = [SamplingParams(max_tokens=s.output_len, temperature=0.0, ignore_eos=True) for s in samples]
         t = time.perf_counter()
         outs = llm.generate([{"prompt_token_ids": s.prompt} for s in samples], params, use_tqdm=False)
-        dt = time.perf_counter() - t
+        end = time.perf_counter()
+        dt = end - t
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        roof = run_floor(cost, rec.steps, res["rates"]["copy_bytes_per_s"], F)
+        C = res["rates"]["copy_bytes_per_s"]
+        roof = run_floor(cost, rec.steps, C, F)
+        roof["by_kind"] = breakdown(cost, rec.steps, rec.times, end, C, F, lag=1 if eng.async_scheduling else 0)
         rec.enabled = False
         return {"num_prompts": len(samples), "elapsed_s": dt, "output_tokens_per_s": n_out / dt,
                 "total_tokens_per_s": (n_out + sum(len(s.prompt) for s in samples)) / dt,

@@ -86,3 +86,21 @@ def test_recorder_sees_every_scheduled_token():
     assert max(end for _, rows in rec.steps for _, end, _ in rows) <= max(len(s.prompt) + s.output_len for s in samples)
     cost = ModelCost.of_runner(llm.engine.runner)
     assert cost.weight_bytes == llm.engine.runner.weight_bytes and cost.kv_bytes_per_token > 0
+    assert len(rec.times) == len(rec.steps) and rec.times == sorted(rec.times)
+
+
+def test_breakdown_by_kind_of_step():
+    """Steps split into decode / mixed / prefill; each gets the interval `lag` calls later."""
+    from jaxllm.benchmarks.roofline import breakdown, step_kind
+
+    c = ModelCost(weight_bytes=1000, matmul_params=10, head_params=4, kv_bytes_per_token=2, attn_flops_per_pair=3)
+    pre, mixed, dec = (8, [(8, 8, True)]), (5, [(4, 6, True), (1, 9, True)]), (2, [(1, 9, True), (1, 3, True)])
+    assert [step_kind(s) for s in (pre, mixed, dec)] == ["prefill", "mixed", "decode"]
+    steps, times = [pre, mixed, dec, dec], [0.0, 1.0, 3.0, 3.5]
+    sync = breakdown(c, steps, times, 4.5, 100.0, 1e9, lag=0)
+    assert sync["prefill"]["measured_s"] == 1.0 and sync["mixed"]["measured_s"] == 2.0
+    assert sync["decode"]["measured_s"] == pytest.approx(1.5) and sync["decode"]["steps"] == 2
+    assert sync["decode"]["floor_s"] == pytest.approx(2 * step_cost(c, dec)[0] / 100.0)
+    lagged = breakdown(c, steps, times, 4.5, 100.0, 1e9, lag=1)  # step k gets the interval after k + 1
+    assert lagged["prefill"]["measured_s"] == 2.0 and lagged["mixed"]["measured_s"] == 0.5
+    assert lagged["decode"]["measured_s"] == 1.0 and lagged["decode"]["x_floor"] > 0

@@ -75,11 +75,41 @@ def run_floor(cost: ModelCost, steps: list[Step], copy_bytes_per_s: float, matmu
             "copy_bytes_per_s": copy_bytes_per_s, "matmul_flops_per_s": matmul_flops_per_s}
 
 
+def step_kind(step: Step) -> str:
+    """"decode" (every row one new token), "prefill" (none does) or "mixed"."""
+    ones = sum(1 for q, _, _ in step[1] if q == 1)
+    return "decode" if ones == len(step[1]) else "prefill" if ones == 0 else "mixed"
+
+
+def breakdown(cost: ModelCost, steps: list[Step], times: list[float], end: float, copy_bytes_per_s: float,
+              matmul_flops_per_s: float, lag: int = 1) -> dict:
+    """Per kind of step (`step_kind`): steps, tokens, floor seconds and measured seconds.
+
+    Measured: the wall time between the scheduler's calls, given to the step `lag` calls
+    before (with async scheduling the host schedules step k + 1 once step k - 1's tokens are
+    back, so that interval is step k - 1's device time; lag 0 for synchronous steps). The
+    first `lag` intervals (the pipeline filling) are left out: a profile, not an exact sum."""
+    edges = times[1:] + [end]
+    spans = [b - a for a, b in zip(times, edges)]
+    out: dict[str, dict] = {}
+    for k, st in enumerate(steps):
+        b, f = step_cost(cost, st)
+        d = out.setdefault(step_kind(st), {"steps": 0, "tokens": 0, "floor_s": 0.0, "measured_s": 0.0})
+        d["steps"] += 1
+        d["tokens"] += st[0]
+        d["floor_s"] += max(b / copy_bytes_per_s, f / matmul_flops_per_s)
+        d["measured_s"] += spans[k + lag] if k + lag < len(spans) else 0.0
+    for d in out.values():
+        d["x_floor"] = d["measured_s"] / d["floor_s"] if d["floor_s"] else None
+    return out
+
+
 class StepRecorder:
-    """Records every step the engine's scheduler emits (wraps `scheduler.schedule`)."""
+    """Records every step the engine's scheduler emits (wraps `scheduler.schedule`), and when."""
 
     def __init__(self, engine: Any):
         self.steps: list[Step] = []
+        self.times: list[float] = []
         self.enabled = True
         sched = engine.scheduler
         inner = sched.schedule
@@ -89,12 +119,13 @@ class StepRecorder:
             if self.enabled and out.scheduled:
                 self.steps.append((out.num_batched_tokens, [
                     (len(s.token_ids), s.start_pos + len(s.token_ids), bool(s.sample)) for s in out.scheduled]))
+                self.times.append(time.perf_counter())
             return out
 
         sched.schedule = schedule
 
     def clear(self) -> None:
-        self.steps = []
+        self.steps, self.times = [], []
 
 
 def _timed(fn, *args, warm_s: float = 1.0, reps: int = 20, inner: int = 3) -> float:
