@@ -115,7 +115,8 @@ class LLMEngine:
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=max_tokens,
             max_model_len=self.max_model_len, policy=cfg.scheduling_policy,
             preemption_mode=cfg.preemption_mode,
-            num_lookahead_tokens=spec_cfg.num_lookahead_tokens if spec_cfg else 0), self.kv, self.connector)
+            num_lookahead_tokens=spec_cfg.num_lookahead_tokens if spec_cfg else 0,
+            token_buckets=tuple(self.token_buckets)), self.kv, self.connector)
         self.kv_events = make_publisher(cfg.kv_events_config)  # KV-cache events for routers
         if self.kv_events is not None:
             self.kv.pool.events = []

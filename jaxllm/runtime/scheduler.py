@@ -47,6 +47,7 @@ import itertools
 import time
 
 from jaxllm.runtime.kv_cache_manager import KVCacheManager
+from jaxllm.runtime.padding import fit_chunk
 from jaxllm.runtime.request import Request, RequestStatus
 from jaxllm.runtime.request_queue import make_queue
 from jaxllm.runtime.scheduler_output import (PLACEHOLDER, ScheduledRequest, SchedulerConfig,
@@ -168,9 +169,12 @@ class Scheduler:
             self.running.append(req)
 
     def _chunk(self, num_tokens: int, budget: int) -> int:
+        cfg = self.config
         n = min(num_tokens, budget)
-        if self.config.long_prefill_token_threshold > 0:
-            n = min(n, self.config.long_prefill_token_threshold)
+        if cfg.long_prefill_token_threshold > 0:
+            n = min(n, cfg.long_prefill_token_threshold)
+        if cfg.token_buckets and n > 1:
+            n = fit_chunk(cfg.max_num_batched_tokens - budget, n, cfg.token_buckets, cfg.fit_min_bucket)
         return n
 
     def _drafts(self, req: Request) -> list[int]:

@@ -24,6 +24,11 @@ class SchedulerConfig:
     # Speculative decoding: KV slots kept allocated past a request's tokens, so a draft
     # model can write its own K/V for the positions it guesses (vLLM's num_lookahead_tokens).
     num_lookahead_tokens: int = 0
+    # The device's padded token counts (ascending; empty: no padding to fit). A prompt chunk that
+    # would push the step just past a bucket of at least `fit_min_bucket` tokens is cut back to
+    # it, the rest going into the next step (runtime/padding.py).
+    token_buckets: tuple[int, ...] = ()
+    fit_min_bucket: int = 256
 
     def __post_init__(self):
         if self.policy not in ("fcfs", "priority"):
