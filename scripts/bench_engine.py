@@ -122,12 +122,28 @@ def run_jax(args) -> dict:
                 "roofline_output_tokens_per_s": n_out / roof["floor_s"], "fraction_of_roofline": roof["floor_s"] / dt,
                 "roofline": roof, "num_preemptions": llm.stats()["num_preemptions"]}
 
-    for n in args.ttft_lens:
-        attempt(res, f"ttft_{n}", ttft, n)
+    def mixed_unfitted() -> dict:
+        """The mixed workload with prompt chunks not fitted to the token buckets (runtime/padding.py)."""
+        import dataclasses
+        fitted = eng.scheduler.config
+        eng.scheduler.config = dataclasses.replace(fitted, token_buckets=())
+        try:
+            return mixed()
+        finally:
+            eng.scheduler.config = fitted
+
+    if "ttft" in args.parts:
+        for n in args.ttft_lens:
+            attempt(res, f"ttft_{n}", ttft, n)
+            save(res, args.output_json)
+    if "prefill" in args.parts:
+        attempt(res, "prefill", prefill)
         save(res, args.output_json)
-    attempt(res, "prefill", prefill)
-    save(res, args.output_json)
-    attempt(res, "mixed", mixed)
+    if "mixed" in args.parts:
+        attempt(res, "mixed", mixed)
+        save(res, args.output_json)
+    if "mixed_unfitted" in args.parts:
+        attempt(res, "mixed_unfitted", mixed_unfitted)
     res["compiles_after_warmup"] = llm.stats()["compiles_after_warmup"]
     return res
 
@@ -191,6 +207,9 @@ def main() -> None:
     p.add_argument("--random-output-len", type=int, default=288)
     p.add_argument("--random-range-ratio", type=float, default=0.88)
     p.add_argument("--spec-tflops", type=float, default=SPEC_TFLOPS["H200"], help="the card's dense bf16 peak")
+    p.add_argument("--parts", nargs="+", default=["ttft", "prefill", "mixed"],
+                   choices=["ttft", "prefill", "mixed", "mixed_unfitted"],
+                   help="mixed_unfitted: the mixed workload again, chunks not fitted to the buckets")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     res = run_hf(args) if args.peer == "hf" else run_jax(args)
