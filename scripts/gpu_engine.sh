@@ -9,7 +9,7 @@
 #   2. scripts/bench_latency.py: decode step latency at batch 1 and 64 (context 2,048) vs the floor.
 #   3. `jaxllm serve --random-shape llama3-8b` + scripts/bench_serving.py at request rates 4, 16, inf
 #      (p50/p99 TTFT and ITL, the run's roofline).
-# HF=0 skips the HF peer of part 1. PARTS picks the parts (default "engine latency serving"); split over two calls when one
+# HF=0 skips the HF peer of part 1; ENGINE_ARGS go to its bench_engine.py (e.g. "--parts mixed mixed_unfitted"). PARTS picks the parts (default "engine latency serving"); split over two calls when one
 # call's 600 s is too short for all three.
 # Every log is kept whole in $OUT; at the end they are searched for XLA's "Can't reduce memory use"
 # warning (never filtered) and the count is reported. Figures: $OUT/gpu_engine.json.
@@ -36,7 +36,7 @@ has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 
 if has engine; then
 echo "== 1a engine (jaxllm, defaults)"
-timeout ${T1:-150} python3 scripts/bench_engine.py --random-shape $SHAPE --output-json "$OUT/engine_jax.json" \
+timeout ${T1:-150} python3 scripts/bench_engine.py --random-shape $SHAPE ${ENGINE_ARGS:-} --output-json "$OUT/engine_jax.json" \
   > "$OUT/engine_jax.log" 2>&1; echo "rc $?"; grep "^== " "$OUT/engine_jax.log" | cut -c1-400
 
 if [ "${HF:-1}" = 1 ]; then
