@@ -104,3 +104,14 @@ def test_breakdown_by_kind_of_step():
     lagged = breakdown(c, steps, times, 4.5, 100.0, 1e9, lag=1)  # step k gets the interval after k + 1
     assert lagged["prefill"]["measured_s"] == 2.0 and lagged["mixed"]["measured_s"] == 0.5
     assert lagged["decode"]["measured_s"] == 1.0 and lagged["decode"]["x_floor"] > 0
+
+
+def test_serving_floor_of_a_config():
+    """bench_serving.py --roofline-shape's floor: prompts cost their FLOPs, outputs decode steps."""
+    from jaxllm.benchmarks.roofline import cost_of_config, serving_floor
+    from jaxllm.models.shapes import get_shape
+
+    cost = cost_of_config(get_shape("tiny"))
+    assert cost.weight_bytes > 0 and cost.kv_bytes_per_token > 0
+    r = serving_floor(cost, [32, 64], [8, 8], 2.0, copy_bytes_per_s=1e9, matmul_flops_per_s=1e12)
+    assert r["decode_steps"] == 8 and r["floor_s"] > r["prefill_floor_s"] > 0

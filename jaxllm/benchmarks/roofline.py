@@ -173,3 +173,32 @@ def measure_rates(copy_gib: float = 2.0, matmul_n: int = 8192, dtype: Any = None
     mm_s = _timed(jax.jit(lambda u: u @ u), a, warm_s=0.2 if cpu else 1.0, reps=5 if cpu else 20)
     del a
     return {"copy_bytes_per_s": copy, "matmul_flops_per_s": 2 * matmul_n ** 3 / mm_s}
+
+
+def cost_of_config(hf_config: dict, dtype_bytes: int = 2) -> ModelCost:
+    """A model's cost from its HF config (weights and KV in `dtype_bytes`, one device)."""
+    from jaxllm.models.config import ModelConfig
+
+    m = ModelConfig.from_hf(hf_config)
+    c = ModelCost.of(m, 0, m.num_layers * 2 * m.num_kv_heads * m.head_dim * dtype_bytes)
+    params = c.matmul_params + c.head_params * (1 if m.tie_word_embeddings else 2) \
+        + m.num_layers * 2 * m.hidden_size + m.hidden_size
+    return dataclasses.replace(c, weight_bytes=params * dtype_bytes)
+
+
+def serving_floor(cost: ModelCost, prompt_lens: list[int], output_lens: list[int], mean_batch: float,
+                  copy_bytes_per_s: float, matmul_flops_per_s: float) -> dict:
+    """A served run's roofline seen from the client, which does not see the engine's steps:
+    prompts cost their FLOPs (compute-bound), and the outputs are decode steps of the run's
+    mean running batch (sampled from the server's metrics) at the mean context."""
+    n_out, n_in = sum(output_lens), sum(prompt_lens)
+    B = max(mean_batch, 1.0)
+    ctx = (n_in + n_out / 2) / max(len(prompt_lens), 1)
+    prefill = sum(2.0 * cost.matmul_params * p + cost.attn_flops_per_pair * p * (p + 1) / 2 for p in prompt_lens)
+    steps = n_out / B
+    step_b, step_f = step_cost(cost, (int(round(B)), [(1, int(ctx), True)] * int(round(B))))
+    step_s = max(step_b / copy_bytes_per_s, step_f / matmul_flops_per_s)
+    floor = prefill / matmul_flops_per_s + steps * step_s
+    return {"floor_s": floor, "mean_batch": B, "decode_steps": steps, "decode_step_floor_s": step_s,
+            "prefill_floor_s": prefill / matmul_flops_per_s, "copy_bytes_per_s": copy_bytes_per_s,
+            "matmul_flops_per_s": matmul_flops_per_s}
