@@ -6,26 +6,23 @@ from __future__ import annotations
 import os
 
 
-def env_int(name: str, default: int, minimum: int | None = None) -> int:
+def _env_number(name: str, default, cast, what: str, minimum):
     raw = os.environ.get(name, str(default))
     try:
-        value = int(raw)
+        value = cast(raw)
     except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
+        raise ValueError(f"{name} must be {what}, got {raw!r}") from None
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def env_int(name: str, default: int, minimum: int | None = None) -> int:
+    return _env_number(name, default, int, "an integer", minimum)
 
 
 def env_float(name: str, default: float, minimum: float | None = None) -> float:
-    raw = os.environ.get(name, str(default))
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number, got {raw!r}") from None
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    return _env_number(name, default, float, "a number", minimum)
 
 
 def env_choice(name: str, default: str, choices: tuple[str, ...]) -> str:

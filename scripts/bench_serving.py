@@ -302,7 +302,8 @@ def server_wait(before: dict[str, float], after: dict[str, float]) -> dict[str, 
 
 def _wait_line(d: dict) -> str:
     return "server-side means: " + "  ".join(
-        f"{k[7:-8]} {'-' if v is None else f'{v:.1f}'} ms" for k, v in d.items())
+        f"{k.removeprefix('server_').removesuffix('_ms_mean')} {'-' if v is None else f'{v:.1f}'} ms"
+        for k, v in d.items())
 
 
 def run_structured(args: argparse.Namespace) -> dict:
@@ -319,16 +320,18 @@ def run_structured(args: argparse.Namespace) -> dict:
     start = metrics()
     results, duration, _ = asyncio.run(run(args))
     before = metrics()
-    plain = {**summarize(results, duration, args), **server_wait(start, before)}
-    print("-- unconstrained\n" + table(plain) + "\n" + _wait_line(server_wait(start, before)))
+    wait = server_wait(start, before)
+    plain = {**summarize(results, duration, args), **wait}
+    print("-- unconstrained\n" + table(plain) + "\n" + _wait_line(wait))
     args.constraint, args.warmup = {"json": STRUCTURED_SCHEMA}, 0  # the first request compiles the schema
     args.seed += 1
     results, duration, _ = asyncio.run(run(args))
     args.seed -= 1
     after = metrics()
     args.constraint = "json"
-    constrained = {**summarize(results, duration, args), **server_wait(before, after)}
-    print("-- json schema\n" + table(constrained) + "\n" + _wait_line(server_wait(before, after)))
+    wait = server_wait(before, after)
+    constrained = {**summarize(results, duration, args), **wait}
+    print("-- json schema\n" + table(constrained) + "\n" + _wait_line(wait))
     d = {k: after[k] - before[k] for k in _STRUCTURED_METRICS}
     steps = d["jaxllm:structured_mask_steps"]
     ratio = constrained["output_token_throughput"] / max(plain["output_token_throughput"], 1e-9)

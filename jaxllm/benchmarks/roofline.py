@@ -59,15 +59,19 @@ def step_cost(cost: ModelCost, step: Step) -> tuple[float, float]:
     return float(nbytes), flops
 
 
+def step_floor(nbytes: float, flops: float, copy_bytes_per_s: float, matmul_flops_per_s: float) -> float:
+    """Seconds of one step at the roofline: the larger of its bytes and its FLOPs at the rates."""
+    return max(nbytes / copy_bytes_per_s, flops / matmul_flops_per_s)
+
+
 def run_floor(cost: ModelCost, steps: list[Step], copy_bytes_per_s: float, matmul_flops_per_s: float) -> dict:
     """The roofline of a sequence of steps: seconds, and how many steps each bound limits."""
     total = bytes_total = flops_total = 0.0
     memory_bound = 0
     for st in steps:
         b, f = step_cost(cost, st)
-        tb, tf = b / copy_bytes_per_s, f / matmul_flops_per_s
-        total += max(tb, tf)
-        memory_bound += tb >= tf
+        total += step_floor(b, f, copy_bytes_per_s, matmul_flops_per_s)
+        memory_bound += b / copy_bytes_per_s >= f / matmul_flops_per_s
         bytes_total += b
         flops_total += f
     return {"floor_s": total, "steps": len(steps), "memory_bound_steps": memory_bound,
@@ -93,11 +97,10 @@ def breakdown(cost: ModelCost, steps: list[Step], times: list[float], end: float
     spans = [b - a for a, b in zip(times, edges)]
     out: dict[str, dict] = {}
     for k, st in enumerate(steps):
-        b, f = step_cost(cost, st)
         d = out.setdefault(step_kind(st), {"steps": 0, "tokens": 0, "floor_s": 0.0, "measured_s": 0.0})
         d["steps"] += 1
         d["tokens"] += st[0]
-        d["floor_s"] += max(b / copy_bytes_per_s, f / matmul_flops_per_s)
+        d["floor_s"] += step_floor(*step_cost(cost, st), copy_bytes_per_s, matmul_flops_per_s)
         d["measured_s"] += spans[k + lag] if k + lag < len(spans) else 0.0
     for d in out.values():
         d["x_floor"] = d["measured_s"] / d["floor_s"] if d["floor_s"] else None
@@ -197,7 +200,7 @@ def serving_floor(cost: ModelCost, prompt_lens: list[int], output_lens: list[int
     prefill = sum(2.0 * cost.matmul_params * p + cost.attn_flops_per_pair * p * (p + 1) / 2 for p in prompt_lens)
     steps = n_out / B
     step_b, step_f = step_cost(cost, (int(round(B)), [(1, int(ctx), True)] * int(round(B))))
-    step_s = max(step_b / copy_bytes_per_s, step_f / matmul_flops_per_s)
+    step_s = step_floor(step_b, step_f, copy_bytes_per_s, matmul_flops_per_s)
     floor = prefill / matmul_flops_per_s + steps * step_s
     return {"floor_s": floor, "mean_batch": B, "decode_steps": steps, "decode_step_floor_s": step_s,
             "prefill_floor_s": prefill / matmul_flops_per_s, "copy_bytes_per_s": copy_bytes_per_s,
