@@ -63,10 +63,11 @@ def run_jax(args) -> dict:
     F = res["rates"]["matmul_flops_per_s"]
     t0 = time.perf_counter()
     max_len = max(args.ttft_lens + [args.prefill_len + 1, 2 * (args.random_input_len + args.random_output_len)]) + 16
-    llm = LLM(random_shape=args.random_shape, max_model_len=max_len)  # defaults otherwise
+    extra = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
+    llm = LLM(random_shape=args.random_shape, max_model_len=max_len, **extra)  # defaults otherwise
     eng = llm.engine
     res["init_s"] = time.perf_counter() - t0
-    res["config"] = {"max_num_batched_tokens": eng.token_buckets[-1], "token_buckets": list(eng.token_buckets),
+    res["config"] = {"max_num_seqs": eng.cfg.max_num_seqs, "max_num_batched_tokens": eng.token_buckets[-1], "token_buckets": list(eng.token_buckets),
                      "seq_buckets": list(eng.seq_buckets), "num_blocks": eng.runner.num_blocks,
                      "max_model_len": max_len, "warmup_s": eng.warmup_seconds}
     cost = ModelCost.of_runner(eng.runner)
@@ -210,6 +211,7 @@ def main() -> None:
     p.add_argument("--parts", nargs="+", default=["ttft", "prefill", "mixed"],
                    choices=["ttft", "prefill", "mixed", "mixed_unfitted"],
                    help="mixed_unfitted: the mixed workload again, chunks not fitted to the buckets")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     res = run_hf(args) if args.peer == "hf" else run_jax(args)
