@@ -358,3 +358,30 @@ def test_hand_off_resolves_or_fails_the_draws_future(monkeypatch) -> None:
     monkeypatch.setenv("JAXLLM_MASK_ON", "gpu")
     with pytest.raises(ValueError, match="JAXLLM_MASK_ON"):
         StructuredManager(tok, tok.vocab_size)
+
+
+def test_each_steps_mask_is_handed_off_once(llm, monkeypatch) -> None:
+    """With the mask computed on the mask thread, the draw's Future resolves only when the mask
+    is ready; the engine must not take "not done yet" for "not handed off" and hand the same
+    step's matchers off again (a second fill then ran while the host advanced those matchers:
+    llguidance's "Already borrowed" on an H200). Each step's Future is handed off exactly once,
+    and the mask counters count each step once."""
+    manager = llm.engine.structured
+    assert manager.mask_on == "thread" and llm.engine.async_scheduling
+    seen: list[int] = []
+    real = manager.hand_off
+
+    def counting(rows, num_rows, future):
+        seen.append(id(future))
+        futures.append(future)  # kept alive, so no id is reused within the run
+        return real(rows, num_rows, future)
+
+    futures: list = []
+    monkeypatch.setattr(manager, "hand_off", counting)
+    steps0 = manager.mask_steps
+    sp = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=40, structured_outputs=S(json=SCHEMA))
+    outs = llm.generate([PROMPT, "Another user, as JSON:"], sp, use_tqdm=False)
+    assert len(seen) > 10 and len(seen) == len(set(seen)), "a step's mask was handed off twice"
+    assert manager.mask_steps - steps0 == len(seen)
+    assert all(c.token_ids for o in outs for c in o.outputs)
+    _clean(llm)

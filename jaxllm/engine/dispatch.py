@@ -29,6 +29,10 @@ class Launched:
     row_of: dict[str, int]  # sequence id -> its row in the step's sampled ids
     sample: Future | PendingSample | None  # a Future while the dispatch thread owns it
     mask: Future | None = None  # structured outputs: the draw's bitmask job, set by the host later
+    # The mask was handed off (LLMEngine._fill_mask). Not `mask.done()`: on the mask thread the
+    # Future resolves only once the mask is computed, and a second hand-off meanwhile would fill
+    # the matchers again while the host advances them after the draw.
+    mask_handed: bool = False
     num_rows: int = 0  # the draw's padded row count
     spec_rows: dict = field(default_factory=dict)  # request id -> rows verifying its drafts
 

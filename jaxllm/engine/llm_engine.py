@@ -311,7 +311,7 @@ class LLMEngine:
             if prev is not None:
                 outputs += self._process(prev, then=launched)
         finally:  # the draw of `launched` waits for its mask, which needs prev's tokens
-            if launched is not None and launched.mask is not None and not launched.mask.done():
+            if launched is not None and launched.mask is not None and not launched.mask_handed:
                 self._fill_mask(launched)
         if launched is not None:
             if self.dispatcher.threaded and self.beam is None:
@@ -405,6 +405,7 @@ class LLMEngine:
         earlier token) off the engine thread by default (`StructuredManager.hand_off`), so the
         host's detokenizing and the server's streaming go on meanwhile (the next advance of
         these matchers waits for this draw, so nothing moves them under it)."""
+        launched.mask_handed = True  # once per step: see Launched.mask_handed
         rows = [(sid, i) for sid, i in launched.row_of.items() if sid in self.structured]
         try:
             self.structured.hand_off(rows, launched.num_rows, launched.mask)
@@ -450,7 +451,7 @@ class LLMEngine:
             for req in touched:
                 if self._structured.advance(req.request_id, req.output_token_ids) and not req.finished:
                     self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)  # grammar complete
-            if then is not None and then.mask is not None and not then.mask.done():
+            if then is not None and then.mask is not None and not then.mask_handed:
                 self._fill_mask(then)
 
         outputs: dict[str, RequestOutput] = {}
