@@ -133,6 +133,31 @@ def run_jax(args) -> dict:
         finally:
             eng.scheduler.config = fitted
 
+    def mixed_profile() -> dict:
+        """The mixed workload's steady state under the profiler: after --profile-after steps,
+        --profile-steps steps traced (trace_stats.py): GPU busy vs wall per step, kernel time by
+        kind (attention, matmul, other) and the top kernels; then the rest is aborted."""
+        from trace_stats import profile
+        samples = random_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
+                                 args.random_range_ratio, vocab, seed=1)
+        eng.kv.reset_prefix_cache()
+        for i, s in enumerate(samples):
+            eng.add_request(f"prof-{i}", s.prompt, SamplingParams(max_tokens=s.output_len, temperature=0.0,
+                                                                  ignore_eos=True))
+        for _ in range(args.profile_after):
+            eng.step()
+        running = len(eng.scheduler.running)
+        rec = StepRecorder(eng)
+        summary = profile(eng.step, args.profile_steps, args.profile_dir)
+        rec.enabled = False
+        C, F = res["rates"]["copy_bytes_per_s"], res["rates"]["matmul_flops_per_s"]
+        window = {"decode_steps": sum(all(n == 1 for n, _, _ in rows) for _, rows in rec.steps),
+                  "steps": len(rec.steps), "tokens": sum(t for t, _ in rec.steps),
+                  "floor_s_per_step": run_floor(cost, rec.steps, C, F)["floor_s"] / max(len(rec.steps), 1)}
+        eng.abort_request([f"prof-{i}" for i in range(len(samples))])
+        eng.flush()
+        return {"running": running, "window": window, **summary}
+
     if "ttft" in args.parts:
         for n in args.ttft_lens:
             attempt(res, f"ttft_{n}", ttft, n)
@@ -145,6 +170,8 @@ def run_jax(args) -> dict:
         save(res, args.output_json)
     if "mixed_unfitted" in args.parts:
         attempt(res, "mixed_unfitted", mixed_unfitted)
+    if "mixed_profile" in args.parts:
+        attempt(res, "mixed_profile", mixed_profile)
     res["compiles_after_warmup"] = llm.stats()["compiles_after_warmup"]
     return res
 
@@ -209,8 +236,12 @@ def main() -> None:
     p.add_argument("--random-range-ratio", type=float, default=0.88)
     p.add_argument("--spec-tflops", type=float, default=SPEC_TFLOPS["H200"], help="the card's dense bf16 peak")
     p.add_argument("--parts", nargs="+", default=["ttft", "prefill", "mixed"],
-                   choices=["ttft", "prefill", "mixed", "mixed_unfitted"],
-                   help="mixed_unfitted: the mixed workload again, chunks not fitted to the buckets")
+                   choices=["ttft", "prefill", "mixed", "mixed_unfitted", "mixed_profile"],
+                   help="mixed_unfitted: the mixed workload again, chunks not fitted to the buckets; "
+                        "mixed_profile: its steady state under jax.profiler (trace_stats.py)")
+    p.add_argument("--profile-after", type=int, default=400, help="mixed_profile: steps before the trace")
+    p.add_argument("--profile-steps", type=int, default=40, help="mixed_profile: steps traced")
+    p.add_argument("--profile-dir", default="/tmp/jaxllm_mixed_trace")
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
