@@ -148,7 +148,7 @@ def run_jax(args) -> dict:
             eng.step()
         running = len(eng.scheduler.running)
         rec = StepRecorder(eng)
-        summary = profile(eng.step, args.profile_steps, args.profile_dir)
+        summary = profile(eng.step, args.profile_steps, args.profile_dir, python_tracer=args.python_tracer)
         rec.enabled = False
         C, F = res["rates"]["copy_bytes_per_s"], res["rates"]["matmul_flops_per_s"]
         window = {"decode_steps": sum(all(n == 1 for n, _, _ in rows) for _, rows in rec.steps),
@@ -242,6 +242,9 @@ def main() -> None:
     p.add_argument("--profile-after", type=int, default=400, help="mixed_profile: steps before the trace")
     p.add_argument("--profile-steps", type=int, default=40, help="mixed_profile: steps traced")
     p.add_argument("--profile-dir", default="/tmp/jaxllm_mixed_trace")
+    p.add_argument("--python-tracer", action=argparse.BooleanOptionalAction, default=True,
+                   help="mixed_profile: record Python spans (slows the host; --no-python-tracer for "
+                        "the real GPU idle time)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()

@@ -95,12 +95,18 @@ def summarize(events: list[dict], steps: int, wall_s: float | None = None) -> di
     return out
 
 
-def profile(fn, steps: int, log_dir: str) -> dict:
-    """Run fn() `steps` times under the profiler; summarise (never raises: errors are reported)."""
+def profile(fn, steps: int, log_dir: str, python_tracer: bool = True) -> dict:
+    """Run fn() `steps` times under the profiler; summarise (never raises: errors are reported).
+
+    `python_tracer=False` records no Python spans: the host then runs at its own speed (the
+    tracer slows Python-heavy loops by ~1.6x), so GPU busy vs wall shows the real idle time;
+    only C++ host spans (jit dispatches) are left in `host_top_s`."""
     import jax
 
+    opts = jax.profiler.ProfileOptions()
+    opts.python_tracer_level = 1 if python_tracer else 0
     try:
-        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True, profiler_options=opts):
             t = time.perf_counter()
             for _ in range(steps):
                 fn()
