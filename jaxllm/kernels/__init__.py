@@ -75,7 +75,22 @@ def mosaic_attention(q, kv_pages, layer, md, *, sm_scale: float,
     num_tokens, num_reqs = q.shape[0], md.block_tables.shape[0]
     if num_tokens <= num_reqs:
         return mosaic_decode.paged_decode_attention(q, kv_pages, layer, md, sm_scale=sm_scale)
+    from jaxllm.kernels import mixed_split
+    if mixed_split.mode() == "decode" and _split_ok(q, kv_pages, prefill_fn):
+        mixed_split.log_once((num_tokens, num_reqs))
+        return mixed_split.split_decode_rows(q, kv_pages, layer, md, sm_scale=sm_scale,
+                                             decode_fn=mosaic_decode.paged_decode_attention,
+                                             prefill_fn=prefill_fn)
     return prefill_fn(q, kv_pages, layer, md, sm_scale=sm_scale)
+
+
+def _split_ok(q, kv_pages, prefill_fn: AttentionFn) -> bool:
+    """The split (mixed_split.py) only where the mixed kernel is the portable Pallas one: the
+    Mosaic prefill kernel's handling of padding tokens inside a request is not verified."""
+    if prefill_fn is not gpu_prefill_attention:
+        return prefill_fn is ref.ragged_paged_attention
+    from jaxllm.kernels import prefill_choice
+    return prefill_choice.prefill_kernel(q, kv_pages) == "pallas"
 
 
 def _hopper() -> bool:
