@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from jaxllm.config import EngineConfig
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.outputs import RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from jaxllm.beam_search import BeamSearchOutput, BeamSearchParams
@@ -72,6 +72,10 @@ class LLM:
             self.engine.validate(self.engine.tokenize(p)[1], sp, pr)
             if sp.structured_outputs is not None:  # offline: wait for the compile, raise its reason
                 self.engine.structured.compiler.compile_now(sp.structured_outputs)
+        # Only the final outputs are read (vLLM's LLM asks for FINAL_ONLY too): the engine then
+        # builds no per-step output. The caller's objects are left as they are.
+        final = {id(sp): dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY) for sp in params}
+        params = [final[id(sp)] for sp in params]
         ids = []
         for p, sp, pr in zip(prompts, params, priority):
             rid = str(self._next_id)

@@ -29,6 +29,17 @@ class SamplingType(enum.IntEnum):
     RANDOM_SEED = 2
 
 
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs a request reports (vLLM's names): every step's cumulative output, or only
+    the final one (what ``LLM.generate`` asks for: it reads nothing before the end, and building
+    an output per request per step is host work). vLLM's DELTA is refused: jaxllm streams deltas
+    through ``AsyncLLM.generate(delta=True)``."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 # The constraint kinds of ``StructuredOutputsParams``: exactly one is set per request.
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -126,6 +137,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -139,6 +151,9 @@ class SamplingParams:
 
     def _verify_args(self) -> None:
         """Reject out-of-range values with vLLM-style messages naming the field."""
+        if self.output_kind not in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+            raise ValueError(f"output_kind must be RequestOutputKind.CUMULATIVE or FINAL_ONLY, got "
+                             f"{self.output_kind!r} (deltas: AsyncLLM.generate(delta=True))")
         if not isinstance(self.n, int) or isinstance(self.n, bool):
             raise ValueError(f"n must be an int, got {type(self.n).__name__}.")
         if self.n < 1:

@@ -166,3 +166,29 @@ def test_packed_batch_unpacks_to_the_host_batch():
     for name in ("positions", "token_req", "slot_mapping", "block_tables", "seq_lens",
                  "query_start_loc", "num_seqs"):
         np.testing.assert_array_equal(getattr(b.md, name), getattr(hb, name), err_msg=name)
+
+
+def test_generate_asks_for_final_outputs_only(llm, prompts, alone, monkeypatch):
+    """LLM.generate reads only final outputs, so (as vLLM's LLM) it asks for FINAL_ONLY and the
+    engine builds one RequestOutput per request, not one per request per step; the caller's
+    SamplingParams is left as it was, and the outputs are the cumulative ones' finals. A request
+    added with the default kind gets an output at every step; DELTA is refused naming the field."""
+    import jaxllm.engine.llm_engine as le
+    from jaxllm.sampling_params import RequestOutputKind
+
+    built: list[str] = []
+    real = le.make_output
+    monkeypatch.setattr(le, "make_output", lambda parent, fin: built.append(parent.request_id) or real(parent, fin))
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)  # as GREEDY, a new object
+    outs = llm.generate(prompts[:3], sp, use_tqdm=False)
+    assert sp.output_kind is RequestOutputKind.CUMULATIVE
+    assert sorted(built) == sorted(o.request_id for o in outs)  # one each, at the end
+    assert [o.outputs[0].token_ids for o in outs] == alone[:3]
+    built.clear()
+    eng = llm.engine
+    eng.add_request("cumulative", prompts[0], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert built.count("cumulative") == 5
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind=RequestOutputKind.DELTA)

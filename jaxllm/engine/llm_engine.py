@@ -33,7 +33,7 @@ from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.runtime.kv_cache_manager import KVCacheManager
 from jaxllm.runtime.request import Request, RequestStatus, StopRule
 from jaxllm.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 log = logging.getLogger("jaxllm")
 IDLE_WAIT_S = 0.005  # at most, with only KV loads in flight (a finished load wakes it at once)
@@ -466,7 +466,8 @@ class LLMEngine:
             parent = self.parents[seq.parent_id]
             if parent.record(req):
                 del self.parents[parent.request_id]
-            outputs[parent.request_id] = make_output(parent, parent.finished)
+            if parent.finished or parent.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs[parent.request_id] = make_output(parent, parent.finished)
         if self.spec is not None:
             self.spec.propose(self.scheduler.running, self.max_model_len, self._structured or ())
         return list(outputs.values())
