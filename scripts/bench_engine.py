@@ -137,13 +137,15 @@ def run_jax(args) -> dict:
         """The mixed workload's steady state under the profiler: after --profile-after steps,
         --profile-steps steps traced (trace_stats.py): GPU busy vs wall per step, kernel time by
         kind (attention, matmul, other) and the top kernels; then the rest is aborted."""
+        from jaxllm.benchmarks.roofline import step_kind
+        from jaxllm.sampling_params import RequestOutputKind
         from trace_stats import profile
         samples = random_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
                                  args.random_range_ratio, vocab, seed=1)
         eng.kv.reset_prefix_cache()
         for i, s in enumerate(samples):
-            eng.add_request(f"prof-{i}", s.prompt, SamplingParams(max_tokens=s.output_len, temperature=0.0,
-                                                                  ignore_eos=True))
+            eng.add_request(f"prof-{i}", s.prompt, SamplingParams(  # final outputs, as LLM.generate asks
+                max_tokens=s.output_len, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY))
         for _ in range(args.profile_after):
             eng.step()
         running = len(eng.scheduler.running)
@@ -151,7 +153,7 @@ def run_jax(args) -> dict:
         summary = profile(eng.step, args.profile_steps, args.profile_dir, python_tracer=args.python_tracer)
         rec.enabled = False
         C, F = res["rates"]["copy_bytes_per_s"], res["rates"]["matmul_flops_per_s"]
-        window = {"decode_steps": sum(all(n == 1 for n, _, _ in rows) for _, rows in rec.steps),
+        window = {"decode_steps": sum(step_kind(st) == "decode" for st in rec.steps),
                   "steps": len(rec.steps), "tokens": sum(t for t, _ in rec.steps),
                   "floor_s_per_step": run_floor(cost, rec.steps, C, F)["floor_s"] / max(len(rec.steps), 1)}
         eng.abort_request([f"prof-{i}" for i in range(len(samples))])

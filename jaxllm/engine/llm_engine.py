@@ -311,7 +311,7 @@ class LLMEngine:
             if prev is not None:
                 outputs += self._process(prev, then=launched)
         finally:  # the draw of `launched` waits for its mask, which needs prev's tokens
-            if launched is not None and launched.mask is not None and not launched.mask_handed:
+            if launched is not None:
                 self._fill_mask(launched)
         if launched is not None:
             if self.dispatcher.threaded and self.beam is None:
@@ -394,7 +394,7 @@ class LLMEngine:
             verify = self.spec.verifier.bind(self.spec.draft_ids(out, spec_rows, sbatch.num_rows))
         launched = Launched(out, rows, row_of, None, mask=Future() if sbatch.masked else None,
                             num_rows=sbatch.num_rows, spec_rows=spec_rows)
-        if launched.mask is not None and prev is None:  # every earlier token is known: fill now
+        if prev is None:  # every earlier token is known: fill now
             self._fill_mask(launched)
         launched.sample = self.dispatcher.submit(out, hb, sbatch, prev.sample if prev else None, launched.mask,
                                                  verify)
@@ -405,7 +405,9 @@ class LLMEngine:
         earlier token) off the engine thread by default (`StructuredManager.hand_off`), so the
         host's detokenizing and the server's streaming go on meanwhile (the next advance of
         these matchers waits for this draw, so nothing moves them under it)."""
-        launched.mask_handed = True  # once per step: see Launched.mask_handed
+        if launched.mask is None or launched.mask_handed:  # unconstrained, or once per step
+            return
+        launched.mask_handed = True
         rows = [(sid, i) for sid, i in launched.row_of.items() if sid in self.structured]
         try:
             self.structured.hand_off(rows, launched.num_rows, launched.mask)
@@ -451,7 +453,7 @@ class LLMEngine:
             for req in touched:
                 if self._structured.advance(req.request_id, req.output_token_ids) and not req.finished:
                     self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)  # grammar complete
-            if then is not None and then.mask is not None and not then.mask_handed:
+            if then is not None:
                 self._fill_mask(then)
 
         outputs: dict[str, RequestOutput] = {}
