@@ -117,8 +117,9 @@ def sample_rows(case, n: int = 48) -> np.ndarray:
 def jax_fns(names: list[str]) -> dict:
     """name -> (kind, fn): kind "paged": fn(q, kv, md) -> [T, H, D]; kind "contig":
     fn(q, k, v, lengths) -> [T, H, D] per sequence (lengths static).
-    mosaic:BLOCK_KEYS:STAGES picks a variant; mosaic_direct[:BK:ST] skips the alignment
-    `lax.cond` (right only when every request starts at a multiple of 8: the 1xN cases)."""
+    mosaic:BLOCK_KEYS:STAGES picks a variant; mosaic_direct[:BK:ST] is the kernel without the
+    alignment relabeling around it (right only when every request starts at a multiple of 8:
+    the 1xN cases); mosaic_scatter[:BK:ST] the wrapper's former scatter of q."""
     fns = {}
     for name in names:
         kind, *parts = name.split(":")
@@ -132,6 +133,10 @@ def jax_fns(names: list[str]) -> dict:
                 q, md.query_start_loc.astype(jnp.int32), md.positions, kv_pages=kv,
                 layer=jnp.int32(0), md=md, sm_scale=SCALE, block_keys=bk, num_stages=st,
                 interpret=False, semantics=None))
+            continue
+        elif kind == "mosaic_scatter":  # the wrapper before 2026-12-02 (q scattered into zeros)
+            bk, st = (int(parts[0]), int(parts[1])) if parts else (128, 2)
+            fns[name] = ("paged", lambda q, kv, md, bk=bk, st=st: _scatter_wrapper(q, kv, md, bk, st))
             continue
         elif kind == "pallas":
             f = functools.partial(pallas_ragged.ragged_paged_attention, sm_scale=SCALE)
@@ -152,6 +157,18 @@ def jax_fns(names: list[str]) -> dict:
             raise ValueError(f"unknown prefill kernel {name!r}")
         fns[name] = ("paged", lambda q, kv, md, f=f: f(q, kv, jnp.int32(0), md))
     return fns
+
+
+def _scatter_wrapper(q, kv, md, bk: int, st: int):
+    """`ragged_prefill_attention` as it was: q scattered into a zeroed aligned layout (the
+    wrapper now gathers it), to price the change in the same run."""
+    qsl = md.query_start_loc.astype(jnp.int32)
+    new_qsl, new_pos, dest, _, padded = mosaic_prefill.aligned_layout(qsl, md.positions, q.shape[0])
+    q_pad = jnp.zeros((padded,) + q.shape[1:], q.dtype).at[dest].set(q)
+    out = mosaic_prefill._attend(q_pad, new_qsl, new_pos, kv_pages=kv, layer=jnp.int32(0), md=md,
+                                 sm_scale=SCALE, block_keys=bk, num_stages=st, interpret=False,
+                                 semantics=None)
+    return out[dest]
 
 
 def _per_seq(q, k, v, lengths, attn):

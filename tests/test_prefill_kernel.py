@@ -182,13 +182,14 @@ def test_aligned_layout_keeps_results_and_aligns_every_window(reqs, page_size, n
     q, kv, md = make_batch(rng, reqs, page_size=page_size, num_kv_heads=num_kv_heads,
                            group=group, pad_tokens=5)
     T = q.shape[0]
-    qsl, pos, dest, padded = mosaic_prefill.aligned_layout(md.query_start_loc, md.positions, T)
+    qsl, pos, dest, src, padded = mosaic_prefill.aligned_layout(md.query_start_loc, md.positions, T)
     assert not (np.asarray(qsl) % 8).any() and padded % 8 == 0
     bq = 128 // group
     sched = np.asarray(ps.prefill_schedule(qsl, pos, max(padded, bq), bq))
     live = sched[ps.COUNT] > 0
     assert not (sched[ps.T0][live] % 8).any()
-    q_pad = jnp.zeros((padded,) + q.shape[1:], q.dtype).at[dest].set(q)
+    assert (np.asarray(src)[np.asarray(dest)] == np.arange(T)).all()  # src inverts dest
+    q_pad = q[src]  # the gather the kernel's wrapper does; gap rows repeat real queries
     md2 = dataclasses.replace(md, query_start_loc=qsl, positions=pos)
     got = pallas_prefill.ragged_prefill_attention(q_pad, kv, jnp.int32(1), md2, sm_scale=0.25,
                                                   block_rows=rows, block_keys=16)[dest]

@@ -245,16 +245,21 @@ ALIGN = 8  # TMA row granularity of the [T, K, G, D] q/out views (their (8, 64) 
 
 
 def aligned_layout(query_start_loc: jax.Array, positions: jax.Array, num_tokens: int,
-                   align: int = ALIGN) -> tuple[jax.Array, jax.Array, jax.Array, int]:
+                   align: int = ALIGN) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, int]:
     """Relabel a batch so that every segment (request rows, then the padding tail) starts
-    at a multiple of `align` -> (qsl' [R + 1], positions' [Tp], dest [T], Tp).
+    at a multiple of `align` -> (qsl' [R + 1], positions' [Tp], dest [T], src [Tp], Tp).
 
     The TMA copies of q and out address rows through the views' (8, 64) tiling, so a copy
     whose first row is not a multiple of 8 runs out of its tile: rows come back as zeros
     and stores are dropped (seen on the H200: every ragged batch wrong, every batch of one
     aligned prompt right). Token t goes to row dest[t]; the gap rows after a request
     continue its positions (garbage queries whose rows nobody reads; the real rows' causal
-    mask hides the extra keys) and the tail rows have position -1 (zeros)."""
+    mask hides the extra keys) and the tail rows have position -1 (zeros).
+
+    `src` is the inverse map, for a gather (`q[src]`) instead of a scatter into zeros: row p
+    takes token src[p], its segment's token at the same offset, clipped into the segment (gap
+    rows repeat the segment's last token: queries nobody reads). On the H200 a scatter of
+    rows is the slower XLA op of the two."""
     qsl = query_start_loc.astype(jnp.int32)
     num_reqs = qsl.shape[0] - 1
     seg_start = qsl
@@ -271,7 +276,9 @@ def aligned_layout(query_start_loc: jax.Array, positions: jax.Array, num_tokens:
     first = positions[jnp.clip(seg_start[seg_p], 0, num_tokens - 1)]
     new_pos = jnp.where((seg_p < num_reqs) & (seg_n[seg_p] > 0),
                         first + p - new_start[seg_p], -1)
-    return new_start, new_pos.astype(jnp.int32), dest, padded
+    offset = jnp.minimum(p - new_start[seg_p], jnp.maximum(seg_n[seg_p] - 1, 0))
+    src = jnp.clip(seg_start[seg_p] + offset, 0, num_tokens - 1)
+    return new_start, new_pos.astype(jnp.int32), dest, src.astype(jnp.int32), padded
 
 
 def ragged_prefill_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
@@ -280,7 +287,7 @@ def ragged_prefill_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array
                              semantics: str | None = None) -> jax.Array:
     """Ragged paged attention for prefill/mixed batches, q [T, H, D] -> [T, H, D].
 
-    The kernel runs on `aligned_layout`'s relabeled batch (a scatter of q and a gather of the
+    The kernel runs on `aligned_layout`'s relabeled batch (a gather of q and one of the
     output around it), so one kernel serves every batch: a `lax.cond` between it and a direct
     call for already aligned batches put two kernels in each layer (every call site of a Mosaic
     kernel compiles on its own: about 1.4 s each on an H200 host, `scripts/mosaic_compile_time.py`)
@@ -291,11 +298,11 @@ def ragged_prefill_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array
         raise ValueError(f"unsupported shape: H={num_heads} K={num_kv_heads} D={head_dim} "
                          f"S={page_size} BK={block_keys}")
     qsl = md.query_start_loc.astype(jnp.int32)
-    new_qsl, new_pos, dest, padded = aligned_layout(qsl, md.positions, num_tokens)
-    q_pad = jnp.zeros((padded,) + q.shape[1:], q.dtype).at[dest].set(q)
+    new_qsl, new_pos, dest, src, _ = aligned_layout(qsl, md.positions, num_tokens)
+    q_pad = q.at[src].get(mode="promise_in_bounds", indices_are_sorted=True)
     out = _attend(q_pad, new_qsl, new_pos, kv_pages=kv_pages, layer=layer, md=md, sm_scale=sm_scale,
                   block_keys=block_keys, num_stages=num_stages, interpret=interpret, semantics=semantics)
-    return out[dest]
+    return out.at[dest].get(mode="promise_in_bounds", indices_are_sorted=True, unique_indices=True)
 
 
 def _attend(q: jax.Array, qsl: jax.Array, positions: jax.Array, *, kv_pages: jax.Array,
