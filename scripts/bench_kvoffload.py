@@ -23,7 +23,9 @@ must load all of P's full blocks but the last from the host tier (`all_from_host
 give the recomputed first token. Restore bandwidth: the engine's own
 block writes (KVOps.write_blocks, host arrays -> device pages) of P's blocks, timed to
 completion, against a plain host-to-device copy of the same bytes in one array
-(jax.device_put of a numpy array) measured in the same run.
+(jax.device_put of a numpy array) measured in the same run; and both again from pinned host
+memory (blocks as the host tier holds them by default; one array copied from pinned memory).
+`--pin-host-memory off`: the host tier in numpy arrays (the connector's `pin_host_memory`).
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--streams", type=int, default=4, help="decoding streams while P is restored")
     p.add_argument("--stream-tokens", type=int, default=48)
+    p.add_argument("--pin-host-memory", choices=["on", "off"], default="on",
+                   help="the host tier's blocks in pinned host memory (the connector's default) or numpy")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
 
@@ -129,12 +133,16 @@ def main():
     seqs = args.streams + 1
     llm = LLM(load_format="dummy", random_shape=args.random_shape, max_model_len=max_len, max_num_seqs=seqs,
               num_gpu_blocks_override=blocks + 8 + stream_blocks, max_num_batched_tokens=args.chunk,
-              token_buckets=(16, args.chunk), seq_buckets=(max(8, seqs),), kv_offload_cpu_gib=args.cpu_gib)
+              token_buckets=(16, args.chunk), seq_buckets=(max(8, seqs),),
+              kv_transfer_config={"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                  "kv_connector_extra_config": {"cpu_gib": args.cpu_gib,
+                                                                "pin_host_memory": args.pin_host_memory == "on"}})
     eng = llm.engine
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     rng = np.random.default_rng(0)
     vocab = eng.model_cfg.vocab_size
     res: dict = {"shape": args.random_shape, "input_len": args.input_len, "device": str(jax.devices()[0]),
+                 "host_tier_pinned": eng.connector.pinned(),
                  "block_bytes": eng.connector.ctx.block_bytes, "rows": [],
                  "engine_start_s": time.perf_counter() - t_start}
     print(f"engine ready in {res['engine_start_s']:.1f}s", flush=True)
@@ -257,6 +265,21 @@ def main():
             jax.block_until_ready(eng.kv_ops.put_blocks(host))
 
         t_r, t_c, t_p = timed(restore), timed(h2d), timed(h2d_pieces)
+        if eng.kv_ops.pinned_sharding is not None:  # the same from pinned host memory
+            pinned = [eng.kv_ops.pin_block(h) for h in distinct]
+            host_pinned = [pinned[i % 8] for i in range(n)]
+            flat_pinned = jax.device_put(flat, eng.kv_ops.pinned_sharding)
+
+            def restore_pinned():
+                eng.runner.kv_pages = eng.kv_ops.write_blocks(eng.runner.kv_pages, host_pinned, ids)
+                eng.runner.kv_pages.block_until_ready()
+
+            def h2d_pinned():
+                jax.device_put(flat_pinned, eng.kv_ops.device_sharding).block_until_ready()
+
+            t_rp, t_cp = timed(restore_pinned), timed(h2d_pinned)
+            res.update({"restore_pinned_GBps": nbytes / t_rp / 1e9, "h2d_pinned_GBps": nbytes / t_cp / 1e9,
+                        "restore_pinned_fraction_of_h2d_pinned": t_cp / t_rp})
         check = np.asarray(eng.runner.kv_pages[:, :, :, 5])  # block 5 as restored
         ok = bool(np.array_equal(check.astype(np.float32), host[5].astype(np.float32)))
         res.update({"restore_bytes": nbytes, "restore_s": t_r, "h2d_s": t_c,

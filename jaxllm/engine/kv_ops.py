@@ -16,6 +16,11 @@ moves them in `kv_pages [L, 2, K, P, S, D]`:
   `write_blocks` = `put_blocks` (start the host-to-device copies, asynchronous) then
   `scatter_blocks` (into the pages), so a connector can let the copies run behind steps.
   Over a mesh each block goes straight to the devices holding its KV heads.
+* `pin_chunk` / `pin_block`: blocks into page-locked host memory (JAX's `pinned_host`
+  memory kind, where the device has it), for a host tier whose blocks go back to the
+  device by DMA at the link's speed rather than through a pageable staging copy.
+  Every block `put_blocks` returns is committed to the pages' device, from numpy or
+  pinned memory alike, so the scatters run one compiled variant (the one `warmup` built).
 
 Every function has fixed shapes (copies padded to `max_copies`, swaps moved in
 chunks of `SWAP_CHUNK` blocks; padding writes go to block index P and are
@@ -30,7 +35,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 SWAP_CHUNK = 16  # blocks per swap transfer
 
@@ -49,6 +54,26 @@ def _scatter(pages: jax.Array, blocks: jax.Array, dst: jax.Array) -> jax.Array:
 
 def _scatter_list(pages: jax.Array, blocks: list[jax.Array], dst: jax.Array) -> jax.Array:
     return pages.at[:, :, :, dst].set(jnp.stack(blocks, axis=3), mode="drop")
+
+
+def _split(chunk: jax.Array) -> list[jax.Array]:
+    return [chunk[i] for i in range(chunk.shape[0])]  # [C, ...] -> C arrays [L, 2, K, S, D]
+
+
+def committed(pages: jax.Array) -> jax.Array:
+    """`pages` committed to its devices (an alias: no copy). On one device the step leaves the
+    pages uncommitted, while a scatter of committed blocks (put_blocks' results) leaves them
+    committed, and jit caches tell the two apart: every function here takes committed pages,
+    so each compiles one variant, at warm-up."""
+    return pages if pages.committed else jax.device_put(pages, pages.sharding)
+
+
+def has_pinned_host(sharding) -> bool:
+    """Whether every device of `sharding` has JAX's `pinned_host` memory kind."""
+    try:
+        return all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in sharding.device_set)
+    except Exception:  # noqa: BLE001 - a backend without memory kinds
+        return False
 
 
 class KVOps:
@@ -72,6 +97,11 @@ class KVOps:
             block = spec[:3] + spec[4:]
             self.block_sharding = NamedSharding(mesh, PartitionSpec(*block))
             self.chunk_sharding = NamedSharding(mesh, PartitionSpec(None, *block))
+        # Blocks on their way into the pages: committed (as over a mesh), whatever their source.
+        self.device_sharding = self.block_sharding or SingleDeviceSharding(
+            next(iter(pages.sharding.device_set)), memory_kind="device")
+        self.pinned_sharding = (self.device_sharding.with_memory_kind("pinned_host")
+                                if has_pinned_host(self.device_sharding) else None)
         # Over a mesh, results keep the pages' sharding; on one device no sharding is
         # pinned, so the pages stay uncommitted like the runner's (jit caches key on that).
         # XLA's memory limit as the step's (`engine/memory.py`): these programs hold the whole pool too.
@@ -86,10 +116,13 @@ class KVOps:
         self._gather = jax.jit(functools.partial(_gather), **gather)
         self._scatter = jax.jit(functools.partial(_scatter), **keep)
         self._scatter_list = jax.jit(functools.partial(_scatter_list), **keep)
+        split = {"out_shardings": self.block_sharding} if self.block_sharding is not None else {}
+        self._split = jax.jit(functools.partial(_split), **split)
         self._zero_block = None  # padding of write_blocks, on the device
 
     def num_compiled(self) -> int:
-        return sum(f._cache_size() for f in (self._copy, self._gather, self._scatter, self._scatter_list))
+        return sum(f._cache_size() for f in (self._copy, self._gather, self._scatter, self._scatter_list,
+                                              self._split))
 
     def _pad(self, ids: list[int], n: int, fill: int) -> np.ndarray:
         out = np.full(n, fill, np.int32)
@@ -103,11 +136,12 @@ class KVOps:
         if len(pairs) > self.max_copies:
             raise RuntimeError(f"{len(pairs)} block copies in one step, more than {self.max_copies}")
         src, dst = zip(*pairs)
-        return self._copy(pages, self._pad(src, self.max_copies, 0),
+        return self._copy(committed(pages), self._pad(src, self.max_copies, 0),
                           self._pad(dst, self.max_copies, self.num_blocks))
 
     def swap_out(self, pages: jax.Array, pairs: list[tuple[int, int]]) -> None:
         """Device block -> host slot for each pair."""
+        pages = committed(pages)
         for i in range(0, len(pairs), SWAP_CHUNK):
             dev, host = zip(*pairs[i:i + SWAP_CHUNK])
             blocks = np.asarray(self._gather(pages, self._pad(dev, SWAP_CHUNK, 0)))
@@ -115,6 +149,7 @@ class KVOps:
 
     def swap_in(self, pages: jax.Array, pairs: list[tuple[int, int]]) -> jax.Array:
         """Host slot -> device block for each pair."""
+        pages = committed(pages)
         for i in range(0, len(pairs), SWAP_CHUNK):
             host, dev = zip(*pairs[i:i + SWAP_CHUNK])
             blocks = np.zeros((SWAP_CHUNK, *self.block_shape), self.host.dtype)
@@ -129,10 +164,20 @@ class KVOps:
     def put_blocks(self, blocks: list[np.ndarray]) -> list[jax.Array]:
         """Start the host-to-device copies of host blocks (returns at once; `is_ready()` on
         each result says when its copy is done)."""
-        return jax.device_put(list(blocks), self.block_sharding) if blocks else []
+        return jax.device_put(list(blocks), self.device_sharding) if blocks else []
+
+    def pin_chunk(self, chunk: jax.Array, n: int) -> list[jax.Array]:
+        """The first n blocks of a gathered chunk -> arrays in pinned host memory (the copies
+        run asynchronously: `block_until_ready()` on each). Needs `pinned_sharding`."""
+        return jax.device_put(self._split(chunk)[:n], self.pinned_sharding)
+
+    def pin_block(self, block: np.ndarray) -> jax.Array:
+        """A host block [L, 2, K, S, D] -> a copy in pinned host memory."""
+        return jax.device_put(block, self.pinned_sharding)
 
     def scatter_blocks(self, pages: jax.Array, dev: list[jax.Array], ids: list[int]) -> jax.Array:
         """Device blocks (from put_blocks) -> device blocks `ids`."""
+        pages = committed(pages)
         for i in range(0, len(ids), SWAP_CHUNK):
             chunk = ids[i:i + SWAP_CHUNK]
             part = list(dev[i:i + SWAP_CHUNK]) + [self._padding(pages)] * (SWAP_CHUNK - len(chunk))
@@ -141,15 +186,16 @@ class KVOps:
 
     def gather_chunk(self, pages: jax.Array, ids: list[int]) -> jax.Array:
         """Up to SWAP_CHUNK device blocks as one device array [SWAP_CHUNK, L, 2, K, S, D]."""
-        return self._gather(pages, self._pad(ids, SWAP_CHUNK, 0))
+        return self._gather(committed(pages), self._pad(ids, SWAP_CHUNK, 0))
 
     def scatter_chunk(self, pages: jax.Array, chunk: jax.Array, ids: list[int | None]) -> jax.Array:
         """Row i of a [SWAP_CHUNK, ...] device array -> block ids[i] (None: skipped)."""
         dst = [self.num_blocks if i is None else i for i in ids]
-        return self._scatter(pages, chunk, self._pad(dst, SWAP_CHUNK, self.num_blocks))
+        return self._scatter(committed(pages), chunk, self._pad(dst, SWAP_CHUNK, self.num_blocks))
 
     def warmup(self, pages: jax.Array) -> jax.Array:
         """Compile every variant; the padded calls write nothing."""
+        pages = committed(pages)
         pages = self._copy(pages, self._pad([], self.max_copies, 0),
                            self._pad([], self.max_copies, self.num_blocks))
         if self.block_io:  # host blocks from put_blocks, into pages as the step leaves them
@@ -157,6 +203,8 @@ class KVOps:
         if self.num_host_blocks or self.block_io:
             idx = self._pad([], SWAP_CHUNK, 0)
             blocks = np.asarray(self._gather(pages, idx))
+            if self.block_io and self.pinned_sharding is not None:  # a pinned host tier's saves
+                jax.block_until_ready(self.pin_chunk(self._gather(pages, idx), 1))
             if self.num_host_blocks or self.block_io:
                 pages = self._scatter(pages, blocks, self._pad([], SWAP_CHUNK, self.num_blocks))
             if self.block_io:  # connectors scatter device arrays too (committed to a device)
@@ -173,5 +221,5 @@ class KVOps:
 
     def _padding(self, pages: jax.Array) -> jax.Array:
         if self._zero_block is None:
-            self._zero_block = jax.device_put(np.zeros(self.block_shape, pages.dtype), self.block_sharding)
+            self._zero_block = jax.device_put(np.zeros(self.block_shape, pages.dtype), self.device_sharding)
         return self._zero_block

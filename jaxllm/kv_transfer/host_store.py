@@ -1,4 +1,5 @@
-"""Host-memory tier: an LRU of KV blocks (one numpy array each) bounded in bytes.
+"""Host-memory tier: an LRU of KV blocks bounded in bytes, one array each: numpy, or a JAX
+array in pinned host memory (`KVOps.pin_chunk`); the store only reads `nbytes`.
 
 Each block is its own array, never a slot that is reused: the disk writer and a
 load may still hold a block the LRU has just dropped, and must read what was put.
@@ -12,13 +13,15 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-import numpy as np
+from typing import Any
+
+Block = Any  # np.ndarray [L, 2, K, S, D] or a jax.Array of that shape in pinned host memory
 
 
 class HostStore:
     def __init__(self, capacity_bytes: int):
         self.capacity = int(capacity_bytes)
-        self._blocks: OrderedDict[int, np.ndarray] = OrderedDict()  # key -> block, LRU first
+        self._blocks: OrderedDict[int, Block] = OrderedDict()  # key -> block, LRU first
         self._pins: dict[int, int] = {}
         self._lock = threading.Lock()
         self.nbytes = 0
@@ -30,7 +33,7 @@ class HostStore:
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def put(self, key: int, block: np.ndarray, pin: bool = False) -> bool:
+    def put(self, key: int, block: Block, pin: bool = False) -> bool:
         """Insert (or refresh) a block, pinned if asked; False if it is not held
         (it does not fit even after evicting, and is not pinned)."""
         with self._lock:
@@ -57,7 +60,7 @@ class HostStore:
             self.nbytes -= self._blocks.pop(key).nbytes
             self.evicted.append(key)
 
-    def get(self, key: int) -> np.ndarray | None:
+    def get(self, key: int) -> Block | None:
         with self._lock:
             b = self._blocks.get(key)
             if b is not None:

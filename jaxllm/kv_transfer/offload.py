@@ -96,7 +96,10 @@ class OffloadingConnector(AsyncLoads, KVConnectorBase):
         self.save_copies_ahead = None if ahead is None else int(ahead)
         if ahead is not None and self.save_copies_ahead < 0:
             raise ValueError(f"save_copies_ahead must be >= 0 or null, got {ahead}")
-        self._save_q: collections.deque[list] = collections.deque()  # [chunk, copy started], FIFO
+        self._save_q: collections.deque[list] = collections.deque()  # [chunk, copy started, blocks, pinned], FIFO
+        # The host tier's blocks in page-locked memory (JAX's pinned_host), where the device has it:
+        # a load is then a DMA at the link's speed, not a copy through a pageable staging buffer.
+        self.pin_host_memory = bool(extra.get("pin_host_memory", True))
         self.queries = self.hits = 0
         self.io = {f"kv_offload_{t}_{d}_{u}": 0 for t in ("cpu", "disk") for d in ("load", "save")
                    for u in ("bytes", "seconds")}
@@ -145,7 +148,7 @@ class OffloadingConnector(AsyncLoads, KVConnectorBase):
                     break
                 self.io["kv_offload_disk_load_bytes"] += block.nbytes
                 self.io["kv_offload_disk_load_seconds"] += time.perf_counter() - t0
-                self.host.put(k, block, pin=True)
+                self.host.put(k, self.ctx.mover.pin_block(block) if self.pinned() else block, pin=True)
                 pins.append(k)
         except Exception:
             log.exception("KV disk tier: promotion failed; the prompt is recomputed")
@@ -228,29 +231,46 @@ class OffloadingConnector(AsyncLoads, KVConnectorBase):
             part = meta.saves[i:i + n]
             dev = mover.gather_chunk(pages, [b for _, _, b in part])
             with self._lock:
-                entry = [dev, False]
+                entry = [dev, False, len(part), None]
                 self._save_q.append(entry)
                 if self.save_copies_ahead is None or len(self._save_q) <= self.save_copies_ahead:
-                    dev.copy_to_host_async()
-                    entry[1] = True
+                    self._start_copy(entry)
             self._saver.submit(self._finish_save, part, dev)
+
+    def pinned(self) -> bool:
+        """Whether the host tier holds its blocks in pinned host memory."""
+        return self.pin_host_memory and getattr(self.ctx.mover, "pinned_sharding", None) is not None
+
+    def _start_copy(self, entry: list) -> None:
+        """A chunk's device-to-host copy: into pinned per-block arrays, or the chunk's own host copy."""
+        if self.pinned():
+            entry[3] = self.ctx.mover.pin_chunk(entry[0], entry[2])
+        else:
+            entry[0].copy_to_host_async()
+        entry[1] = True
 
     def _finish_save(self, part: list[tuple[int, int | None, int]], dev) -> None:
         t0 = time.perf_counter()
         with self._lock:
-            self._save_q.popleft()  # this chunk (one saver thread, in submission order)
+            mine = self._save_q.popleft()  # this chunk (one saver thread, in submission order)
+            if not mine[1]:
+                self._start_copy(mine)
             for entry in itertools.islice(self._save_q, self.save_copies_ahead):
                 if not entry[1]:  # the next chunks' copies start while this one is stored
-                    entry[0].copy_to_host_async()
-                    entry[1] = True
+                    self._start_copy(entry)
         try:
-            arr = np.asarray(dev)
-            for j, (key, parent, _) in enumerate(part):
-                block = np.array(arr[j])  # its own array: the host tier drops blocks one by one
+            if mine[3] is not None:  # pinned blocks, one array each
+                blocks = mine[3]
+                for b in blocks:
+                    b.block_until_ready()
+            else:
+                arr = np.asarray(dev)  # its own array per block: the host tier drops them one by one
+                blocks = [np.array(arr[j]) for j in range(len(part))]
+            for (key, parent, _), block in zip(part, blocks):
                 self.host.put(key, block)
                 self.io["kv_offload_cpu_save_bytes"] += block.nbytes
                 if self.disk is not None:
-                    self.disk.write_async(key, parent, block)
+                    self.disk.write_async(key, parent, block if isinstance(block, np.ndarray) else np.asarray(block))
         except Exception:
             log.exception("KV host tier: a save failed; those blocks stay device-only")
         finally:
