@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.engine.batch import HostBatch, compiled_pairs, pick_bucket
-from jaxllm.engine.kv_ops import KVOps
+from jaxllm.engine.kv_ops import KVOps, committed
 from jaxllm.engine.runner import Batch, pick_attention
 from jaxllm.kernels.metadata import AttentionMetadata
 from jaxllm.models import registry
@@ -135,7 +135,7 @@ class DraftModelProposer:
         m = self.model_cfg
         shape = (m.num_layers, 2, m.num_kv_heads, num_blocks, block_size, m.head_dim)
         if self.tp is None:
-            self.pages = jnp.zeros(shape, dtype)
+            self.pages = committed(jnp.zeros(shape, dtype))  # as KVOps leaves them: one jit variant
             self._shadow = jax.jit(self._shadow_impl, donate_argnums=(1,))
             self._loop = jax.jit(self._loop_impl, donate_argnums=(1,))
         else:  # fixed shardings: the pages stay split in place, a mis-placed input is an error

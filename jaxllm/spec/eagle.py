@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.engine.batch import HostBatch, compiled_pairs, pick_bucket
-from jaxllm.engine.kv_ops import KVOps
+from jaxllm.engine.kv_ops import KVOps, committed
 from jaxllm.engine.runner import pick_attention
 from jaxllm.kernels.metadata import AttentionMetadata
 from jaxllm.kernels.ref import write_kv
@@ -148,7 +148,7 @@ class EagleProposer:
         m = self.cfg
         shape = (1, 2, m.num_kv_heads, runner.num_blocks, block_size, m.head_dim)
         if par is None:
-            self.pages = jnp.zeros(shape, self.dtype)
+            self.pages = committed(jnp.zeros(shape, self.dtype))  # as KVOps leaves them: one jit variant
             self._program = jax.jit(self._propose_impl, donate_argnums=(1,))
         else:
             from jaxllm.spec.eagle_tp import jit_program
