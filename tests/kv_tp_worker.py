@@ -27,6 +27,7 @@ def main(root: str) -> dict:
     from tp_worker import tiny_model
 
     from jaxllm import LLM, SamplingParams
+    from jaxllm.engine.kv_ops import to_numpy
     from jaxllm.runtime.kv_cache_manager import block_hash
 
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -49,7 +50,7 @@ def main(root: str) -> dict:
         pages = np.asarray(e.runner.kv_pages)
         for k in keys:
             b, h = e.kv.pool.lookup(k), e.connector.host.get(k)
-            if b is None or h is None or not np.array_equal(pages[:, :, :, b.block_id], h):
+            if b is None or h is None or not np.array_equal(pages[:, :, :, b.block_id], to_numpy(h)):
                 return False
         return True
 
@@ -66,7 +67,7 @@ def main(root: str) -> dict:
         again = llm.generate([A], greedy, use_tqdm=False)[0]
         llm.engine.flush_kv()
         conn, ops = llm.engine.connector, llm.engine.kv_ops
-        host_blocks[tp] = np.stack([conn.host.get(k) for k in keys])
+        host_blocks[tp] = np.stack([to_numpy(conn.host.get(k)) for k in keys])
         st = llm.stats()
         res[f"tp{tp}"] = {
             "first": first.outputs[0].token_ids, "again": again.outputs[0].token_ids,

@@ -12,6 +12,7 @@ import pytest
 
 from kv_tiny import GREEDY, gib, make, rand, run1
 
+from jaxllm.engine.kv_ops import to_numpy
 from jaxllm.runtime.request import RequestStatus
 from jaxllm.runtime.kv_cache_manager import block_hash
 
@@ -55,7 +56,9 @@ def device_is_host(llm, prompt, n):
     pages = np.asarray(e.runner.kv_pages)
     for k in keys(prompt, n):
         b = e.kv.pool.lookup(k)
-        if b is None or not np.array_equal(pages[:, :, :, b.block_id], conn.host.get(k)):
+        h = conn.host.get(k)  # numpy, a pinned array, or a row of a pinned chunk (kv_ops.ChunkRow)
+        h = None if h is None else to_numpy(h)
+        if b is None or h is None or not np.array_equal(pages[:, :, :, b.block_id], h):
             return False
     return True
 

@@ -259,18 +259,22 @@ class OffloadingConnector(AsyncLoads, KVConnectorBase):
                 if not entry[1]:  # the next chunks' copies start while this one is stored
                     self._start_copy(entry)
         try:
-            if mine[3] is not None:  # pinned blocks, one array each
+            if mine[3] is not None:  # pinned: rows of one chunk array, or one array per block
                 blocks = mine[3]
                 for b in blocks:
                     b.block_until_ready()
+                host = None
+                if self.disk is not None:  # the disk writer's numpy copy, once per chunk
+                    arr = np.asarray(blocks[0].chunk) if hasattr(blocks[0], "chunk") else None
+                    host = [arr[b.row] if arr is not None else np.asarray(b) for b in blocks]
             else:
                 arr = np.asarray(dev)  # its own array per block: the host tier drops them one by one
-                blocks = [np.array(arr[j]) for j in range(len(part))]
-            for (key, parent, _), block in zip(part, blocks):
+                blocks = host = [np.array(arr[j]) for j in range(len(part))]
+            for j, ((key, parent, _), block) in enumerate(zip(part, blocks)):
                 self.host.put(key, block)
                 self.io["kv_offload_cpu_save_bytes"] += block.nbytes
                 if self.disk is not None:
-                    self.disk.write_async(key, parent, block if isinstance(block, np.ndarray) else np.asarray(block))
+                    self.disk.write_async(key, parent, host[j])
         except Exception:
             log.exception("KV host tier: a save failed; those blocks stay device-only")
         finally:
