@@ -96,7 +96,9 @@ class OffloadingConnector(AsyncLoads, KVConnectorBase):
         self.save_copies_ahead = None if ahead is None else int(ahead)
         if ahead is not None and self.save_copies_ahead < 0:
             raise ValueError(f"save_copies_ahead must be >= 0 or null, got {ahead}")
-        self._save_q: collections.deque[list] = collections.deque()  # [chunk, copy started, blocks, pinned], FIFO
+        # [chunk, copy claimed, blocks, pinned blocks, copy issued (Event)], FIFO. A copy is claimed
+        # under the lock and issued outside it (a device_put into pinned memory can take ms).
+        self._save_q: collections.deque[list] = collections.deque()
         # The host tier's blocks in page-locked memory (JAX's pinned_host), where the device has it:
         # a load is then a DMA at the link's speed, not a copy through a pageable staging buffer.
         self.pin_host_memory = bool(extra.get("pin_host_memory", True))
@@ -231,10 +233,12 @@ class OffloadingConnector(AsyncLoads, KVConnectorBase):
             part = meta.saves[i:i + n]
             dev = mover.gather_chunk(pages, [b for _, _, b in part])
             with self._lock:
-                entry = [dev, False, len(part), None]
+                entry = [dev, False, len(part), None, threading.Event()]
                 self._save_q.append(entry)
-                if self.save_copies_ahead is None or len(self._save_q) <= self.save_copies_ahead:
-                    self._start_copy(entry)
+                start = self.save_copies_ahead is None or len(self._save_q) <= self.save_copies_ahead
+                entry[1] = start
+            if start:
+                self._start_copy(entry)
             self._saver.submit(self._finish_save, part, dev)
 
     def pinned(self) -> bool:
@@ -242,22 +246,29 @@ class OffloadingConnector(AsyncLoads, KVConnectorBase):
         return self.pin_host_memory and getattr(self.ctx.mover, "pinned_sharding", None) is not None
 
     def _start_copy(self, entry: list) -> None:
-        """A chunk's device-to-host copy: into pinned per-block arrays, or the chunk's own host copy."""
-        if self.pinned():
-            entry[3] = self.ctx.mover.pin_chunk(entry[0], entry[2])
-        else:
-            entry[0].copy_to_host_async()
-        entry[1] = True
+        """A claimed chunk's device-to-host copy (into pinned memory, or the chunk's own host
+        copy); called without the lock."""
+        try:
+            if self.pinned():
+                entry[3] = self.ctx.mover.pin_chunk(entry[0], entry[2])
+            else:
+                entry[0].copy_to_host_async()
+        finally:
+            entry[4].set()
 
     def _finish_save(self, part: list[tuple[int, int | None, int]], dev) -> None:
         t0 = time.perf_counter()
         with self._lock:
             mine = self._save_q.popleft()  # this chunk (one saver thread, in submission order)
-            if not mine[1]:
-                self._start_copy(mine)
+            claimed = [] if mine[1] else [mine]
+            mine[1] = True
             for entry in itertools.islice(self._save_q, self.save_copies_ahead):
                 if not entry[1]:  # the next chunks' copies start while this one is stored
-                    self._start_copy(entry)
+                    entry[1] = True
+                    claimed.append(entry)
+        for entry in claimed:
+            self._start_copy(entry)
+        mine[4].wait()  # (issued by whichever thread claimed it)
         try:
             if mine[3] is not None:  # pinned: rows of one chunk array, or one array per block
                 blocks = mine[3]
