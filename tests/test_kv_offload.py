@@ -99,6 +99,13 @@ def test_host_tier_blocks_in_pinned_memory(want, pin):
         assert all(isinstance(a, jax.Array) and a.sharding.memory_kind == "pinned_host" for a in arrays)
         assert isinstance(blocks[0], ChunkRow) and blocks[0].chunk is blocks[15].chunk
         assert np.array_equal(blocks[3].numpy(), np.asarray(blocks[3].chunk)[3])
+        assert blocks[0].rows_used == 16 and blocks[0].nbytes == c.ctx.block_bytes
+        # A's last save is 3 blocks: less than half a chunk, so one pinned array each
+        assert isinstance(blocks[16], jax.Array) and blocks[16].sharding.memory_kind == "pinned_host"
+        ops = llm.engine.kv_ops  # a chunk at least half full stays whole; its rows share its bytes
+        rows = ops.pin_chunk(ops.gather_chunk(llm.engine.runner.kv_pages, list(range(10))), 10)
+        assert [r.row for r in rows] == list(range(10)) and all(r.rows_used == 10 for r in rows)
+        assert 0 <= rows[0].chunk.nbytes - 10 * rows[0].nbytes < 10  # (bytes per row rounded down)
     else:
         assert all(isinstance(b, np.ndarray) for b in blocks)
     s0 = llm.stats()

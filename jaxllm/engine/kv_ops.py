@@ -70,10 +70,11 @@ class ChunkRow:
     once `put_blocks` moved it): one block, kept inside the array it was copied in."""
     chunk: jax.Array
     row: int
+    rows_used: int = 0  # rows of the chunk that hold blocks (0: all); they share its bytes
 
     @property
     def nbytes(self) -> int:
-        return self.chunk.nbytes // self.chunk.shape[0]
+        return self.chunk.nbytes // (self.rows_used or self.chunk.shape[0])
 
     def is_ready(self) -> bool:
         return self.chunk.is_ready()
@@ -222,7 +223,7 @@ class KVOps:
         one copy each way), else one array per block (no padding rows held)."""
         if 2 * n >= chunk.shape[0]:
             host = jax.device_put(chunk, self.pinned_chunk_sharding)
-            return [ChunkRow(host, j) for j in range(n)]
+            return [ChunkRow(host, j, n) for j in range(n)]  # the host tier counts the padding too
         return jax.device_put(self._split(chunk)[:n], self.pinned_sharding)
 
     def pin_block(self, block: np.ndarray) -> jax.Array:
