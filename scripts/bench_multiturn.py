@@ -8,7 +8,9 @@ pool (sized to `--pool-fraction` of the final working set, at least one full seq
 cannot keep the conversations between their turns. Runs the same workload without offload
 and with a host tier (and, with --disk-dir, a disk tier behind it) and reports prefix hit
 rate (device + external hit tokens over prompt tokens), throughput, and whether the
-greedy outputs agree. Random weights; `--model` serves a real checkpoint instead.
+greedy outputs agree. Random weights; `--model` serves a real checkpoint instead, and
+`--random-shape llama3-8b` a model of that shape with dummy weights in bfloat16 (the GPU run:
+`bash scripts/gpu_multiturn.sh`).
 """
 
 from __future__ import annotations
@@ -35,9 +37,14 @@ def build(args, **offload):
     # As many running conversations as the pool holds at full length: no preemption thrash,
     # so what the tiers change is only the recompute of earlier turns.
     seqs = args.max_num_seqs or max(1, pool // -(-max_len // S))
-    kw = dict(dtype="float32", max_model_len=max_len, max_num_seqs=seqs,
-              max_num_batched_tokens=256, num_gpu_blocks_override=pool, seed=1, **offload)
-    llm = LLM(args.model, **kw) if args.model else LLM(hf_config=SMALL, **kw)
+    kw = dict(max_model_len=max_len, max_num_seqs=seqs, max_num_batched_tokens=args.chunk,
+              num_gpu_blocks_override=pool, seed=1, **offload)
+    if args.model:
+        llm = LLM(args.model, dtype="float32", **kw)
+    elif args.random_shape:
+        llm = LLM(load_format="dummy", random_shape=args.random_shape, **kw)
+    else:
+        llm = LLM(hf_config=SMALL, dtype="float32", **kw)
     info = {"offload": offload or None, "pool_blocks": pool, "max_num_seqs": seqs,
             "working_set_blocks": working_blocks}
     return llm, info
@@ -77,6 +84,8 @@ def workload(args, llm, seed: int) -> dict:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
+    p.add_argument("--random-shape", default=None, help="a named shape with dummy weights (e.g. llama3-8b)")
+    p.add_argument("--chunk", type=int, default=256, help="max_num_batched_tokens")
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--user-tokens", type=int, default=128)
