@@ -87,6 +87,8 @@ def main():
     p.add_argument("--itl-streams", type=int, default=8)
     p.add_argument("--itl-tokens", type=int, default=64, help="tokens each stream decodes")
     p.add_argument("--itl-arrivals", type=int, default=4)
+    p.add_argument("--transport", default="{}", help="JSON merged into both connectors' extra config, "
+                   "e.g. '{\"num_connections\": 8}' (jax_transfer.TRANSPORT)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
 
@@ -102,7 +104,7 @@ def main():
                   max_num_seqs=seqs, num_gpu_blocks_override=blocks, max_num_batched_tokens=args.chunk,
                   token_buckets=(16, args.chunk), seq_buckets=(16,) if seqs <= 16 else (seqs,), seed=0)
     conf = lambda role: {"kv_connector": "JaxTransferConnector", "kv_role": role,
-                         "kv_connector_extra_config": {"timeout_s": 15}}
+                         "kv_connector_extra_config": {"timeout_s": 15, **json.loads(args.transport)}}
     t0 = time.perf_counter()
     prod = LLM(**common, kv_transfer_config=conf("kv_producer"))
     cons = LLM(**common, kv_transfer_config=conf("kv_consumer"))
@@ -110,6 +112,7 @@ def main():
     vocab = prod.engine.model_cfg.vocab_size
     draw = lambda n: rng.integers(0, vocab, n).tolist()
     res: dict = {"shape": args.random_shape, "input_len": L, "device": str(jax.devices()[0]),
+                 "transport": json.loads(args.transport),
                  "engines_start_s": time.perf_counter() - t0, "block_bytes": prod.engine.connector.ctx.block_bytes,
                  "rows": []}
     print(f"engines ready in {res['engines_start_s']:.1f}s", flush=True)

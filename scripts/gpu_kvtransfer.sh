@@ -1,16 +1,35 @@
 #!/usr/bin/env bash
-# P/D transfer on one H200 (< 4 minutes): two Llama-3-8B-shape engines (dummy weights) in one
-# process, producer and consumer over jax.experimental.transfer; pull time per 1k tokens of KV,
-# consumer TTFT with the pull vs recomputed, pull bandwidth vs a device-to-device copy, and the
-# consumer's decode ITL p50/p99 with prefills in the same engine vs prefilled by the producer.
-# CPU smoke run: SHAPE=tiny INPUT_LEN=512 CHUNK=128 PY=.venv/bin/python bash scripts/gpu_kvtransfer.sh
+# P/D transfer on one H200 (< 6 minutes). First the transport alone (scripts/transfer_bw.py:
+# 512 MiB of 32 MiB KV chunks pulled between two transfer servers by socket connections,
+# slab size and pinned buffers, vs a device copy); then two Llama-3-8B-shape engines (dummy
+# weights) in one process, producer and consumer over jax.experimental.transfer with the
+# fastest transport setting of the sweep (TRANSPORT='{...}' overrides): pull time per 1k tokens
+# of KV, consumer TTFT with the pull vs recomputed, pull bandwidth vs a device-to-device copy,
+# and the consumer's decode ITL p50/p99 with prefills in the same engine vs by the producer.
+# CPU smoke run: SHAPE=tiny INPUT_LEN=512 CHUNK=128 MIB=64 CONNS=1,2 PY=.venv/bin/python bash scripts/gpu_kvtransfer.sh
 set -u -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-echo "== kv transfer: ${INPUT_LEN:-4096}-token prompts, pulled vs recomputed; decode ITL"
+echo "== transfer transport sweep"
+timeout ${BW_LIMIT:-150} "$PY" scripts/transfer_bw.py --mib "${MIB:-512}" --chunk-mib 32 \
+  --connections "${CONNS:-1,4,8,16}" --transfer-mib "${XFER:-32,256}" --pinned "${PINNED:-0,1}" \
+  --output-json "$OUT/transfer_bw.json" 2>&1 | tee "$OUT/transfer_bw.log" | tail -20
+BEST=$("$PY" - "$OUT/transfer_bw.json" <<'PY'
+import json, sys
+try:
+    rows = json.load(open(sys.argv[1]))["rows"]
+except (OSError, KeyError, ValueError):
+    rows = []
+b = max(rows, key=lambda r: r["gb_s"], default=None)
+print(json.dumps({} if b is None else {"num_connections": b["connections"], "transfer_size_mib": b["transfer_mib"],
+                                       "parallel_copies": b["copies"], "pinned_buffers": b["pinned"]}))
+PY
+)
+TRANSPORT=${TRANSPORT:-$BEST}
+echo "== kv transfer: ${INPUT_LEN:-4096}-token prompts, pulled vs recomputed; decode ITL; transport $TRANSPORT"
 timeout ${LIMIT:-225} "$PY" scripts/bench_kvtransfer.py --random-shape "${SHAPE:-llama3-8b}" \
-  --input-len "${INPUT_LEN:-4096}" --chunk "${CHUNK:-2048}" --repeats 3 \
+  --input-len "${INPUT_LEN:-4096}" --chunk "${CHUNK:-2048}" --repeats 3 --transport "$TRANSPORT" \
   --itl-streams 8 --itl-tokens 64 --itl-arrivals 4 --output-json "$OUT/kvtransfer.json" 2>&1 \
   | tee "$OUT/kvtransfer.log" | tail -25
 echo "rc=$?"

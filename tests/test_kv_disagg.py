@@ -8,6 +8,7 @@ import pytest
 from kv_tiny import gen, make, rand
 
 from jaxllm import SamplingParams
+from jaxllm.kv_transfer.jax_transfer import transport_options
 
 A, B, C = rand(300, 1), rand(200, 5), rand(200, 6)
 
@@ -20,8 +21,10 @@ def conf(role, **extra):
 def engines():
     ref = make(enable_prefix_caching=False)
     want = {k: gen(ref, p, 8).outputs[0].token_ids for k, p in (("A", A), ("B", B), ("C", C))}
-    prod = make(kv_transfer_config=conf("kv_producer", lease_s=3))
-    cons = make(kv_transfer_config=conf("kv_consumer", timeout_s=1.5))
+    # three socket connections and 8 MiB slabs: a pull is spread over several sockets
+    transport = dict(num_connections=3, transfer_size_mib=8, parallel_copies=4)
+    prod = make(kv_transfer_config=conf("kv_producer", lease_s=3, **transport))
+    cons = make(kv_transfer_config=conf("kv_consumer", timeout_s=1.5, **transport))
     return want, prod, cons
 
 
@@ -81,3 +84,19 @@ def test_no_page_move_compiles_after_warmup(engines):
     _, prod, cons = engines
     for llm in (prod, cons):
         assert llm.engine.kv_ops.num_compiled() == llm.kv_compiled
+
+
+@pytest.mark.parametrize("key,value", [("num_connections", 0), ("num_connections", "4"),
+                                       ("transfer_size_mib", 1.5), ("parallel_copies", True),
+                                       ("pinned_buffers", 1)])
+def test_bad_transport_option_names_the_key(key, value):
+    with pytest.raises(ValueError, match=f"kv_connector_extra_config.{key}"):
+        transport_options({key: value})
+    with pytest.raises(ValueError, match=f"kv_connector_extra_config.{key}"):
+        make(kv_transfer_config=conf("kv_consumer", **{key: value}))
+
+
+def test_transport_options_pass_through():
+    assert transport_options({"num_connections": 4, "transfer_size_mib": 64, "pinned_buffers": True}) == {
+        "num_connections": 4, "transfer_size": 64 << 20, "max_num_parallel_copies": 8,
+        "supports_pinned_allocator": True}

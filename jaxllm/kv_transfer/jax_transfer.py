@@ -11,7 +11,10 @@ copies into its own device memory on a background thread while the request steps
 then loads them into the request's blocks before its first step; the request computes
 only the rest of its prompt. A pull not done within `timeout_s` (producer dead, lease gone)
 counts as no match: the prompt is recomputed. Same API on CPU and GPU (device to device).
-Extra config: host (127.0.0.1), port (0: any), lease_s (60), timeout_s (10).
+Extra config: host (127.0.0.1), port (0: any), lease_s (60), timeout_s (10); the transport:
+num_connections (socket connections used in parallel for one pull), transfer_size_mib (the
+bounce buffers' slab size), parallel_copies (device<->host copies in flight), pinned_buffers
+(page-locked receive buffers); both sides of a pair should use the same.
 """
 
 from __future__ import annotations
@@ -37,6 +40,26 @@ class TransferMeta:
     loads: list[tuple[list, int, list[int]]]  # (pulled chunks, first block index, device blocks)
 
 
+TRANSPORT = {"num_connections": (int, 1, 64), "transfer_size_mib": (int, 1, 4096),
+             "parallel_copies": (int, 1, 64), "pinned_buffers": (bool, None, None)}
+TRANSPORT_DEFAULT = {"num_connections": 1, "transfer_size_mib": 256, "parallel_copies": 8, "pinned_buffers": False}
+
+
+def transport_options(extra: dict) -> dict:
+    """`start_transfer_server` keyword arguments from the extra config; bad values name the key."""
+    out = {}
+    for k, (typ, lo, hi) in TRANSPORT.items():
+        v = extra.get(k, TRANSPORT_DEFAULT[k])
+        if typ is bool:
+            if not isinstance(v, bool):
+                raise ValueError(f"kv_connector_extra_config.{k} must be true or false, got {v!r}")
+        elif isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise ValueError(f"kv_connector_extra_config.{k} must be an integer in [{lo}, {hi}], got {v!r}")
+        out[k] = v
+    return {"num_connections": out["num_connections"], "transfer_size": out["transfer_size_mib"] << 20,
+            "max_num_parallel_copies": out["parallel_copies"], "supports_pinned_allocator": out["pinned_buffers"]}
+
+
 class JaxTransferConnector(KVConnectorBase):
     def __init__(self, cfg: KVTransferConfig, ctx: ConnectorContext):
         super().__init__(cfg, ctx)
@@ -47,8 +70,9 @@ class JaxTransferConnector(KVConnectorBase):
         self.lease_s = float(extra.get("lease_s", 60))
         self.timeout_s = float(extra.get("timeout_s", 10))
         self._device = jax.devices()[0]
-        self.server = transfer.start_transfer_server(self._device.client, f"{host}:{int(extra.get('port', 0))}",
-                                                     [f"{host}:0"])
+        t = transport_options(extra)
+        self.server = transfer.start_transfer_server(
+            self._device.client, f"{host}:{int(extra.get('port', 0))}", [f"{host}:0"] * t.pop("num_connections"), **t)
         self.address = self.server.address()
         self._lock = threading.Lock()
         self._exports: list[tuple[int, list[int]]] = []

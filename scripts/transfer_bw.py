@@ -1,0 +1,94 @@
+"""Pull bandwidth of `jax.experimental.transfer` by transport setting (issue 19's P/D pull).
+
+    python3 scripts/transfer_bw.py [--mib 512] [--chunk-mib 32] [--connections 1,2,4,8,16]
+
+Two transfer servers in one process on one device, as scripts/bench_kvtransfer.py runs the
+producer and consumer engines: the producer offers `--mib` of bf16 arrays of `--chunk-mib`
+each (KV chunks: 16 blocks of a Llama-3-8B-shape pool are 32 MiB) with `await_pull`, the
+consumer pulls them into its device memory. The servers' bulk transport is a set of socket
+connections, one per transport address, used in parallel; each case is one setting of
+(connections, transfer size, parallel copies, pinned bounce buffers). Timed: the pull until
+every array is ready, median of 5 after a warm-up, every pulled array checked against its
+source. Reference in the same run: a device-to-device copy of the same bytes. Prints GB/s,
+each as a fraction of the copy; `--output-json` writes them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+
+def pull_time(src, conns: int, xfer_mib: int, copies: int, pinned: bool, k: int = 5) -> float:
+    from jax.experimental import transfer
+    dev = src[0].devices().pop()
+    kw = dict(max_num_parallel_copies=copies, transfer_size=xfer_mib << 20, supports_pinned_allocator=pinned)
+    addrs = ["127.0.0.1:0"] * conns
+    prod = transfer.start_transfer_server(dev.client, "127.0.0.1:0", addrs, **kw)
+    cons = transfer.start_transfer_server(dev.client, "127.0.0.1:0", addrs, **kw)
+    conn = cons.connect(prod.address())
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in src]
+    ts = []
+    for uuid in range(k + 1):
+        prod.await_pull(uuid, src)
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(conn.pull(uuid, specs))
+        ts.append(time.perf_counter() - t0)
+    for a, b in zip(src, out):
+        if not bool(jnp.array_equal(a, b)):
+            raise AssertionError("a pulled array differs from its source")
+    return statistics.median(ts[1:])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mib", type=int, default=512)
+    p.add_argument("--chunk-mib", type=int, default=32)
+    p.add_argument("--connections", default="1,2,4,8,16")
+    p.add_argument("--transfer-mib", default="256")
+    p.add_argument("--copies", default="8")
+    p.add_argument("--pinned", default="0", help="0, 1 or 0,1: pinned bounce buffers for the sockets")
+    p.add_argument("--output-json")
+    a = p.parse_args()
+    n = (a.chunk_mib << 20) // 2
+    key = jax.random.key(0)
+    src = [jax.random.normal(jax.random.fold_in(key, i), (n,), jnp.bfloat16) for i in range(a.mib // a.chunk_mib)]
+    jax.block_until_ready(src)
+    nbytes = sum(x.nbytes for x in src)
+    copy = jax.jit(lambda xs: [x + 0 for x in xs])
+    ts = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        jax.block_until_ready(copy(src))
+        ts.append(time.perf_counter() - t0)
+    ref = nbytes / statistics.median(ts[1:]) / 1e9
+    print(f"device {jax.devices()[0].device_kind}: {nbytes / 2**20:.0f} MiB in {len(src)} arrays; "
+          f"device copy {ref:.1f} GB/s", flush=True)
+    rows = []
+    ints = lambda s: [int(x) for x in s.split(",")]
+    for conns, xfer, copies, pinned in itertools.product(ints(a.connections), ints(a.transfer_mib),
+                                                         ints(a.copies), ints(a.pinned)):
+        try:
+            t = pull_time(src, conns, xfer, copies, bool(pinned))
+        except Exception as e:  # a setting the runtime refuses: recorded, the sweep goes on
+            print(f"connections {conns} transfer {xfer} MiB copies {copies} pinned {pinned}: "
+                  f"{type(e).__name__}: {e}", flush=True)
+            continue
+        gbs = nbytes / t / 1e9
+        rows.append({"connections": conns, "transfer_mib": xfer, "copies": copies, "pinned": bool(pinned),
+                     "ms": t * 1e3, "gb_s": gbs, "fraction_of_copy": gbs / ref})
+        print(f"connections {conns:2d} transfer {xfer:4d} MiB copies {copies:2d} pinned {pinned}: "
+              f"{t * 1e3:8.1f} ms {gbs:7.2f} GB/s ({gbs / ref:.4f} of the copy)", flush=True)
+    if a.output_json:
+        with open(a.output_json, "w") as f:
+            json.dump({"bytes": nbytes, "device_copy_gb_s": ref, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
