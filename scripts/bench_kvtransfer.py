@@ -48,7 +48,10 @@ def pct(xs, q):
 
 
 def itl_phase(cons, streams, arrivals, tokens, tag):
-    """Inter-token gaps (s) of the streams while `arrivals` [(decode step, prompt, params)] join."""
+    """Inter-token gaps (s) of the streams while `arrivals` [(decode step, prompt, params)] join;
+    the tokens the arrivals did not compute; the steps over 3x the median step."""
+    import jax
+
     from jaxllm import SamplingParams
     e = cons.engine
     ids = [f"{tag}s{i}" for i in range(len(streams))]
@@ -57,15 +60,33 @@ def itl_phase(cons, streams, arrivals, tokens, tag):
     seen = {rid: 0 for rid in ids}
     last: dict[str, float] = {}
     gaps: list[float] = []
+    cached: dict[str, int] = {}  # arrival -> tokens it did not compute (pulled, or prefix hits)
+    steps: list[tuple[float, bool, float]] = []  # (step s, a pull in flight at its start, its KV loads' s)
+    load_s = [0.0]
+    conn = e.connector
+    if conn is not None and not hasattr(conn, "_bench_load"):  # time the loads to the device, synced
+        conn._bench_load = conn.start_load_kv
+
+        def timed_load(pages, meta, _c=conn):
+            t = time.perf_counter()
+            out = jax.block_until_ready(_c._bench_load(pages, meta))
+            load_s[0] += time.perf_counter() - t
+            return out
+        conn.start_load_kv = timed_load
     todo, step, started = list(arrivals), 0, False
     while e.has_unfinished_requests():
         if started and todo and step >= todo[0][0]:
             _, p, params = todo.pop(0)
             e.add_request(f"{tag}a{step}", p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                           kv_transfer_params=params)
+        fetching, t_step, load_s[0] = bool(getattr(e.connector, "_fetching", ())), time.perf_counter(), 0.0
         outs = e.step()
         now = time.perf_counter()
+        if started:
+            steps.append((now - t_step, fetching, load_s[0]))
         for o in outs:
+            if o.request_id.startswith(f"{tag}a") and o.finished:
+                cached[o.request_id] = o.num_cached_tokens
             if o.request_id in seen:
                 n = len(o.outputs[0].token_ids)
                 if n > seen[o.request_id]:
@@ -75,7 +96,10 @@ def itl_phase(cons, streams, arrivals, tokens, tag):
         if not started and len(last) == len(ids):  # every stream decoding: arrivals start
             started = True
         step += started
-    return gaps
+    med = float(np.median([x[0] for x in steps])) if steps else 0.0
+    slow = [{"step_ms": round(d * 1e3, 1), "pull_in_flight": f, "load_ms": round(ld * 1e3, 1)}
+            for d, f, ld in steps if d > 3 * med]
+    return gaps, sum(cached.values()), slow
 
 
 def main():
@@ -169,7 +193,7 @@ def main():
         k = args.itl_arrivals
         at = [4 + i * max(1, (args.itl_tokens - 8) // max(k, 1)) for i in range(k)]
         streams = lambda: [draw(64) for _ in range(args.itl_streams)]
-        single = itl_phase(cons, streams(), [(a, draw(L), None) for a in at], args.itl_tokens, "i1")
+        single, _, slow_single = itl_phase(cons, streams(), [(a, draw(L), None) for a in at], args.itl_tokens, "i1")
         if "error" in res:
             raise RuntimeError("skipped: the pulls failed above")
         later = []
@@ -177,10 +201,17 @@ def main():
             prompt = draw(L)
             _, pre = run(prod, prompt, 1, {"do_remote_decode": True}, rid=f"ip{i}")
             later.append((a, prompt, pre.kv_transfer_params))
-        disagg = itl_phase(cons, streams(), later, args.itl_tokens, "i2")
+        disagg, pulled, slow_disagg = itl_phase(cons, streams(), later, args.itl_tokens, "i2")
         res["itl"] = {"single_p50_ms": pct(single, 50) * 1e3, "single_p99_ms": pct(single, 99) * 1e3,
                       "disagg_p50_ms": pct(disagg, 50) * 1e3, "disagg_p99_ms": pct(disagg, 99) * 1e3,
-                      "gaps": [len(single), len(disagg)], "arrival_steps": at}
+                      "gaps": [len(single), len(disagg)], "arrival_steps": at,
+                      "largest_gaps_ms": {"single": sorted(single)[-8:][::-1], "disagg": sorted(disagg)[-8:][::-1]},
+                      "disagg_pulled_tokens": pulled}
+        slow = lambda g: sum(x > 3 * pct(g, 50) for x in g) / max(1, args.itl_streams)
+        res["itl"]["slow_steps"] = {"single": slow(single), "disagg": slow(disagg)}  # gaps > 3x p50, per stream
+        res["itl"]["slow_step_detail"] = {"single": slow_single, "disagg": slow_disagg}  # steps > 3x median
+        res["itl"]["largest_gaps_ms"] = {k: [round(g * 1e3, 1) for g in v]
+                                         for k, v in res["itl"]["largest_gaps_ms"].items()}
         res["itl"]["p99_disagg_over_single"] = res["itl"]["disagg_p99_ms"] / res["itl"]["single_p99_ms"]
         print(json.dumps(res["itl"]), flush=True)
     except Exception as e:

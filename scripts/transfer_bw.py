@@ -11,6 +11,12 @@ connections, one per transport address, used in parallel; each case is one setti
 every array is ready, median of 5 after a warm-up, every pulled array checked against its
 source. Reference in the same run: a device-to-device copy of the same bytes. Prints GB/s,
 each as a fraction of the copy; `--output-json` writes them.
+
+`--interference N`: with N connections, what a pull does to the thread that drives the device,
+as a decode step sees it: a loop of jitted steps (a bf16 [64, 4096] x [4096, 14336] matmul, about
+a decode step's weight read per layer group) timed one by one on the main thread while the pull
+runs on another thread, against the same loop with no pull; and the same for a loop of host-only
+Python work (whether the pull holds the interpreter's lock). Reported: median and max iteration.
 """
 
 from __future__ import annotations
@@ -46,6 +52,53 @@ def pull_time(src, conns: int, xfer_mib: int, copies: int, pinned: bool, k: int 
     return statistics.median(ts[1:])
 
 
+def interference(src, conns: int) -> dict:
+    """Main-thread iteration times (device steps, host work) with and without a pull in flight."""
+    import threading
+    from jax.experimental import transfer
+    dev = src[0].devices().pop()
+    addrs = ["127.0.0.1:0"] * conns
+    prod = transfer.start_transfer_server(dev.client, "127.0.0.1:0", addrs)
+    cons = transfer.start_transfer_server(dev.client, "127.0.0.1:0", addrs)
+    conn = cons.connect(prod.address())
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in src]
+    w = jax.random.normal(jax.random.key(1), (4096, 14336), jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(2), (64, 4096), jnp.bfloat16)
+    step = jax.jit(lambda x, w: (x @ w)[:, :4096] * 0.01)
+    jax.block_until_ready(step(x, w))
+    work = {"device": lambda: jax.block_until_ready(step(x, w)),
+            "host": lambda: sum(i * i for i in range(2000))}
+    out, uuid = {}, 1000
+    for kind, f in work.items():
+        for with_pull in (False, True):
+            done = threading.Event()
+            took = {}
+
+            def puller(u=uuid):
+                t = time.perf_counter()
+                arrs = conn.pull(u, specs)
+                took["call_ms"] = (time.perf_counter() - t) * 1e3
+                jax.block_until_ready(arrs)
+                took["pull_ms"] = (time.perf_counter() - t) * 1e3
+                done.set()
+            if with_pull:
+                prod.await_pull(uuid, src)
+                threading.Thread(target=puller).start()
+            else:
+                threading.Timer(0.2, done.set).start()
+            its = []
+            while not done.is_set():
+                t = time.perf_counter()
+                f()
+                its.append((time.perf_counter() - t) * 1e3)
+            uuid += 1
+            row = {"iterations": len(its), "median_ms": statistics.median(its), "max_ms": max(its), **took}
+            out[f"{kind}_{'pull' if with_pull else 'alone'}"] = row
+            print(f"{kind:6s} {'with a pull' if with_pull else 'alone':11s}: " +
+                  " ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mib", type=int, default=512)
@@ -54,6 +107,7 @@ def main() -> None:
     p.add_argument("--transfer-mib", default="256")
     p.add_argument("--copies", default="8")
     p.add_argument("--pinned", default="0", help="0, 1 or 0,1: pinned bounce buffers for the sockets")
+    p.add_argument("--interference", type=int, default=0, help="connections for the interference test")
     p.add_argument("--output-json")
     a = p.parse_args()
     n = (a.chunk_mib << 20) // 2
@@ -85,9 +139,12 @@ def main() -> None:
                      "ms": t * 1e3, "gb_s": gbs, "fraction_of_copy": gbs / ref})
         print(f"connections {conns:2d} transfer {xfer:4d} MiB copies {copies:2d} pinned {pinned}: "
               f"{t * 1e3:8.1f} ms {gbs:7.2f} GB/s ({gbs / ref:.4f} of the copy)", flush=True)
+    res = {"bytes": nbytes, "device_copy_gb_s": ref, "rows": rows}
+    if a.interference:
+        res["interference"] = interference(src, a.interference)
     if a.output_json:
         with open(a.output_json, "w") as f:
-            json.dump({"bytes": nbytes, "device_copy_gb_s": ref, "rows": rows}, f, indent=1)
+            json.dump(res, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ def test_prefill_then_decode_elsewhere(engines):
     st = cons.stats()
     assert st["kv_transfer_pulls"] == 1 and st["external_prefix_cache_hits"] == 288
     assert free_all(cons) and not cons.engine.connector._fetched
+    assert list(cons.engine.connector._conns) == [params["remote_address"]]  # kept for the next pull
 
 
 def test_dead_producer_and_expired_lease_recompute(engines):
@@ -61,6 +62,10 @@ def test_dead_producer_and_expired_lease_recompute(engines):
     out = gen(cons, C, 8, params, rid="d3")
     assert out.outputs[0].token_ids == want["C"] and out.num_cached_tokens == 0
     assert cons.stats()["kv_transfer_failures"] == 2
+    assert params["remote_address"] not in cons.engine.connector._conns  # dropped after its failure
+    A2 = rand(300, 9)
+    params = gen(prod, A2, 1, {"do_remote_decode": True}, rid="p3b").kv_transfer_params
+    assert gen(cons, A2, 8, params, rid="d3b").num_cached_tokens == 288  # connects afresh
     assert free_all(cons) and free_all(prod)
 
 

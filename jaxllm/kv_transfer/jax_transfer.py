@@ -42,7 +42,7 @@ class TransferMeta:
 
 TRANSPORT = {"num_connections": (int, 1, 64), "transfer_size_mib": (int, 1, 4096),
              "parallel_copies": (int, 1, 64), "pinned_buffers": (bool, None, None)}
-TRANSPORT_DEFAULT = {"num_connections": 1, "transfer_size_mib": 256, "parallel_copies": 8, "pinned_buffers": False}
+TRANSPORT_DEFAULT = {"num_connections": 8, "transfer_size_mib": 256, "parallel_copies": 8, "pinned_buffers": False}
 
 
 def transport_options(extra: dict) -> dict:
@@ -77,6 +77,7 @@ class JaxTransferConnector(KVConnectorBase):
         self._lock = threading.Lock()
         self._exports: list[tuple[int, list[int]]] = []
         self._loads: list[tuple[list, int, list[int]]] = []
+        self._conns: dict[str, object] = {}  # producer address -> TransferConnection
         self._fetching: set[str] = set()
         self._fetched: dict[str, tuple[list, int]] = {}  # request -> (pulled chunks, blocks)
         self._tried: set[str] = set()
@@ -110,6 +111,16 @@ class JaxTransferConnector(KVConnectorBase):
         n = min(got[1], (req.num_tokens - 1) // S)
         return max(0, n - num_computed_tokens // S) * S, False
 
+    def _connection(self, addr: str):
+        """One connection per producer, kept: connecting sets up every socket of the transport."""
+        with self._lock:
+            conn = self._conns.get(addr)
+        if conn is None:
+            conn = self.server.connect(addr)
+            with self._lock:
+                conn = self._conns.setdefault(addr, conn)
+        return conn
+
     def _pull(self, rid: str, params: dict) -> None:
         """Background: pull the producer's copies; give up after timeout_s."""
         import jax
@@ -123,13 +134,19 @@ class JaxTransferConnector(KVConnectorBase):
                 sharding = (getattr(self.ctx.mover, "chunk_sharding", None)  # over a mesh: by KV head
                             or jax.sharding.SingleDeviceSharding(self._device))
                 spec = jax.ShapeDtypeStruct((CHUNK, *self.ctx.block_shape), self.ctx.dtype, sharding=sharding)
-                conn = self.server.connect(params["remote_address"])
-                chunks = conn.pull(int(params["remote_uuid"]), [spec] * -(-n // CHUNK))
-                deadline = time.monotonic() + self.timeout_s
-                while not all(c.is_ready() for c in chunks):
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"no KV from {params['remote_address']} within {self.timeout_s}s")
-                    time.sleep(0.002)
+                addr = params["remote_address"]
+                try:
+                    chunks = self._connection(addr).pull(int(params["remote_uuid"]), [spec] * -(-n // CHUNK))
+                    deadline = time.monotonic() + self.timeout_s
+                    while not all(c.is_ready() for c in chunks):
+                        if time.monotonic() > deadline:
+                            raise TimeoutError(f"no KV from {addr} within {self.timeout_s}s")
+                        time.sleep(0.002)
+                    jax.block_until_ready(chunks)  # a pull cut short is ready with an error: raises here
+                except Exception:
+                    with self._lock:  # a dead or restarted producer: connect afresh next time
+                        self._conns.pop(addr, None)
+                    raise
                 out = (chunks, n)
                 self.n["kv_transfer_pulls"] += 1
                 self.n["kv_transfer_pull_bytes"] += n * self.ctx.block_bytes
