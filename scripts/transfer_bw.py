@@ -16,7 +16,9 @@ each as a fraction of the copy; `--output-json` writes them.
 as a decode step sees it: a loop of jitted steps (a bf16 [64, 4096] x [4096, 14336] matmul, about
 a decode step's weight read per layer group) timed one by one on the main thread while the pull
 runs on another thread, against the same loop with no pull; and the same for a loop of host-only
-Python work (whether the pull holds the interpreter's lock). Reported: median and max iteration.
+Python work (whether the pull holds the interpreter's lock), and for steps whose sampled tokens
+come back to the host (whether their small copy waits behind the pull's device-to-host copies on
+the same device, as when producer and consumer share one GPU). Reported: median and max iteration.
 """
 
 from __future__ import annotations
@@ -66,7 +68,10 @@ def interference(src, conns: int) -> dict:
     x = jax.random.normal(jax.random.key(2), (64, 4096), jnp.bfloat16)
     step = jax.jit(lambda x, w: (x @ w)[:, :4096] * 0.01)
     jax.block_until_ready(step(x, w))
-    work = {"device": lambda: jax.block_until_ready(step(x, w)),
+    tok = jax.jit(lambda x, w: jnp.argmax(x @ w, axis=-1))  # a step that sends its tokens to the host
+    np_tok = lambda: tok(x, w).__array__()
+    np_tok()
+    work = {"device": lambda: jax.block_until_ready(step(x, w)), "device_to_host": np_tok,
             "host": lambda: sum(i * i for i in range(2000))}
     out, uuid = {}, 1000
     for kind, f in work.items():

@@ -157,7 +157,9 @@ def _full_sample(
     needs_sort = jnp.any((t.top_k < vocab) | (t.top_p < 1.0))
     x = jax.lax.cond(needs_sort, _top_k_top_p, lambda y, _k, _p: y, x, t.top_k, t.top_p)
     x = jax.lax.cond(jnp.any(t.min_p > 0.0), _min_p, lambda y, _m: y, x, t.min_p)
-    sampled = jax.vmap(_draw)(t.seed, t.step, x)
+    # Every row greedy (a constrained, penalised or logprobs batch at temperature 0): no draw.
+    sampled = jax.lax.cond(jnp.any(~t.greedy), lambda y: jax.vmap(_draw)(t.seed, t.step, y),
+                           lambda y: jnp.zeros((num_rows,), jnp.int32), x)
     tokens = jnp.where(t.greedy, greedy_tok, sampled).astype(jnp.int32)
 
     def with_logprobs(raw_: jax.Array, tok: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
