@@ -180,7 +180,8 @@ async def sample_running(client: httpx.AsyncClient, out: list[float], stop: asyn
         await asyncio.sleep(0.05)
 
 
-async def run(args: argparse.Namespace) -> tuple[list[Result], float, list[float]]:
+async def run(args: argparse.Namespace, on_warm=None) -> tuple[list[Result], float, list[float]]:
+    """The timed requests, after --warmup untimed ones; `on_warm(metrics text)` runs between."""
     prompts = make_samples(args)
     gaps = arrival_gaps(len(prompts), args.request_rate, args.arrival, args.seed)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -192,6 +193,8 @@ async def run(args: argparse.Namespace) -> tuple[list[Result], float, list[float
             args.model = (await client.get("/v1/models")).json()["data"][0]["id"]
         for _ in range(args.warmup):
             await one(client, args, prompts[0])
+        if on_warm is not None:  # the server's counters from here on cover the timed requests only
+            on_warm((await client.get("/metrics")).text)
 
         async def limited(p: Sample) -> Result:
             async with sem:
@@ -313,16 +316,18 @@ def run_structured(args: argparse.Namespace) -> dict:
 
     The constrained phase draws its prompts with the next seed (same lengths, other words), so
     neither phase finds the other's prompts in the prefix cache."""
+    names = _STRUCTURED_METRICS + _WAIT_METRICS
+
     def metrics() -> dict[str, float]:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        return scrape(httpx.get(args.base_url + "/metrics", headers=headers, timeout=30).text,
-                      _STRUCTURED_METRICS + _WAIT_METRICS)
+        return scrape(httpx.get(args.base_url + "/metrics", headers=headers, timeout=30).text, names)
 
+    warm: dict[str, dict[str, float]] = {}  # each phase's counters after its warm-up requests
+    at_warm = lambda phase: lambda text: warm.__setitem__(phase, scrape(text, names))
     args.constraint = None
-    start = metrics()
-    results, duration, _ = asyncio.run(run(args))
+    results, duration, _ = asyncio.run(run(args, at_warm("plain")))
     before = metrics()
-    wait = server_wait(start, before)
+    wait = server_wait(warm["plain"], before)
     plain = {**summarize(results, duration, args), **wait}
     print("-- unconstrained\n" + table(plain) + "\n" + _wait_line(wait))
     # Both phases start after the same --warmup requests (vLLM's benchmarks send the first request
@@ -330,11 +335,11 @@ def run_structured(args: argparse.Namespace) -> dict:
     # server's compile metrics below still count; --warmup 0 times both phases cold.
     args.constraint = {"json": STRUCTURED_SCHEMA}
     args.seed += 1
-    results, duration, _ = asyncio.run(run(args))
+    results, duration, _ = asyncio.run(run(args, at_warm("json")))
     args.seed -= 1
     after = metrics()
     args.constraint = "json"
-    wait = server_wait(before, after)
+    wait = server_wait(warm["json"], after)
     constrained = {**summarize(results, duration, args), **wait}
     print("-- json schema\n" + table(constrained) + "\n" + _wait_line(wait))
     d = {k: after[k] - before[k] for k in _STRUCTURED_METRICS}
