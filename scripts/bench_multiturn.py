@@ -102,10 +102,13 @@ def main():
         tier["kv_offload_disk_dir"] = args.disk_dir
     engines = [build(args), build(args, **tier)]
     runs = [[], []]
-    same = True
+    same, agree = True, [0] * args.turns  # per turn: conversations whose outputs are identical
     for rep in range(args.repeats):  # alternate the two engines: a noisy machine hits both alike
         pair = [workload(args, llm, seed=rep) for llm, _ in engines]
-        same &= pair[0].pop("outputs") == pair[1].pop("outputs")
+        a, b = pair[0].pop("outputs"), pair[1].pop("outputs")
+        same &= a == b
+        for k, (x, y) in enumerate(zip(a, b)):  # outputs run turn by turn, conversations within
+            agree[k // args.conversations] += x == y
         for i in (0, 1):
             runs[i].append(pair[i])
     rows = []
@@ -113,6 +116,8 @@ def main():
         best = min(rs, key=lambda r: r["wall_s"])
         rows.append({**info, **best, "wall_s_all": [r["wall_s"] for r in rs]})
     result = {"args": vars(args), "rows": rows, "same_outputs": same,
+              # a conversation that diverges once differs in every later turn (its history differs)
+              "identical_by_turn": [n / (args.conversations * args.repeats) for n in agree],
               "speedup": rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]}
     if args.output_json:
         with open(args.output_json, "w") as f:
@@ -122,7 +127,8 @@ def main():
         print(f"{'tiers' if r['offload'] else 'device only':12s} hit rate {r['hit_rate']:.3f}  "
               f"{r['tokens_per_s']:.0f} tok/s ({r['output_tokens_per_s']:.1f} out tok/s)  best of "
               f"{args.repeats}: {r['wall_s']:.1f}s (all: {', '.join(f'{w:.1f}' for w in r['wall_s_all'])})")
-    print(f"speedup with tiers {result['speedup']:.2f}x, identical greedy outputs: {same}")
+    print(f"speedup with tiers {result['speedup']:.2f}x, identical greedy outputs: {same} (fraction by turn: "
+          f"{', '.join(f'{x:.2f}' for x in result['identical_by_turn'])})")
 
 
 if __name__ == "__main__":
