@@ -18,7 +18,8 @@ a decode step's weight read per layer group) timed one by one on the main thread
 runs on another thread, against the same loop with no pull; and the same for a loop of host-only
 Python work (whether the pull holds the interpreter's lock), and for steps whose sampled tokens
 come back to the host (whether their small copy waits behind the pull's device-to-host copies on
-the same device, as when producer and consumer share one GPU). Reported: median and max iteration.
+the same device, as when producer and consumer share one GPU) or whose inputs come from the host
+(whether they wait behind the pull's host-to-device copies, as on a consumer's own GPU). Reported: median and max iteration.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def pull_time(src, conns: int, xfer_mib: int, copies: int, pinned: bool, k: int = 5) -> float:
@@ -71,7 +73,9 @@ def interference(src, conns: int) -> dict:
     tok = jax.jit(lambda x, w: jnp.argmax(x @ w, axis=-1))  # a step that sends its tokens to the host
     np_tok = lambda: tok(x, w).__array__()
     np_tok()
+    x_host = np.asarray(x)  # a step whose inputs come from the host (as the batch's metadata does)
     work = {"device": lambda: jax.block_until_ready(step(x, w)), "device_to_host": np_tok,
+            "host_to_device": lambda: jax.block_until_ready(step(jax.device_put(x_host, dev), w)),
             "host": lambda: sum(i * i for i in range(2000))}
     out, uuid = {}, 1000
     for kind, f in work.items():
