@@ -126,7 +126,10 @@ def main():
     blocks = (args.itl_arrivals + 1) * cdiv(L + 16, S) + args.itl_streams * cdiv(64 + args.itl_tokens, S) + 16
     common = dict(load_format="dummy", random_shape=args.random_shape, max_model_len=L + 64,
                   max_num_seqs=seqs, num_gpu_blocks_override=blocks, max_num_batched_tokens=args.chunk,
-                  token_buckets=(16, args.chunk), seq_buckets=(16,) if seqs <= 16 else (seqs,), seed=0)
+                  # the small buckets the engine's defaults have too: a pulled arrival's last 16 tokens
+                  # beside the decode rows pad to 64, not to the chunk (a 2,048-token step)
+                  token_buckets=tuple(sorted({16, 64, 256, args.chunk})),
+                  seq_buckets=(16,) if seqs <= 16 else (seqs,), seed=0)
     conf = lambda role: {"kv_connector": "JaxTransferConnector", "kv_role": role,
                          "kv_connector_extra_config": {"timeout_s": 15, **json.loads(args.transport)}}
     t0 = time.perf_counter()
