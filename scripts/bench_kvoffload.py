@@ -66,6 +66,9 @@ def from_host(llm, rid, prompt, params):
     if log:
         marks.update({k: log[-1].get(k) for k in ("admitted", "issued", "issued_end", "copied", "ready", "written")})
         br["copy_s"], br["load_bytes"] = log[-1].get("copy_s"), log[-1].get("bytes")
+    done = getattr(e.connector, "last_save_done", None)
+    if done is not None and done >= w0:  # another prompt's saves finished during this restore
+        marks["last_save_done"] = done
         if log[-1].get("copied") is not None and m.first_scheduled_time is not None:
             br["steps_copied_to_scheduled"] = sum(log[-1]["copied"] <= s <= m.first_scheduled_time for s in starts)
             br["steps_while_loading"] = sum(log[-1]["admitted"] <= s < log[-1]["copied"] for s in starts)
@@ -203,8 +206,12 @@ def main():
             t_r, _ = ttft(llm, R, one)  # R's saves are queued as it finishes: not drained
             eng.kv.reset_prefix_cache()
             h0 = hits()
+            eng.connector.io["kv_offload_save_issue_max_seconds"] = 0.0  # (the max over this restore)
+            io0 = dict(eng.connector.io)
             t_c, out_c, br = from_host(llm, f"contended{ahead}", P, one)
-            row = {"save_copies_ahead": ahead, "ttft_host_s": t_c, "ratio": t_c / t_r,
+            io = {k[len("kv_offload_"):]: round(v - (0 if k.endswith("max_seconds") else io0[k]), 4)
+                  for k, v in eng.connector.io.items() if k.startswith("kv_offload_save_")}
+            row = {"save_copies_ahead": ahead, "ttft_host_s": t_c, "ratio": t_c / t_r, "save_io": io,
                    "external_hit_tokens": hits() - h0, "save_drain_after_s": drained(llm), "restore": br}
             res["contended"]["bounded" if ahead else "all"] = row
             print(json.dumps(row), flush=True)

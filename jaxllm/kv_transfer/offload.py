@@ -105,6 +105,9 @@ class OffloadingConnector(AsyncLoads, KVConnectorBase):
         self.queries = self.hits = 0
         self.io = {f"kv_offload_{t}_{d}_{u}": 0 for t in ("cpu", "disk") for d in ("load", "save")
                    for u in ("bytes", "seconds")}
+        self.io.update({"kv_offload_save_dispatch_seconds": 0.0, "kv_offload_save_issue_seconds": 0.0,
+                        "kv_offload_save_issue_max_seconds": 0.0})
+        self.last_save_done: float | None = None
 
     # -- scheduler side -----------------------------------------------------
     def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -229,6 +232,7 @@ class OffloadingConnector(AsyncLoads, KVConnectorBase):
         if not meta or not meta.saves:
             return
         mover, n = self.ctx.mover, mover_chunk(self.ctx.mover)
+        t0 = time.perf_counter()
         for i in range(0, len(meta.saves), n):
             part = meta.saves[i:i + n]
             dev = mover.gather_chunk(pages, [b for _, _, b in part])
@@ -240,6 +244,7 @@ class OffloadingConnector(AsyncLoads, KVConnectorBase):
             if start:
                 self._start_copy(entry)
             self._saver.submit(self._finish_save, part, dev)
+        self.io["kv_offload_save_dispatch_seconds"] += time.perf_counter() - t0  # the dispatch thread's
 
     def pinned(self) -> bool:
         """Whether the host tier holds its blocks in pinned host memory."""
@@ -248,6 +253,7 @@ class OffloadingConnector(AsyncLoads, KVConnectorBase):
     def _start_copy(self, entry: list) -> None:
         """A claimed chunk's device-to-host copy (into pinned memory, or the chunk's own host
         copy); called without the lock."""
+        t0 = time.perf_counter()
         try:
             if self.pinned():
                 entry[3] = self.ctx.mover.pin_chunk(entry[0], entry[2])
@@ -255,6 +261,9 @@ class OffloadingConnector(AsyncLoads, KVConnectorBase):
                 entry[0].copy_to_host_async()
         finally:
             entry[4].set()
+            dt = time.perf_counter() - t0  # issuing a copy (it may run on after)
+            self.io["kv_offload_save_issue_seconds"] += dt
+            self.io["kv_offload_save_issue_max_seconds"] = max(self.io["kv_offload_save_issue_max_seconds"], dt)
 
     def _finish_save(self, part: list[tuple[int, int | None, int]], dev) -> None:
         t0 = time.perf_counter()
@@ -292,6 +301,7 @@ class OffloadingConnector(AsyncLoads, KVConnectorBase):
             with self._lock:
                 self._queued.difference_update(k for k, _, _ in part)
             self.io["kv_offload_cpu_save_seconds"] += time.perf_counter() - t0
+            self.last_save_done = time.time()  # (benchmarks: when the saver finished its last chunk)
 
     def _host_blocks(self, keys: list[int]) -> list[np.ndarray]:
         blocks = [self.host.get(k) for k in keys]
