@@ -64,7 +64,7 @@ def from_host(llm, rid, prompt, params):
     br = {"steps": len(starts)}
     marks = {"first_scheduled": m.first_scheduled_time, "first_token": m.first_token_time}
     if log:
-        marks.update({k: log[-1].get(k) for k in ("admitted", "issued", "issued_end", "copied", "ready", "written")})
+        marks.update({k: log[-1].get(k) for k in ("admitted", "dispatched", "issued", "issued_end", "copied", "ready", "written")})
         br["copy_s"], br["load_bytes"] = log[-1].get("copy_s"), log[-1].get("bytes")
     done = getattr(e.connector, "last_save_done", None)
     if done is not None and done >= w0:  # another prompt's saves finished during this restore

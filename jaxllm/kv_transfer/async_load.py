@@ -15,8 +15,9 @@ per-step polling meta while loads are in flight, and an engine with nothing else
 waits for the copies (`wait_for_progress`) instead of sleeping in a loop.
 
 `load_log` keeps the last loads' timings (time.time(), as `RequestMetrics`): admitted (blocks
-allocated), issued / issued_end (the copies started), copied (the watcher saw them done),
-ready (reported to the scheduler), written (scattered into the pages).
+allocated), dispatched (the dispatch thread reached the load), issued / issued_end (the copies
+started), copied (the watcher saw them done), ready (reported to the scheduler), written
+(scattered into the pages).
 """
 
 from __future__ import annotations
@@ -106,9 +107,10 @@ class AsyncLoads:
             with self._lock:
                 self._pending.pop(t, None)
         for t, pairs in meta.async_loads:
+            tm = self._times.get(t, {})
+            tm["dispatched"] = time.time()  # the dispatch thread reached this load
             keys = [k for k, _ in pairs]
             blocks = self._host_blocks(keys)
-            tm = self._times.get(t, {})
             tm["issued"], start = time.time(), time.perf_counter()
             p = PendingLoad(mover.put_blocks(blocks), [b for _, b in pairs], start,
                             sum(b.nbytes for b in blocks))
