@@ -41,8 +41,9 @@ def build(args, **offload):
               num_gpu_blocks_override=pool, seed=1, **offload)
     if args.model:
         llm = LLM(args.model, dtype="float32", **kw)
-    elif args.random_shape:
-        llm = LLM(load_format="dummy", random_shape=args.random_shape, **kw)
+    elif args.random_shape:  # bfloat16 unless --dtype (float32: where bf16 near-ties flip argmaxes)
+        llm = LLM(load_format="dummy", random_shape=args.random_shape,
+                  **({"dtype": args.dtype} if args.dtype else {}), **kw)
     else:
         llm = LLM(hf_config=SMALL, dtype="float32", **kw)
     info = {"offload": offload or None, "pool_blocks": pool, "max_num_seqs": seqs,
@@ -86,6 +87,7 @@ def main():
     p.add_argument("--model", default=None)
     p.add_argument("--random-shape", default=None, help="a named shape with dummy weights (e.g. llama3-8b)")
     p.add_argument("--chunk", type=int, default=256, help="max_num_batched_tokens")
+    p.add_argument("--dtype", default=None, help="with --random-shape: the model's dtype (default bfloat16)")
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--user-tokens", type=int, default=128)
