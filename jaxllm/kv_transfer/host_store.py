@@ -46,19 +46,26 @@ class HostStore:
                 return False
             self._blocks[key] = block
             self.nbytes += block.nbytes
-            self._shrink()
-            return key in self._blocks
+            dropped = self._shrink()
+            held = key in self._blocks
+        del dropped  # freed here, not under the lock: freeing pinned host memory can wait on the device
+        return held
 
-    def _shrink(self) -> None:
+    def _shrink(self) -> list[Block]:
+        """Evict LRU blocks that are not pinned until within the bound; the caller drops
+        the returned blocks after releasing the lock."""
+        dropped: list[Block] = []
         if self.nbytes <= self.capacity:
-            return
+            return dropped
         for key in list(self._blocks):
             if self.nbytes <= self.capacity:
                 break
             if self._pins.get(key):
                 continue
-            self.nbytes -= self._blocks.pop(key).nbytes
+            dropped.append(self._blocks.pop(key))
+            self.nbytes -= dropped[-1].nbytes
             self.evicted.append(key)
+        return dropped
 
     def get(self, key: int) -> Block | None:
         with self._lock:
@@ -87,13 +94,15 @@ class HostStore:
                     self._pins.pop(k, None)
                 else:
                     self._pins[k] = n
-            self._shrink()
+            dropped = self._shrink()
+        del dropped  # (outside the lock, as in put)
 
     def drop(self, key: int) -> None:
         with self._lock:
             b = self._blocks.pop(key, None)
             if b is not None:
                 self.nbytes -= b.nbytes
+        del b  # (outside the lock, as in put)
 
     def take_evicted(self) -> list[int]:
         with self._lock:
