@@ -54,17 +54,16 @@ class HostStore:
     def _shrink(self) -> list[Block]:
         """Evict LRU blocks that are not pinned until within the bound; the caller drops
         the returned blocks after releasing the lock."""
-        dropped: list[Block] = []
-        if self.nbytes <= self.capacity:
-            return dropped
-        for key in list(self._blocks):
-            if self.nbytes <= self.capacity:
+        victims, over = [], self.nbytes - self.capacity
+        for key, block in self._blocks.items():  # from the LRU end, only as far as needed
+            if over <= 0:
                 break
-            if self._pins.get(key):
-                continue
-            dropped.append(self._blocks.pop(key))
-            self.nbytes -= dropped[-1].nbytes
-            self.evicted.append(key)
+            if not self._pins.get(key):
+                victims.append(key)
+                over -= block.nbytes
+        dropped = [self._blocks.pop(k) for k in victims]
+        self.nbytes -= sum(b.nbytes for b in dropped)
+        self.evicted += victims
         return dropped
 
     def get(self, key: int) -> Block | None:
