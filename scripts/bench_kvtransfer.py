@@ -50,8 +50,6 @@ def pct(xs, q):
 def itl_phase(cons, streams, arrivals, tokens, tag):
     """Inter-token gaps (s) of the streams while `arrivals` [(decode step, prompt, params)] join;
     the tokens the arrivals did not compute; the steps over 3x the median step."""
-    import jax
-
     from jaxllm import SamplingParams
     e = cons.engine
     ids = [f"{tag}s{i}" for i in range(len(streams))]
@@ -61,29 +59,18 @@ def itl_phase(cons, streams, arrivals, tokens, tag):
     last: dict[str, float] = {}
     gaps: list[float] = []
     cached: dict[str, int] = {}  # arrival -> tokens it did not compute (pulled, or prefix hits)
-    steps: list[tuple[float, bool, float]] = []  # (step s, a pull in flight at its start, its KV loads' s)
-    load_s = [0.0]
-    conn = e.connector
-    if conn is not None and not hasattr(conn, "_bench_load"):  # time the loads to the device, synced
-        conn._bench_load = conn.start_load_kv
-
-        def timed_load(pages, meta, _c=conn):
-            t = time.perf_counter()
-            out = jax.block_until_ready(_c._bench_load(pages, meta))
-            load_s[0] += time.perf_counter() - t
-            return out
-        conn.start_load_kv = timed_load
+    steps: list[tuple[float, bool]] = []  # (step s, a pull in flight at its start)
     todo, step, started = list(arrivals), 0, False
     while e.has_unfinished_requests():
         if started and todo and step >= todo[0][0]:
             _, p, params = todo.pop(0)
             e.add_request(f"{tag}a{step}", p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                           kv_transfer_params=params)
-        fetching, t_step, load_s[0] = bool(getattr(e.connector, "_fetching", ())), time.perf_counter(), 0.0
+        fetching, t_step = bool(getattr(e.connector, "_fetching", ())), time.perf_counter()
         outs = e.step()
         now = time.perf_counter()
         if started:
-            steps.append((now - t_step, fetching, load_s[0]))
+            steps.append((now - t_step, fetching))
         for o in outs:
             if o.request_id.startswith(f"{tag}a") and o.finished:
                 cached[o.request_id] = o.num_cached_tokens
@@ -97,8 +84,7 @@ def itl_phase(cons, streams, arrivals, tokens, tag):
             started = True
         step += started
     med = float(np.median([x[0] for x in steps])) if steps else 0.0
-    slow = [{"step_ms": round(d * 1e3, 1), "pull_in_flight": f, "load_ms": round(ld * 1e3, 1)}
-            for d, f, ld in steps if d > 3 * med]
+    slow = [{"step_ms": round(d * 1e3, 1), "pull_in_flight": f} for d, f in steps if d > 3 * med]
     return gaps, sum(cached.values()), slow
 
 
@@ -208,13 +194,12 @@ def main():
         res["itl"] = {"single_p50_ms": pct(single, 50) * 1e3, "single_p99_ms": pct(single, 99) * 1e3,
                       "disagg_p50_ms": pct(disagg, 50) * 1e3, "disagg_p99_ms": pct(disagg, 99) * 1e3,
                       "gaps": [len(single), len(disagg)], "arrival_steps": at,
-                      "largest_gaps_ms": {"single": sorted(single)[-8:][::-1], "disagg": sorted(disagg)[-8:][::-1]},
+                      "largest_gaps_ms": {k: [round(g * 1e3, 1) for g in sorted(v)[-8:][::-1]]
+                                          for k, v in (("single", single), ("disagg", disagg))},
                       "disagg_pulled_tokens": pulled}
         slow = lambda g: sum(x > 3 * pct(g, 50) for x in g) / max(1, args.itl_streams)
         res["itl"]["slow_steps"] = {"single": slow(single), "disagg": slow(disagg)}  # gaps > 3x p50, per stream
         res["itl"]["slow_step_detail"] = {"single": slow_single, "disagg": slow_disagg}  # steps > 3x median
-        res["itl"]["largest_gaps_ms"] = {k: [round(g * 1e3, 1) for g in v]
-                                         for k, v in res["itl"]["largest_gaps_ms"].items()}
         res["itl"]["p99_disagg_over_single"] = res["itl"]["disagg_p99_ms"] / res["itl"]["single_p99_ms"]
         print(json.dumps(res["itl"]), flush=True)
     except Exception as e:

@@ -15,7 +15,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 echo "== transfer transport sweep"
 timeout ${BW_LIMIT:-100} "$PY" scripts/transfer_bw.py --mib "${MIB:-512}" --chunk-mib 32 \
   --connections "${CONNS:-1,2,4,8,16}" --transfer-mib "${XFER:-256}" --pinned "${PINNED:-0}" \
-  --output-json "$OUT/transfer_bw.json" 2>&1 | tee "$OUT/transfer_bw.log" | grep -v "^E1\|^=== Source\|^external/\|^$" | tail -20
+  --output-json "$OUT/transfer_bw.json" 2>&1 | tee "$OUT/transfer_bw.log" | tail -20
 BEST=$("$PY" - "$OUT/transfer_bw.json" <<'PY'
 import json, sys
 try:

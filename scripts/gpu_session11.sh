@@ -8,7 +8,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 for n in 8 1; do
   echo "== pull interference, $n connections"
   timeout 60 python3 scripts/transfer_bw.py --mib 512 --connections $n --interference $n \
-    --output-json "$OUT/interference_$n.json" 2>&1 | grep -v "^E1\|^=== Source\|^external/\|^$" | tail -6
+    --output-json "$OUT/interference_$n.json" 2>&1 | tail -6
 done
 LIMIT=${MT_LIMIT:-170} bash scripts/gpu_multiturn.sh
 PIN=on LIMIT=${KV_LIMIT:-170} bash scripts/gpu_kvoffload.sh 2>&1 | tail -25

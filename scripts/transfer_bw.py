@@ -35,15 +35,20 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def pull_time(src, conns: int, xfer_mib: int, copies: int, pinned: bool, k: int = 5) -> float:
+def servers(src, conns: int, **kw):
+    """A producer transfer server offering `src`, a consumer's connection to it, the pull specs."""
     from jax.experimental import transfer
     dev = src[0].devices().pop()
-    kw = dict(max_num_parallel_copies=copies, transfer_size=xfer_mib << 20, supports_pinned_allocator=pinned)
     addrs = ["127.0.0.1:0"] * conns
     prod = transfer.start_transfer_server(dev.client, "127.0.0.1:0", addrs, **kw)
     cons = transfer.start_transfer_server(dev.client, "127.0.0.1:0", addrs, **kw)
-    conn = cons.connect(prod.address())
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in src]
+    return prod, cons.connect(prod.address()), specs
+
+
+def pull_time(src, conns: int, xfer_mib: int, copies: int, pinned: bool, k: int = 5) -> float:
+    prod, conn, specs = servers(src, conns, max_num_parallel_copies=copies, transfer_size=xfer_mib << 20,
+                                supports_pinned_allocator=pinned)
     ts = []
     for uuid in range(k + 1):
         prod.await_pull(uuid, src)
@@ -59,13 +64,8 @@ def pull_time(src, conns: int, xfer_mib: int, copies: int, pinned: bool, k: int 
 def interference(src, conns: int) -> dict:
     """Main-thread iteration times (device steps, host work) with and without a pull in flight."""
     import threading
-    from jax.experimental import transfer
     dev = src[0].devices().pop()
-    addrs = ["127.0.0.1:0"] * conns
-    prod = transfer.start_transfer_server(dev.client, "127.0.0.1:0", addrs)
-    cons = transfer.start_transfer_server(dev.client, "127.0.0.1:0", addrs)
-    conn = cons.connect(prod.address())
-    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in src]
+    prod, conn, specs = servers(src, conns)
     w = jax.random.normal(jax.random.key(1), (4096, 14336), jnp.bfloat16)
     x = jax.random.normal(jax.random.key(2), (64, 4096), jnp.bfloat16)
     step = jax.jit(lambda x, w: (x @ w)[:, :4096] * 0.01)

@@ -101,7 +101,6 @@ class HostStore:
             b = self._blocks.pop(key, None)
             if b is not None:
                 self.nbytes -= b.nbytes
-        del b  # (outside the lock, as in put)
 
     def take_evicted(self) -> list[int]:
         with self._lock:
