@@ -39,6 +39,8 @@ import traceback
 
 import numpy as np
 
+from stack_sampler import StackSampler
+
 
 def ttft(llm, prompt, params):
     t0 = time.perf_counter()
@@ -121,6 +123,8 @@ def main():
     p.add_argument("--stream-tokens", type=int, default=48)
     p.add_argument("--pin-host-memory", choices=["on", "off"], default="on",
                    help="the host tier's blocks in pinned host memory (the connector's default) or numpy")
+    p.add_argument("--stack-depth", type=int, default=5, help="frames kept per sampled stack (contended restores)")
+    p.add_argument("--stack-top", type=int, default=5, help="stacks reported per thread")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
 
@@ -208,11 +212,13 @@ def main():
             h0 = hits()
             eng.connector.io["kv_offload_save_issue_max_seconds"] = 0.0  # (the max over this restore)
             io0 = dict(eng.connector.io)
-            t_c, out_c, br = from_host(llm, f"contended{ahead}", P, one)
+            with StackSampler(depth=args.stack_depth) as sampler:  # where each thread waits
+                t_c, out_c, br = from_host(llm, f"contended{ahead}", P, one)
             io = {k[len("kv_offload_"):]: round(v - (0 if k.endswith("max_seconds") else io0[k]), 4)
                   for k, v in eng.connector.io.items() if k.startswith("kv_offload_save_")}
             row = {"save_copies_ahead": ahead, "ttft_host_s": t_c, "ratio": t_c / t_r, "save_io": io,
-                   "external_hit_tokens": hits() - h0, "save_drain_after_s": drained(llm), "restore": br}
+                   "external_hit_tokens": hits() - h0, "save_drain_after_s": drained(llm), "restore": br,
+                   "stacks": sampler.summary(top=args.stack_top)}
             res["contended"]["bounded" if ahead else "all"] = row
             print(json.dumps(row), flush=True)
             eng.kv.reset_prefix_cache()  # (P's device blocks: the next restore loads it all again)
@@ -318,6 +324,10 @@ def main():
         print(f"contended, another prompt's saves in flight ({k}: save_copies_ahead "
               f"{c['save_copies_ahead']}): TTFT host/recompute {c['ratio']:.3f}, "
               f"{c['external_hit_tokens']} tokens from the host tier, restore {c['restore']}")
+        for name, t in c["stacks"]["threads"].items():
+            if name.startswith(("jaxllm", "MainThread")):
+                print(f"  {name}: {t['samples']} samples; " + " | ".join(
+                    f"{x['share']:.2f} {' < '.join(x['stack'][:3])}" for x in t["top"][:3]))
     print(f"\nTTFT ratio host/recompute (median, {args.input_len} tokens): "
           f"{res.get('ttft_ratio_median', float('nan')):.3f} asynchronous load, "
           f"{res.get('ttft_ratio_inline_median', float('nan')):.3f} inline (target <= 0.25); restore bandwidth "
