@@ -17,8 +17,9 @@ issued, copies done, reported ready, scheduled, first token, and the engine step
 between); then once more, reset again, with the connector's inline load (written before
 the step) for comparison. Every timed call starts with no saves in flight; one more restore
 ("contended") runs right after another prompt R was computed, with R's saves in flight
-(its ratio is to R's TTFT): with the connector's default `save_copies_ahead` (2 chunks'
-device-to-host copies started ahead of the saver) and with all of them started at once. Each restore
+(its ratio is to R's TTFT): with `save_copies_ahead` 2 (2 chunks' device-to-host copies
+started ahead of the saver: the numpy tier's default) and with all of them started at once
+(the pinned tier's default). Each restore
 must load all of P's full blocks but the last from the host tier (`all_from_host`) and
 give the recomputed first token. Restore bandwidth: the engine's own
 block writes (KVOps.write_blocks, host arrays -> device pages) of P's blocks, timed to
@@ -204,7 +205,7 @@ def main():
         ttft(llm, P, one)
         drained(llm)
         res["contended"] = {}
-        for ahead in (eng.connector.save_copies_ahead, None):  # bounded (the default), all at once
+        for ahead in (2, None):  # bounded (the numpy tier's default), all at once (the pinned tier's)
             eng.connector.save_copies_ahead = ahead
             R = rng.integers(0, vocab, args.input_len).tolist()
             t_r, _ = ttft(llm, R, one)  # R's saves are queued as it finishes: not drained
@@ -222,7 +223,7 @@ def main():
             res["contended"]["bounded" if ahead else "all"] = row
             print(json.dumps(row), flush=True)
             eng.kv.reset_prefix_cache()  # (P's device blocks: the next restore loads it all again)
-        eng.connector.save_copies_ahead = res["contended"]["bounded"]["save_copies_ahead"]
+        eng.connector.save_copies_ahead = "auto"
     except Exception as e:
         res["contended_error"] = f"{type(e).__name__}: {e}"
         traceback.print_exc()

@@ -322,3 +322,61 @@ def test_saves_start_few_copies_ahead():
         assert ops.count("copy") <= ops.count("read") + 3
     assert all(conn.host.get(k)[0, 0, 0, 0, 0] == k for k in range(1, 11))
     conn.shutdown()
+
+
+def test_pinned_host_tier_starts_all_save_copies_at_once():
+    """With a pinned host tier the default ("auto") starts every chunk's copy at once: bounded,
+    an H200's dispatch thread waited in a device_put into pinned memory for the saver's other
+    copies (restore 8.75x recomputing). Bad values are refused by name."""
+    import threading
+
+    import numpy as np
+    import pytest
+
+    from jaxllm.kv_transfer.base import ConnectorContext
+    from jaxllm.kv_transfer.config import KVTransferConfig
+    from jaxllm.kv_transfer.offload import OffloadingConnector, OffloadMeta
+
+    shape, log = (1, 2, 1, 2, 2), []
+
+    class Pinned:  # one pinned block of a chunk
+        def __init__(self, i):
+            self.value = np.full(shape, i, np.float32)
+            self.nbytes = self.value.nbytes
+
+        def block_until_ready(self):
+            return self
+
+    class Mover:
+        chunk = 2
+        pinned_sharding = object()  # the device has pinned host memory
+
+        def gather_chunk(self, pages, ids):
+            return ids
+
+        def pin_chunk(self, ids, n):
+            log.append(ids[0])
+            return [Pinned(i) for i in ids[:n]]
+
+    def make(extra):
+        cfg = KVTransferConfig.from_dict({"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                                          "kv_connector_extra_config": {"cpu_gib": 0.001, **extra}})
+        ctx = ConnectorContext(block_size=2, block_bytes=32, block_shape=shape, dtype="float32",
+                               fingerprint="fp", mover=Mover())
+        return OffloadingConnector(cfg, ctx)
+
+    conn = make({})
+    assert conn.save_copies_ahead is None
+    hold = threading.Event()
+    conn._saver.submit(hold.wait)  # the saver is busy: every copy was started by the dispatch call
+    conn.save_kv_layer(None, None, OffloadMeta([], [(k, None, k) for k in range(1, 11)]))
+    assert log == [1, 3, 5, 7, 9]
+    hold.set()
+    conn.flush()
+    assert all(conn.host.get(k).value[0, 0, 0, 0, 0] == k for k in range(1, 11))
+    conn.shutdown()
+    assert make({"pin_host_memory": False}).save_copies_ahead == 2  # numpy tier: bounded
+    assert make({"save_copies_ahead": 3}).save_copies_ahead == 3
+    for bad in (-1, "two", 1.5, True):
+        with pytest.raises(ValueError, match="kv_connector_extra_config.save_copies_ahead"):
+            make({"save_copies_ahead": bad})

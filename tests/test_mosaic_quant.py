@@ -101,3 +101,24 @@ def test_mosaic_backend_routes_decode_steps_by_page_format(monkeypatch, name, de
         pages = kv if name == "auto" else quantized_pages(kv, name)
         mosaic_attention(q, pages, jnp.int32(0), md, sm_scale=0.1, prefill_fn=prefill)
     assert calls == ["decode" if decode_kernel else "prefill", "prefill"]
+
+
+def test_mosaic_backend_sends_float32_pages_to_the_prefill_path(monkeypatch):
+    """A float32 engine on Hopper: the decode kernel's TMA layout is for 16/8-bit rows (it
+    failed to lower on an H200), so float32 decode steps take the prefill/mixed path, and the
+    Mosaic prefill kernel is not chosen for float32 either."""
+    from jaxllm.kernels import mosaic_attention, mosaic_decode, prefill_choice
+
+    calls = []
+    monkeypatch.setattr(mosaic_decode, "paged_decode_attention",
+                        lambda q, *a, **k: calls.append("decode") or q)
+    prefill = lambda q, *a, **k: calls.append("prefill") or q  # noqa: E731
+    rng = np.random.default_rng(25)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        q, kv, md = make_batch(rng, [(40, 1), (9, 1)], page_size=8, num_kv_heads=2, group=4,
+                               head_dim=64, pad_reqs=1, pad_tokens=1, dtype=dtype)
+        mosaic_attention(q, kv, jnp.int32(0), md, sm_scale=0.1, prefill_fn=prefill)
+    assert calls == ["decode", "prefill"]
+    monkeypatch.setattr(prefill_choice, "is_hopper", lambda: True)
+    ok, why = prefill_choice.mosaic_prefill_ok(32, 8, 128, 16, "float32")
+    assert not ok and "float32" in why

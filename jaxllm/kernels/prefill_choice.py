@@ -121,6 +121,8 @@ def mosaic_prefill_ok(num_heads: int, num_kv_heads: int, head_dim: int, page_siz
     from jaxllm.kernels import mosaic_prefill
     if not is_hopper():
         return False, "not a Hopper GPU"
+    if dtype_name not in ("bfloat16", "float16"):
+        return False, f"dtype {dtype_name} (the kernel takes 16-bit pages)"
     if not mosaic_prefill.supported(num_heads, num_kv_heads, head_dim, page_size):
         return False, f"shape H={num_heads} K={num_kv_heads} D={head_dim} S={page_size}"
     return run_probe(num_heads, num_kv_heads, head_dim, page_size, dtype_name)
