@@ -51,16 +51,17 @@ def build(args, **offload):
     return llm, info
 
 
-def workload(args, llm, seed: int) -> dict:
-    """One pass of every conversation's turns; new token ids per seed (no hits across seeds)."""
+def workload(args, llm, seed: int, logprobs: int | None = None) -> dict:
+    """One pass of every conversation's turns; new token ids per seed (no hits across seeds).
+    `logprobs`: also each output position's top logprobs ("logprobs", per output)."""
     from jaxllm import SamplingParams
 
     vocab = llm.engine.model_cfg.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=args.output_tokens, ignore_eos=True, logprobs=logprobs)
     rng = np.random.default_rng(seed)
     hist = [[] for _ in range(args.conversations)]
     prompt_tokens = gen_tokens = 0
-    outs = []
+    outs, lps = [], []
     s0 = llm.stats()
     t0 = time.perf_counter()
     for _ in range(args.turns):
@@ -72,6 +73,8 @@ def workload(args, llm, seed: int) -> dict:
             prompt_tokens += len(p)
             gen_tokens += len(ids)
             outs.append(ids)
+            if logprobs:
+                lps.append([sorted(d.values(), key=lambda x: -x.logprob)[:2] for d in r.outputs[0].logprobs])
     wall = time.perf_counter() - t0
     s1 = llm.stats()
     dev = s1["prefix_cache_hits"] - s0["prefix_cache_hits"]
@@ -79,7 +82,31 @@ def workload(args, llm, seed: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "generated_tokens": gen_tokens, "wall_s": wall,
             "device_hit_tokens": dev, "external_hit_tokens": ext,
             "hit_rate": (dev + ext) / prompt_tokens, "tokens_per_s": (prompt_tokens + gen_tokens) / wall,
-            "output_tokens_per_s": gen_tokens / wall, "outputs": outs}
+            "output_tokens_per_s": gen_tokens / wall, "outputs": outs, **({"logprobs": lps} if logprobs else {})}
+
+
+def margins(args, a: dict, b: dict) -> dict:
+    """Where the two engines' greedy outputs first differ, with identical inputs (every earlier
+    turn of that conversation agreed): the top-1 minus top-2 logprob there, in each run, against
+    the same margin over all positions (how flat the logits are), and the largest difference
+    between the runs' logprobs of the same token before the divergence (the numeric noise)."""
+    C, at, alls, noise, agreed = args.conversations, [], [], 0.0, [True] * args.conversations
+    for k, (x, y) in enumerate(zip(a["outputs"], b["outputs"])):
+        c, lx, ly = k % C, a["logprobs"][k], b["logprobs"][k]
+        alls += [t[0].logprob - t[1].logprob for t in lx if len(t) > 1]
+        if not agreed[c]:
+            continue  # its history differs: later turns say nothing about numerics
+        j = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
+        for i in range(len(x) if j is None else j):
+            noise = max(noise, abs(lx[i][0].logprob - ly[i][0].logprob))
+        if j is not None:
+            agreed[c] = False
+            at.append({"turn": k // C, "position": j, "margin_a": lx[j][0].logprob - lx[j][1].logprob,
+                       "margin_b": ly[j][0].logprob - ly[j][1].logprob})
+    q = lambda v, f: float(np.quantile(v, f)) if v else None  # noqa: E731
+    return {"divergences": len(at), "at_divergence": at,
+            "margin_at_divergence_max": max((max(d["margin_a"], d["margin_b"]) for d in at), default=None),
+            "margin_all_p10_p50": [q(alls, 0.1), q(alls, 0.5)], "same_token_logprob_diff_max": noise}
 
 
 def main():
@@ -97,6 +124,8 @@ def main():
     p.add_argument("--cpu-gib", type=float, default=1.0)
     p.add_argument("--disk-dir", default=None)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--margins", action="store_true",
+                   help="one more, untimed pass with top-2 logprobs: the logit margins where the outputs diverge")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     tier = {"kv_offload_cpu_gib": args.cpu_gib}
@@ -121,6 +150,9 @@ def main():
               # a conversation that diverges once differs in every later turn (its history differs)
               "identical_by_turn": [n / (args.conversations * args.repeats) for n in agree],
               "speedup": rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]}
+    if args.margins:
+        pair = [workload(args, llm, seed=args.repeats, logprobs=2) for llm, _ in engines]
+        result["margins"] = margins(args, *pair)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
@@ -131,6 +163,11 @@ def main():
               f"{args.repeats}: {r['wall_s']:.1f}s (all: {', '.join(f'{w:.1f}' for w in r['wall_s_all'])})")
     print(f"speedup with tiers {result['speedup']:.2f}x, identical greedy outputs: {same} (fraction by turn: "
           f"{', '.join(f'{x:.2f}' for x in result['identical_by_turn'])})")
+    if args.margins:
+        m = result["margins"]
+        print(f"margins: {m['divergences']} divergences with identical inputs, top-1 minus top-2 logprob there "
+              f"at most {m['margin_at_divergence_max']}; over all positions p10 / p50 {m['margin_all_p10_p50']}; "
+              f"same token's logprob differs by at most {m['same_token_logprob_diff_max']:.3g} before a divergence")
 
 
 if __name__ == "__main__":
