@@ -71,10 +71,39 @@ def test_host_then_disk_tier(tiered, want):
     assert tiered.engine.kv.host.num_blocks == 0 and not conn(tiered).host.num_pinned
     assert tiered.engine.kv_ops.num_compiled() == tiered.kv_compiled  # no new variant since warm-up
     assert tiered.engine.kv.num_free_blocks == tiered.engine.runner.num_blocks  # nothing leaked
+    tiered.engine.flush_kv()  # every save landed: the figures below are final
+    check_offload_metrics(tiered.stats(), conn(tiered).ctx.block_bytes)
+
+
+def check_offload_metrics(st: dict, block_bytes: int) -> None:
+    """/metrics' offload series, read back from the exposition text: present, equal to the
+    engine's stats, and sensible after a run that saved to both tiers and loaded from both."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     from jaxllm.server.metrics import ServerMetrics
-    text = ServerMetrics("m").render(tiered.stats()).decode()
-    assert f'jaxllm:external_prefix_cache_hits{{model_name="m"}} {float(s2["external_prefix_cache_hits"])}' in text
-    assert 'jaxllm:kv_offload_bytes{direction="load",model_name="m",tier="disk"} 0.0' not in text
+    text = ServerMetrics("m").render(st).decode()
+    got = {(smp.name, tuple(sorted((k, v) for k, v in smp.labels.items() if k != "model_name"))): smp.value
+           for fam in text_string_to_metric_families(text) for smp in fam.samples
+           if smp.labels.get("model_name") == "m"}
+    queries = got[("jaxllm:external_prefix_cache_queries", ())]
+    hits = got[("jaxllm:external_prefix_cache_hits", ())]
+    assert (queries, hits) == (st["external_prefix_cache_queries"], st["external_prefix_cache_hits"])
+    assert queries >= hits > 0
+    for tier in ("cpu", "disk"):
+        for d in ("load", "save"):
+            labels = (("direction", d), ("tier", tier))
+            nbytes, secs = got[("jaxllm:kv_offload_bytes", labels)], got[("jaxllm:kv_offload_seconds", labels)]
+            assert nbytes == st[f"kv_offload_{tier}_{d}_bytes"] and secs == st[f"kv_offload_{tier}_{d}_seconds"]
+            assert nbytes >= block_bytes and secs > 0, (tier, d, nbytes, secs)
+        used = got[("jaxllm:kv_offload_store_bytes", (("tier", tier),))]
+        blocks = got[("jaxllm:kv_offload_store_blocks", (("tier", tier),))]
+        assert (used, blocks) == (st[f"kv_offload_{tier}_bytes"], st[f"kv_offload_{tier}_blocks"])
+        assert blocks > 0 and used >= blocks * block_bytes
+        assert used <= got[("jaxllm:kv_offload_bytes", (("direction", "save"), ("tier", tier)))]  # saved first
+    assert got[("jaxllm:kv_offload_store_bytes", (("tier", "cpu"),))] <= st["kv_offload_cpu_capacity_bytes"]
+    # The disk tier is unbounded here: every block written is still held, header and all.
+    assert got[("jaxllm:kv_offload_store_bytes", (("tier", "disk"),))] == (
+        got[("jaxllm:kv_offload_store_blocks", (("tier", "disk"),))] * (HEADER_BYTES + block_bytes))
 
 
 @pytest.mark.parametrize("pin", [True, False])
@@ -130,34 +159,101 @@ def _block_files(d):
     return sub, sorted(os.path.join(sub, f) for f in os.listdir(sub))
 
 
-def test_restart_serves_from_disk_and_corruption_recomputes(tiered, disk_dir, want):
-    tiered.engine.flush_kv()
-    fresh = make(kv_offload_cpu_gib=gib(48), kv_offload_disk_dir=disk_dir)
-    out = run1(fresh, C)  # a new engine: only the files can hold C
-    assert out.outputs[0].token_ids == want["C"] and out.num_cached_tokens == 288
-    assert fresh.stats()["kv_offload_disk_load_bytes"] > 0
-    # Corrupt B's first block (flipped bytes), D's first (truncated) and A's third (empty).
-    disk = conn(fresh).disk
-    probe = keys_of
-    kb, kd, ka = probe(B, 1)[0], probe(D, 1)[0], probe(A, 3)[2]
-    with open(disk._path(kb), "r+b") as f:
-        f.seek(HEADER_BYTES + 100)
-        byte = f.read(1)
-        f.seek(HEADER_BYTES + 100)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    with open(disk._path(kd), "r+b") as f:
-        f.truncate(HEADER_BYTES + 10)
-    open(disk._path(ka), "wb").close()
-    for name, p, hit in (("B", B, 0), ("D", D, 0), ("A", A, 32)):
-        out = run1(fresh, p)
-        assert out.outputs[0].token_ids == want[name], name
-        assert out.num_cached_tokens == hit, name  # the prefix before the bad block still loads
-    st = fresh.stats()
-    assert st["kv_offload_disk_corrupt_blocks"] == 3
-    # Each bad block went with its descendants; the recompute wrote them again, whole.
-    fresh.engine.flush_kv()
-    assert all(disk.read(k) is not None for k in [kb, kd, ka] + probe(B, 18))
-    assert disk.num_corrupt == 3
+# A restarted server: a new process builds the same engine over the disk directory, reports C
+# (from disk alone), waits for the test to corrupt files, then reports B, D and A.
+RESTART = r"""
+import json, sys
+from kv_tiny import gib, make, rand, run1
+A, B, C, D = (rand(300, s) for s in (1, 2, 3, 4))
+llm = make(kv_offload_cpu_gib=gib(48), kv_offload_disk_dir=sys.argv[1])
+def run(name, p):
+    s0 = llm.stats()
+    out = run1(llm, p)
+    s1 = llm.stats()
+    d = lambda k: s1[k] - s0[k]
+    return {"name": name, "tokens": out.outputs[0].token_ids, "cached": out.num_cached_tokens,
+            "external": d("external_prefix_cache_hits"), "disk_load_bytes": d("kv_offload_disk_load_bytes")}
+print("RESULT " + json.dumps({"pid": __import__("os").getpid(), "blocks_at_start": len(llm.engine.connector.disk),
+                              **run("C", C)}), flush=True)
+sys.stdin.readline()  # the test corrupts files meanwhile
+runs = [run(name, p) for name, p in (("B", B), ("D", D), ("A", A))]
+llm.engine.flush_kv()
+print("RESULT " + json.dumps({"runs": runs, "corrupt": llm.stats()["kv_offload_disk_corrupt_blocks"]}), flush=True)
+"""
+
+
+def test_restart_serves_from_disk_and_corruption_recomputes(tmp_path, want):
+    """A server fills its own disk directory; a new process over it serves C from disk alone
+    (the greedy tokens of an engine without offload), and after three files are corrupted
+    recomputes from the bad block on, writing the blocks again, whole."""
+    import json
+    import queue
+    import subprocess
+    import sys
+    import threading
+
+    d = str(tmp_path / "kv")
+    first = make(kv_offload_cpu_gib=gib(48), kv_offload_disk_dir=d)
+    for name, p in (("A", A), ("B", B), ("C", C), ("D", D)):  # each evicts the one before
+        assert run1(first, p).outputs[0].token_ids == want[name]
+    first.engine.flush_kv()
+    disk = conn(first).disk
+    assert all(k in disk for p in (A, B, C, D) for k in keys_of(p, 18))
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here]))
+    err = open(tmp_path / "stderr", "w+")
+    proc = subprocess.Popen([sys.executable, "-c", RESTART, d], env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=err, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)], daemon=True).start()
+
+    def result() -> dict:
+        while True:
+            try:
+                line = lines.get(timeout=300)
+            except queue.Empty:
+                line = None
+            if line is None:
+                err.seek(0)
+                raise AssertionError(f"the restarted process gave no result (rc {proc.poll()}):\n{err.read()[-3000:]}")
+            if line.startswith("RESULT "):
+                return json.loads(line[7:])
+
+    try:
+        c = result()
+        assert c["pid"] != os.getpid() and c["blocks_at_start"] == len(disk)  # its index, from the files
+        assert c["tokens"] == want["C"] and c["cached"] == 288  # a new process: only the files can hold C
+        assert c["external"] == 288 and c["disk_load_bytes"] >= 18 * conn(first).ctx.block_bytes
+        # Corrupt B's first block (flipped bytes), D's first (truncated) and A's third (empty).
+        kb, kd, ka = keys_of(B, 1)[0], keys_of(D, 1)[0], keys_of(A, 3)[2]
+        with open(disk._path(kb), "r+b") as f:
+            f.seek(HEADER_BYTES + 100)
+            byte = f.read(1)
+            f.seek(HEADER_BYTES + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        with open(disk._path(kd), "r+b") as f:
+            f.truncate(HEADER_BYTES + 10)
+        open(disk._path(ka), "wb").close()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        r = result()
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        err.close()
+    assert [x["name"] for x in r["runs"]] == ["B", "D", "A"]
+    for x, hit in zip(r["runs"], (0, 0, 32)):
+        assert x["tokens"] == want[x["name"]], x["name"]
+        assert x["cached"] == x["external"] == hit, x  # the prefix before the bad block still loads
+    assert r["corrupt"] == 3
+    # Each bad block went with its descendants; the recompute wrote them again, whole (a fresh
+    # index over the files, every checksum verified).
+    again = DiskStore(d, None, conn(first).ctx.fingerprint, disk.block_bytes, disk.block_shape, disk.dtype)
+    assert again.num_dropped_at_start == 0
+    assert all(again.read(k) is not None for k in [kb, kd, ka] + keys_of(B, 18) + keys_of(D, 18) + keys_of(A, 18))
+    assert again.num_corrupt == 0
 
 
 def test_index_rebuilt_at_start_drops_bad_files(tmp_path):
@@ -254,6 +350,79 @@ def test_config_errors():
         EngineConfig(kv_events_config={"publisher": "kafka"})
     with pytest.raises(ValueError, match="kv_connector"):
         make(kv_transfer_config={"kv_connector": "NoSuchConnector"})
+
+
+def test_kv_flags_parse_and_reach_the_engine(tmp_path, monkeypatch, capsys):
+    """`jaxllm serve --kv-transfer-config JSON --kv-offload-cpu-gib G --kv-offload-disk-dir D
+    --kv-offload-disk-gib G --kv-events-config JSON`, through the real `jaxllm` parser: the
+    engine kwargs carry them, the engine built from them has that connector, those tiers and
+    that publisher; a malformed value is an argparse error naming its flag."""
+    import json
+    import socket
+
+    from jaxllm import cli
+    from jaxllm.engine.arg_utils import engine_kwargs
+    from jaxllm.kv_transfer.events import ZmqEventPublisher
+    from jaxllm.server import args as serve_args
+
+    seen = []
+    monkeypatch.setattr(serve_args, "run_serve", lambda a: seen.append(a) or 0)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        events_port = sock.getsockname()[1]
+    transfer = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"pin_host_memory": False, "load_async": False}}
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events_port}",
+              "topic": "kv"}
+    disk_dir = str(tmp_path / "kv")
+    assert cli.main(["serve", "--kv-transfer-config", json.dumps(transfer), "--kv-offload-cpu-gib", str(gib(48)),
+                     "--kv-offload-disk-dir", disk_dir, "--kv-offload-disk-gib", "0.25",
+                     "--kv-events-config", json.dumps(events)]) == 0
+    kw = engine_kwargs(seen[0])
+    flags = ("kv_transfer_config", "kv_offload_cpu_gib", "kv_offload_disk_dir", "kv_offload_disk_gib",
+             "kv_events_config")
+    assert {k: kw[k] for k in flags} == {"kv_transfer_config": transfer, "kv_offload_cpu_gib": gib(48),
+                                         "kv_offload_disk_dir": disk_dir, "kv_offload_disk_gib": 0.25,
+                                         "kv_events_config": events}
+    # Left out, none of them reaches the engine (its config keeps its defaults: no connector).
+    seen.clear()
+    assert cli.main(["serve"]) == 0 and not set(flags) & set(engine_kwargs(seen[0]))
+    llm = make(**{k: kw[k] for k in flags})
+    try:
+        cfg = llm.engine.cfg
+        assert (cfg.kv_transfer_config, cfg.kv_offload_cpu_gib, cfg.kv_offload_disk_dir, cfg.kv_offload_disk_gib,
+                cfg.kv_events_config) == tuple(kw[k] for k in flags)
+        c = conn(llm)
+        assert type(c).__name__ == "OffloadingConnector" and c.cfg.kv_role == "kv_both"
+        assert c.pin_host_memory is False and c.load_async is False  # the extra config reached it
+        assert c.host.capacity == int(gib(48) * (1 << 30))
+        assert c.disk.url == disk_dir and c.disk.capacity == (1 << 30) // 4
+        assert isinstance(llm.engine.kv_events, ZmqEventPublisher) and llm.engine.kv_events._topic == b"kv"
+        p = rand(40, 11)
+        assert len(run1(llm, p).outputs[0].token_ids) == GREEDY.max_tokens
+        llm.engine.flush_kv()
+        assert len(c.disk) == 2 and len(os.listdir(c.disk.root)) == 2  # its two full blocks, in that directory
+    finally:
+        llm.engine.kv_events.shutdown()
+    for argv, flag, why in ((["--kv-transfer-config", '{"kv_connector": "OffloadingConnector",'],
+                             "--kv-transfer-config", "not valid JSON"),
+                            (["--kv-events-config", "{enable_kv_cache_events: true}"], "--kv-events-config",
+                             "not valid JSON"),
+                            (["--kv-transfer-config", '["OffloadingConnector"]'], "--kv-transfer-config",
+                             "expected a JSON object"),
+                            (["--kv-events-config", "true"], "--kv-events-config", "expected a JSON object"),
+                            (["--kv-offload-cpu-gib", "lots"], "--kv-offload-cpu-gib", "invalid float value"),
+                            (["--kv-offload-disk-gib", "1GiB"], "--kv-offload-disk-gib", "invalid float value")):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            cli.main(["serve", *argv])
+        msg = capsys.readouterr().err
+        assert e.value.code == 2 and f"argument {flag}: {why}" in msg, (argv, msg)
+    # Valid JSON with a bad field passes the parser; the engine config refuses it by name.
+    seen.clear()
+    cli.main(["serve", "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "kafka"}'])
+    with pytest.raises(ValueError, match="kv_events_config.publisher"):
+        make(kv_events_config=engine_kwargs(seen[0])["kv_events_config"])
 
 
 def test_disk_tier_lru_bound(tmp_path):
