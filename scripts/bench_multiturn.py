@@ -77,12 +77,19 @@ def workload(args, llm, seed: int, logprobs: int | None = None) -> dict:
                 lps.append([sorted(d.values(), key=lambda x: -x.logprob)[:2] for d in r.outputs[0].logprobs])
     wall = time.perf_counter() - t0
     s1 = llm.stats()
+    conn = llm.engine.connector
+    loads = [t for t in getattr(conn, "load_log", ()) if t.get("admitted", 0) >= time.time() - wall - 1]
+    marks = ("dispatched", "issued", "copied", "ready", "written")  # ms after admission, median of the last 64
+    load_ms = {m: round(float(np.median([(t[m] - t["admitted"]) * 1e3 for t in loads if t.get(m)])), 2)
+               for m in marks if any(t.get(m) for t in loads)}
+    io = {k[len("kv_offload_"):]: round(v - s0.get(k, 0), 4) for k, v in s1.items()
+          if k.startswith("kv_offload_") and k.endswith(("seconds", "bytes")) and "capacity" not in k}
     dev = s1["prefix_cache_hits"] - s0["prefix_cache_hits"]
     ext = s1.get("external_prefix_cache_hits", 0) - s0.get("external_prefix_cache_hits", 0)
     return {"prompt_tokens": prompt_tokens, "generated_tokens": gen_tokens, "wall_s": wall,
             "device_hit_tokens": dev, "external_hit_tokens": ext,
             "hit_rate": (dev + ext) / prompt_tokens, "tokens_per_s": (prompt_tokens + gen_tokens) / wall,
-            "output_tokens_per_s": gen_tokens / wall, "outputs": outs, **({"logprobs": lps} if logprobs else {})}
+            "output_tokens_per_s": gen_tokens / wall, "offload_io": io, "load_ms": load_ms, "outputs": outs, **({"logprobs": lps} if logprobs else {})}
 
 
 def margins(args, a: dict, b: dict) -> dict:
@@ -123,6 +130,9 @@ def main():
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: what the pool holds")
     p.add_argument("--cpu-gib", type=float, default=1.0)
     p.add_argument("--disk-dir", default=None)
+    p.add_argument("--save-copies-ahead", nargs="+", default=None,
+                   help="one tier engine per value (\"auto\", an integer, or \"all\"): the host tier's "
+                        "save_copies_ahead; default: one tier engine with the connector's default")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--margins", action="store_true",
                    help="one more, untimed pass with top-2 logprobs: the logit margins where the outputs diverge")
@@ -131,17 +141,26 @@ def main():
     tier = {"kv_offload_cpu_gib": args.cpu_gib}
     if args.disk_dir:
         tier["kv_offload_disk_dir"] = args.disk_dir
-    engines = [build(args), build(args, **tier)]
-    runs = [[], []]
+    variants = [tier]
+    if args.save_copies_ahead:  # the same tier through an explicit connector config, per value
+        variants = [{"kv_transfer_config": {
+            "kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {
+                "cpu_gib": args.cpu_gib, **({"disk_dir": args.disk_dir} if args.disk_dir else {}),
+                "save_copies_ahead": None if v == "all" else v if v == "auto" else int(v)}}}
+            for v in args.save_copies_ahead]
+    engines = [build(args)] + [build(args, **v) for v in variants]
+    runs = [[] for _ in engines]
     same, agree = True, [0] * args.turns  # per turn: conversations whose outputs are identical
     for rep in range(args.repeats):  # alternate the two engines: a noisy machine hits both alike
         pair = [workload(args, llm, seed=rep) for llm, _ in engines]
         a, b = pair[0].pop("outputs"), pair[1].pop("outputs")
+        for extra in pair[2:]:
+            extra.pop("outputs")
         same &= a == b
         for k, (x, y) in enumerate(zip(a, b)):  # outputs run turn by turn, conversations within
             agree[k // args.conversations] += x == y
-        for i in (0, 1):
-            runs[i].append(pair[i])
+        for i, r in enumerate(pair):
+            runs[i].append(r)
     rows = []
     for (_, info), rs in zip(engines, runs):
         best = min(rs, key=lambda r: r["wall_s"])
@@ -149,18 +168,23 @@ def main():
     result = {"args": vars(args), "rows": rows, "same_outputs": same,
               # a conversation that diverges once differs in every later turn (its history differs)
               "identical_by_turn": [n / (args.conversations * args.repeats) for n in agree],
-              "speedup": rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"]}
+              "speedup": rows[1]["tokens_per_s"] / rows[0]["tokens_per_s"],
+              "speedups": [r["tokens_per_s"] / rows[0]["tokens_per_s"] for r in rows[1:]]}
     if args.margins:
-        pair = [workload(args, llm, seed=args.repeats, logprobs=2) for llm, _ in engines]
+        pair = [workload(args, llm, seed=args.repeats, logprobs=2) for llm, _ in engines[:2]]
         result["margins"] = margins(args, *pair)
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
     print(json.dumps(result, indent=2))
     for r in rows:
-        print(f"{'tiers' if r['offload'] else 'device only':12s} hit rate {r['hit_rate']:.3f}  "
+        sca = ((r["offload"] or {}).get("kv_transfer_config") or {}).get("kv_connector_extra_config", {})
+        label = "device only" if not r["offload"] else "tiers" + (
+            f" (save_copies_ahead {sca['save_copies_ahead']})" if "save_copies_ahead" in sca else "")
+        print(f"{label:12s} hit rate {r['hit_rate']:.3f}  "
               f"{r['tokens_per_s']:.0f} tok/s ({r['output_tokens_per_s']:.1f} out tok/s)  best of "
-              f"{args.repeats}: {r['wall_s']:.1f}s (all: {', '.join(f'{w:.1f}' for w in r['wall_s_all'])})")
+              f"{args.repeats}: {r['wall_s']:.1f}s (all: {', '.join(f'{w:.1f}' for w in r['wall_s_all'])})"
+              + (f"; offload io {r['offload_io']}; loads, ms after admission {r['load_ms']}" if r["offload"] else ""))
     print(f"speedup with tiers {result['speedup']:.2f}x, identical greedy outputs: {same} (fraction by turn: "
           f"{', '.join(f'{x:.2f}' for x in result['identical_by_turn'])})")
     if args.margins:
