@@ -82,7 +82,7 @@ def workload(args, llm, seed: int, logprobs: int | None = None) -> dict:
     marks = ("dispatched", "issued", "copied", "ready", "written")  # ms after admission, median of the last 64
     load_ms = {m: round(float(np.median([(t[m] - t["admitted"]) * 1e3 for t in loads if t.get(m)])), 2)
                for m in marks if any(t.get(m) for t in loads)}
-    io = {k[len("kv_offload_"):]: round(v - s0.get(k, 0), 4) for k, v in s1.items()
+    io = {k[len("kv_offload_"):]: round(v - (0 if k.endswith("max_seconds") else s0.get(k, 0)), 4) for k, v in s1.items()
           if k.startswith("kv_offload_") and k.endswith(("seconds", "bytes")) and "capacity" not in k}
     dev = s1["prefix_cache_hits"] - s0["prefix_cache_hits"]
     ext = s1.get("external_prefix_cache_hits", 0) - s0.get("external_prefix_cache_hits", 0)
