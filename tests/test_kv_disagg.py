@@ -85,6 +85,29 @@ def test_abort_mid_transfer_leaks_nothing(engines):
     assert out.outputs[0].token_ids == want["A"]
 
 
+def test_abort_while_pulling_from_a_live_producer_leaks_nothing(engines):
+    """The consumer aborts a request whose pull from a running producer has started: neither side
+    keeps a block, the late pull's pages are dropped, and both serve on with the same output."""
+    want, prod, cons = engines
+    e = cons.engine
+    A3 = rand(300, 11)
+    params = gen(prod, A3, 1, {"do_remote_decode": True}, rid="p6").kv_transfer_params
+    assert params["remote_num_blocks"] == 18 and free_all(prod)
+    e.add_request("d6", A3, SamplingParams(temperature=0, max_tokens=4), kv_transfer_params=params)
+    e.step()
+    assert "d6" in e.scheduler.loading  # its pull is under way
+    e.abort_request("d6")
+    assert not e.has_unfinished_requests()
+    deadline = time.time() + 10
+    while (e.connector._fetching or e.connector._fetched) and time.time() < deadline:
+        time.sleep(0.05)  # the pull ends (its pages have no request left to go to)
+    assert free_all(cons) and free_all(prod)
+    assert not e.connector._fetching and not e.connector._fetched
+    ref = make(enable_prefix_caching=False)
+    assert gen(cons, A3, 8, rid="d6b").outputs[0].token_ids == gen(ref, A3, 8).outputs[0].token_ids
+    assert free_all(cons)
+
+
 def test_no_page_move_compiles_after_warmup(engines):
     _, prod, cons = engines
     for llm in (prod, cons):
