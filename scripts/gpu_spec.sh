@@ -17,18 +17,23 @@
 #     draft (dummy weights, k = 4), and random EAGLE-1 and EAGLE-3 heads in vLLM's format
 #     (scripts/spec_heads.py; k = 3). With the SmolLM2 GGUF: SmolLM2 drafting for itself
 #     (acceptance ~100%) and its random-weight twin.
+# PARTS="step_b1 e2e_zero_accept": only those parts (default: all); LOGS=DIR: their logs there
+# (default $OUT; their JSON always goes to $OUT).
 set -u -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
+LOGS=${LOGS:-$OUT}; mkdir -p "$LOGS"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+want() { [ -z "${PARTS:-}" ] || [[ " $PARTS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/spec_gpu.txt"
 B="python3 scripts/bench_spec.py"
 R="--random-shape llama3-8b --dtype bfloat16 --proposer random"
 run() {  # name, timeout, args...: one measurement; a failure is printed and the rest go on
   local name=$1 t=$2; shift 2
+  want "$name" || return 0
   echo "== $name"
-  timeout "$t" $B "$@" --output-json "$OUT/spec_$name.json" > "$OUT/spec_$name.log" 2>&1 \
+  timeout "$t" $B "$@" --output-json "$OUT/spec_$name.json" > "$LOGS/spec_$name.log" 2>&1 \
     || echo "$name FAILED (rc $?)"
-  python3 - "$OUT/spec_$name.json" <<'PY' || tail -5 "$OUT/spec_$name.log"
+  python3 - "$OUT/spec_$name.json" <<'PY' || tail -5 "$LOGS/spec_$name.log"
 import json, sys
 r = json.load(open(sys.argv[1]))
 for row in r["rows"]:
@@ -45,10 +50,12 @@ run step_b32_t256 75 step $R --batch-size 32 --input-len 1024 --num-iters 30 --s
 run e2e_zero_accept 60 e2e $R --batch-size 1 --max-tokens 128 --ignore-eos --repeats 2 --seq-buckets 8 \
   --token-buckets 8 128 --max-num-batched-tokens 128
 D=/tmp/spec_heads; rm -rf $D
-python3 scripts/spec_heads.py draft-config $D/draft1b >/dev/null \
-  && python3 scripts/spec_heads.py eagle $D/eagle --method eagle --target llama3-8b >/dev/null \
-  && python3 scripts/spec_heads.py eagle $D/eagle3 --method eagle3 --target llama3-8b >/dev/null \
-  || echo "spec_heads.py FAILED"
+if want e2e_draft1b_zero_accept || want e2e_eagle_zero_accept || want e2e_eagle3_zero_accept; then
+  python3 scripts/spec_heads.py draft-config $D/draft1b >/dev/null \
+    && python3 scripts/spec_heads.py eagle $D/eagle --method eagle --target llama3-8b >/dev/null \
+    && python3 scripts/spec_heads.py eagle $D/eagle3 --method eagle3 --target llama3-8b >/dev/null \
+    || echo "spec_heads.py FAILED"
+fi
 E2E="--random-shape llama3-8b --dtype bfloat16 --batch-size 1 --max-tokens 128 --ignore-eos --repeats 2 \
   --seq-buckets 8 --token-buckets 8 128 --max-num-batched-tokens 128"
 run e2e_draft1b_zero_accept 120 e2e $E2E \
@@ -68,7 +75,7 @@ if [ -n "$GGUF" ]; then
   run e2e_smollm2_draft 120 e2e $M --batch-size 1 --max-tokens 128 --repeats 2 --proposer config random_draft \
     --max-num-batched-tokens 256 \
     --speculative-config "{\"method\": \"draft_model\", \"model\": \"$SM\", \"num_speculative_tokens\": 4}"
-else
+elif want e2e_smollm2_ngram; then
   echo "== e2e_smollm2_ngram SKIPPED: no SmolLM2 GGUF here (set SMOLLM2_GGUF or carry .smol/part.*)" \
     | tee "$OUT/spec_e2e_smollm2_ngram.log"
 fi

@@ -66,7 +66,7 @@ def mosaic_attention(q, kv_pages, layer, md, *, sm_scale: float,
         # int8 / int4 rows (D + 2, D/2 + 4 bytes) are no TMA shape: the prefill/mixed kernel
         # reads them, dequantizing in registers (kv_quant.py). fp8 pages take the decode kernel.
         return prefill_fn(q, kv_pages, layer, md, sm_scale=sm_scale)
-    if jax.numpy.dtype(kv_pages.dtype).itemsize == 4:
+    if kv_pages.dtype.itemsize == 4:
         # float32 pages: the decode kernel's TMA swizzle is laid out for 16- and 8-bit rows
         # (a float32 engine failed to lower it on an H200): the prefill/mixed path's kernel.
         return prefill_fn(q, kv_pages, layer, md, sm_scale=sm_scale)
