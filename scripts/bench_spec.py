@@ -21,6 +21,8 @@ reset between modes (blocks computed without the shadow pass hold no draft K/V).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import json
 import os
 import statistics
@@ -163,10 +165,17 @@ def run_step(llm, args) -> list[dict]:
             if mode == "spec":
                 eng.spec.propose(sched.running, eng.max_model_len)
             times = []
-            for _ in range(args.num_iters):
+            prof = cProfile.Profile() if args.profile and mode != "plain_async" else None
+            for i in range(args.num_iters):
+                if prof is not None and i == 2:  # after the first steps, as the median
+                    prof.enable()
                 t = time.perf_counter()
                 eng.step()
                 times.append(time.perf_counter() - t)
+            if prof is not None:
+                prof.disable()
+                print(f"== host profile, {mode} steps, batch {b} (cProfile, inflates Python time)")
+                pstats.Stats(prof).sort_stats("cumulative").print_stats(args.profile)
             eng.flush()
             eng.abort_request(ids)
             row[f"{mode}_step_s"] = statistics.median(times[2:])
@@ -195,6 +204,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--input-len", type=int, default=1024, help="step mode: cached context per row")
     p.add_argument("--num-iters", type=int, default=30)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="step mode: print the top N host functions (cProfile) of the sync plain "
+                        "and speculative steps")
     p.add_argument("--baseline-async", choices=["on", "off"], default="on")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)

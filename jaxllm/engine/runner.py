@@ -97,13 +97,15 @@ def resolve_dtype(name: str, platform: str):
     return DTYPES[name]
 
 
-def pick_attention(backend: str | None, platform: str):
+def pick_attention(backend: str | None, platform: str, queries_per_request: int = 1):
+    """`queries_per_request`: tokens a decode-kernel step carries per request at most as a rule
+    (k + 1 with speculative decoding), read against the request's pages once (kernels/)."""
     if backend in (None, "reference") and platform == "cpu":
         from jaxllm.kernels.ref import ragged_paged_attention
         log.info("attention backend: reference (jnp) on %s", platform)
         return ragged_paged_attention
     from jaxllm.kernels import get_attention_fn
-    return get_attention_fn(backend, platform)
+    return get_attention_fn(backend, platform, queries_per_request)
 
 
 class ModelRunner:
@@ -129,7 +131,9 @@ class ModelRunner:
             raise ValueError(f"quantization={cfg.quantization!r} with several processes is not "
                              f"supported yet (one process: tensor_parallel_size > 1 is)")
         check_weights_device(cfg.quantization, state)
-        attn = pick_attention(cfg.attention_backend, self.platform)
+        spec = cfg.speculative_config
+        attn = pick_attention(cfg.attention_backend, self.platform,
+                              spec.num_speculative_tokens + 1 if spec is not None else 1)
         self.tp = self.channel = None
         self.model_entry = registry.get(model_cfg.architecture)
         if cfg.enable_expert_parallel and model_cfg.moe is None:

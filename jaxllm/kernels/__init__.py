@@ -59,8 +59,13 @@ def _prefill_fn(platform: str) -> AttentionFn:
 
 
 def mosaic_attention(q, kv_pages, layer, md, *, sm_scale: float,
-                     prefill_fn: AttentionFn = ref.ragged_paged_attention) -> jax.Array:
-    """Decode kernel when T <= R (shapes are static under jit), else `prefill_fn`."""
+                     prefill_fn: AttentionFn = ref.ragged_paged_attention,
+                     queries_per_request: int = 1) -> jax.Array:
+    """Decode kernel when T <= R (shapes are static under jit), else `prefill_fn`.
+
+    queries_per_request > 1 (speculative decoding: k + 1): the decode kernel takes up to that
+    many consecutive tokens of a request in one CTA, so verifying k drafts reads the request's
+    pages once, not k + 1 times (mosaic_decode.items)."""
     from jaxllm.kernels import kv_quant, mosaic_decode
     if kv_quant.page_format(kv_pages.dtype, kv_pages.shape[-1], q.shape[-1]) in ("int8", "int4"):
         # int8 / int4 rows (D + 2, D/2 + 4 bytes) are no TMA shape: the prefill/mixed kernel
@@ -78,7 +83,9 @@ def mosaic_attention(q, kv_pages, layer, md, *, sm_scale: float,
         return ref.ragged_paged_attention(q, kv_pages, layer, md, sm_scale=sm_scale)
     num_tokens, num_reqs = q.shape[0], md.block_tables.shape[0]
     if num_tokens <= num_reqs:
-        return mosaic_decode.paged_decode_attention(q, kv_pages, layer, md, sm_scale=sm_scale)
+        qpi = min(queries_per_request, mosaic_decode.ROWS // group)
+        return mosaic_decode.paged_decode_attention(q, kv_pages, layer, md, sm_scale=sm_scale,
+                                                    queries_per_item=max(qpi, 1))
     from jaxllm.kernels import mixed_split
     if mixed_split.mode() == "decode" and _split_ok(q, kv_pages, prefill_fn):
         mixed_split.log_once((num_tokens, num_reqs))
@@ -109,8 +116,9 @@ def _normalize_platform(platform: str) -> str:
     return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
 
 
-def get_attention_fn(backend: str | None, platform: str) -> AttentionFn:
-    """Resolve an attention backend for `platform` ("cpu", "gpu"/"cuda", "tpu"); logs the choice."""
+def get_attention_fn(backend: str | None, platform: str, queries_per_request: int = 1) -> AttentionFn:
+    """Resolve an attention backend for `platform` ("cpu", "gpu"/"cuda", "tpu"); logs the choice.
+    `queries_per_request`: see `mosaic_attention` (the mosaic backend only)."""
     platform = _normalize_platform(platform)
     if backend is None:
         backend = "reference" if platform != "gpu" else "mosaic" if _hopper() else "pallas"
@@ -127,8 +135,11 @@ def get_attention_fn(backend: str | None, platform: str) -> AttentionFn:
         fn = _pallas_fn(interpret=platform == "cpu")
         detail = "interpret mode" if platform == "cpu" else "Triton lowering"
     else:
-        fn = functools.partial(mosaic_attention, prefill_fn=_prefill_fn(platform))
-        detail = ("Mosaic GPU decode kernel for decode steps (T <= R); prefill/mixed steps: "
-                  "see prefill_choice (Mosaic prefill kernel or Pallas)")
+        fn = functools.partial(mosaic_attention, prefill_fn=_prefill_fn(platform),
+                               queries_per_request=queries_per_request)
+        detail = ("Mosaic GPU decode kernel for decode steps (T <= R%s); prefill/mixed steps: "
+                  "see prefill_choice (Mosaic prefill kernel or Pallas)"
+                  % (f", up to {queries_per_request} tokens of a request per CTA"
+                     if queries_per_request > 1 else ""))
     log.info("attention backend: %s (%s, %s on %s)", backend, how, detail, platform)
     return fn

@@ -1,4 +1,4 @@
-"""Hopper paged decode attention on Mosaic GPU (`plgpu.kernel`), one query token per row.
+"""Hopper paged decode attention on Mosaic GPU (`plgpu.kernel`), one query token (or a few) per CTA.
 
 Grid (token, kv head), or a flat one when split (below). Each CTA owns the G = H / K query heads of one kv
 head for one token, so every key/value page is loaded once for all of them.
@@ -31,11 +31,16 @@ are not 16-byte multiples, which TMA needs: those stay with the Pallas kernel.
 
 Every token is handled independently (its request from `token_req`, its key
 range from `positions`), so the kernel is correct for any batch; it is only
-*efficient* when each request has one new token (decode).
+*efficient* when each request has one new token (decode). With `queries_per_item` q > 1
+(speculative verification: k + 1 tokens a request) a CTA takes an *item* of up to q
+consecutive tokens of one request instead, their q x G query rows in its 64, each row
+masked causally to its own token's position: the pages are read once per item, not once
+per token (`items` cuts the batch; a request with more tokens takes several items).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -47,7 +52,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxllm.kernels.metadata import AttentionMetadata
 
-_ROWS = 64  # wgmma M: one warpgroup's accumulator rows
+ROWS = _ROWS = 64  # wgmma M: one warpgroup's accumulator rows
 _LOG2E = math.log2(math.e)
 
 
@@ -85,11 +90,15 @@ def active_splits(positions: jax.Array, num_kv_heads: int, max_splits: int,
     return jnp.stack([n, real])
 
 
-def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, q_ref, kv_ref, *refs,
-                   sm_scale: float, num_kv_heads: int, num_pages: int, page_size: int,
+def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, q_ref, kv_ref,
+                   *refs, sm_scale: float, num_kv_heads: int, num_pages: int, page_size: int,
                    ppb: int, nst: int, num_splits: int, fp8: bool, early_v: bool,
-                   interpret: bool):
+                   interpret: bool, heads: int, qpi: int):
     """Body; refs = outputs (o [, lse]) then the scoped SMEM / barriers.
+
+    qpi > 1 (`queries_per_item`): CTA index `tok` is an item of up to qpi consecutive tokens
+    of one request, whose q rows are token-major ([qpi * heads, D]); pos_ref holds each item's
+    last position (-1: no item) and first_ref its first, so row j sees keys <= first + j // heads.
 
     Split grids are flat: CTA w takes (token, kv head, split) = w's digits in base
     (K, active), so the first real * K * active CTAs do all the work and the rest
@@ -111,7 +120,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, q_ref, kv_re
         kvh, split = (w % per_tok) // active, w % active
     else:
         tok, kvh, split = lax.axis_index("t"), lax.axis_index("h"), 0
-        run = True
+        run = pos_ref[tok] >= 0 if qpi > 1 else True  # items past the real ones: nothing to do
     wg = lax.axis_index("wg")
     # Layout casts only steer the GPU lowering; the CPU interpreter has no rule for them.
     cast = (lambda x, _: x) if interpret else plgpu.layout_cast
@@ -189,10 +198,15 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, q_ref, kv_re
         if fp8:  # f16 operands (module docstring); the score scale moves into q
             q = (q.astype(jnp.float32) * (sm_scale * _LOG2E)).astype(jnp.float16)
         row = plgpu.Layout.WGMMA.reduce(1)
-        m = cast(jnp.full((_ROWS,), -jnp.inf, jnp.float32), row)
+        # Causal rows (qpi > 1) may see no key of a split: start from a finite floor, so such a
+        # row's exp2(s - m) is exp2(-inf) = 0, not exp2(-inf + inf) = NaN (l stays 0, lse -inf).
+        m = cast(jnp.full((_ROWS,), -1e30 if qpi > 1 else -jnp.inf, jnp.float32), row)
         l = cast(jnp.full((_ROWS,), 0.0, jnp.float32), row)
         acc = cast(jnp.full((_ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
         col = cast(lax.broadcasted_iota(jnp.int32, (_ROWS, keys), 1), plgpu.Layout.WGMMA)
+        if qpi > 1:  # the last key each row may see: its token's position
+            lim = cast(lax.broadcasted_iota(jnp.int32, (_ROWS, keys), 0), plgpu.Layout.WGMMA)
+            lim = lim // heads + first_ref[tok]
 
         def body(step, carry):
             acc, m, l = carry
@@ -212,7 +226,9 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, q_ref, kv_re
             s = pl.run_scoped(qk, plgpu.ACC((_ROWS, keys), jnp.float32))
             if not fp8:
                 s = s * (sm_scale * _LOG2E)  # log2 domain: exp2 below
-            s = jnp.where(col + ((p0 + step * ppb) * page_size) < key_end, s, -jnp.inf)
+            key = col + ((p0 + step * ppb) * page_size)
+            ok = (key < key_end) & (key <= lim) if qpi > 1 else key < key_end
+            s = jnp.where(ok, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=1))
             p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
             alpha = jnp.exp2(m - m_new)
@@ -278,7 +294,7 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
                            num_stages: int | None = None, interpret: bool = False,
                            reduction_scratch_bytes: int | None = None,
                            return_partials: bool = False, num_sms: int = 132,
-                           early_v_convert: bool = True) -> jax.Array:
+                           early_v_convert: bool = True, queries_per_item: int = 1) -> jax.Array:
     """Decode attention, q [T, H, D] -> [T, H, D]; same contract as ref.ragged_paged_attention.
 
     Without num_splits the grid has the splits one real token would want, and the
@@ -286,6 +302,9 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     return_partials (benchmarks only): skip the split combine and return the kernel's outputs.
     early_v_convert (fp8 pages): convert the V tile while the QK wgmma runs instead of after
     the softmax (on an H200, B 64 context 2048: 162 vs 169 us, both exact; docs/benchmarks.md).
+    queries_per_item (speculative verification, `items`): a CTA takes up to this many consecutive
+    tokens of one request, all their G query heads in its 64 rows, so a request's K/V pages are
+    read once for its k + 1 verified tokens, not once per token.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_layers, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
@@ -301,18 +320,32 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     if block_keys != 64:  # 32: wgmma wants K % 64 == 0; 128 failed the check (docs/kernels.md)
         raise ValueError(f"block_keys must be 64, got {block_keys}")
     ppb = max(1, block_keys // page_size)
+    qpi = queries_per_item
+    if qpi < 1 or qpi * group > _ROWS:
+        raise ValueError(f"queries_per_item {qpi} x {group} query heads per KV head must fit the "
+                         f"{_ROWS} rows of a wgmma")
+    q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    positions, token_req, first = md.positions, md.token_req, md.positions
+    if qpi > 1:
+        it = items(md, qpi)
+        positions, token_req, first = it.last, it.req, it.first
+        tok = jnp.minimum(it.tok0[:, None] + jnp.arange(qpi), num_tokens - 1)  # [T, qpi]
+        q4 = q4[tok].transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_kv_heads, qpi * group,
+                                                         head_dim)
+    rows = qpi * group  # q rows of a CTA
     auto_splits, auto_stages = default_config(num_tokens, num_kv_heads, num_sms)
     if num_splits is None and num_tokens * num_kv_heads < num_sms:
         auto_splits, auto_stages = default_config(1, num_kv_heads, num_sms)  # for one real token
     splits, num_stages = num_splits or auto_splits, num_stages or auto_stages
-    if num_splits is not None or splits == 1:  # as asked: every token, `splits` ways
+    if num_splits is not None or splits == 1:  # as asked: every token (item), `splits` ways
         active = jnp.array([splits, num_tokens], jnp.int32)
+        if qpi > 1:  # the real items only (the rest are cheap, but not free in the interpreter)
+            active = jnp.stack([jnp.int32(splits), jnp.sum(positions >= 0).astype(jnp.int32)])
         num_ctas = num_tokens * num_kv_heads * splits  # split: the flat grid, one CTA each
     else:
-        active = active_splits(md.positions, num_kv_heads, splits, num_sms)
-        num_ctas = num_sms  # one wave, mapped onto the real tokens
+        active = active_splits(positions, num_kv_heads, splits, num_sms)
+        num_ctas = num_sms  # one wave, mapped onto the real tokens (items)
     flat_kv = kv_pages.reshape(-1, page_size, head_dim)  # page-major; a free reshape
-    q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     # fp8 tiles: 1-byte rows of D (<= 128 bytes swizzled per 8-row tile).
     row_bytes = min(head_dim, 128)
@@ -347,15 +380,15 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     rsb = {} if reduction_scratch_bytes is None else dict(
         reduction_scratch_bytes=reduction_scratch_bytes)
     if splits > 1:
-        out_type = (jax.ShapeDtypeStruct((splits, num_tokens, num_kv_heads, group, head_dim),
+        out_type = (jax.ShapeDtypeStruct((splits, num_tokens, num_kv_heads, rows, head_dim),
                                          jnp.float32),
                     jax.ShapeDtypeStruct((splits, num_tokens, num_kv_heads, _ROWS), jnp.float32))
     else:
-        out_type = (jax.ShapeDtypeStruct((num_tokens, num_kv_heads, group, head_dim), q.dtype),)
+        out_type = (jax.ShapeDtypeStruct((num_tokens, num_kv_heads, rows, head_dim), q.dtype),)
     body = functools.partial(
         _decode_kernel, sm_scale=float(sm_scale), num_kv_heads=num_kv_heads,
         num_pages=num_pages, page_size=page_size, ppb=ppb, nst=num_stages, num_splits=splits,
-        fp8=fp8, early_v=fp8 and early_v_convert, interpret=interpret)
+        fp8=fp8, early_v=fp8 and early_v_convert, interpret=interpret, heads=group, qpi=qpi)
     grid = ((num_ctas,), ("w",)) if splits > 1 else ((num_tokens, num_kv_heads), ("t", "h"))
     outs = plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch,
@@ -363,12 +396,50 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         num_threads=2, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, **rsb),
         interpret=_interpret_params() if interpret else None,
-    )(md.positions.astype(jnp.int32), md.token_req.astype(jnp.int32),
+    )(positions.astype(jnp.int32), token_req.astype(jnp.int32),
       md.block_tables.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), active,
-      q4, flat_kv)
+      first.astype(jnp.int32), q4, flat_kv)
     if return_partials:
         return outs
     if splits > 1:
         valid = (jnp.arange(splits)[:, None] < active[0]) & (jnp.arange(num_tokens) < active[1])[None, :]
-        return combine(outs[0], outs[1], group, q.dtype, valid)
-    return outs[0].reshape(num_tokens, num_heads, head_dim)
+        out = combine(outs[0], outs[1], rows, q.dtype, valid)
+    else:
+        out = outs[0]
+    if qpi == 1:
+        return out.reshape(num_tokens, num_heads, head_dim)
+    o5 = out.reshape(num_tokens, num_kv_heads, qpi, group, head_dim).transpose(0, 2, 1, 3, 4)
+    got = o5[it.item_of, it.offset]  # [T, K, G, D]: each token's rows of its item
+    got = jnp.where((md.positions >= 0)[:, None, None, None], got, 0)
+    return got.reshape(num_tokens, num_heads, head_dim)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Items:
+    """A batch's tokens cut into items of up to qpi consecutive tokens of one request (a
+    request's tokens are consecutive in the batch, at consecutive positions). Real items come
+    first, in token order, as real tokens do."""
+
+    tok0: jax.Array  # [T] the item's first token; unused items 0
+    req: jax.Array  # [T] the item's request row; unused items 0
+    first: jax.Array  # [T] position of its first token; unused items -1
+    last: jax.Array  # [T] position of its last token; unused items -1
+    item_of: jax.Array  # [T] each token's item; padding tokens 0
+    offset: jax.Array  # [T] each token's index in its item
+
+
+def items(md: AttentionMetadata, qpi: int) -> Items:
+    T = md.positions.shape[0]
+    t = jnp.arange(T, dtype=jnp.int32)
+    valid = md.positions >= 0
+    req = md.token_req.astype(jnp.int32)
+    start = md.query_start_loc[req]
+    i = t - start  # index of each token in its request's new tokens
+    is_start = valid & (i % qpi == 0)
+    item_of = jnp.where(valid, jnp.cumsum(is_start.astype(jnp.int32)) - 1, 0)
+    count = jnp.minimum(qpi, md.query_start_loc[req + 1] - start - i)  # tokens in the item
+    slot = jnp.where(is_start, item_of, T)  # scatters of the item starts; the rest dropped
+    put = lambda fill, v: jnp.full((T,), fill, jnp.int32).at[slot].set(v.astype(jnp.int32), mode="drop")
+    return Items(tok0=put(0, t), req=put(0, req), first=put(-1, md.positions),
+                 last=put(-1, md.positions + count - 1), item_of=item_of, offset=jnp.where(valid, i % qpi, 0))
