@@ -151,7 +151,7 @@ def run_step(llm, args) -> list[dict]:
             eng.spec = eng.spec_hook if mode == "spec" else None
             eng.async_scheduling = mode == "plain_async"
             sched = eng.scheduler
-            params = SamplingParams(temperature=0.0, max_tokens=args.num_iters + 8, ignore_eos=True)
+            params = SamplingParams(temperature=0.0, max_tokens=args.num_iters + 20, ignore_eos=True)
             ids = []
             for i in range(b):
                 rid = f"{mode}-b{b}-{i}"
@@ -176,6 +176,15 @@ def run_step(llm, args) -> list[dict]:
                 prof.disable()
                 print(f"== host profile, {mode} steps, batch {b} (cProfile, inflates Python time)")
                 pstats.Stats(prof).sort_stats("cumulative").print_stats(args.profile)
+            if args.trace:  # GPU busy vs wall, kernel time by kind and the top kernels
+                from trace_stats import print_summary, profile
+                tr = profile(eng.step, 10, os.path.join(args.trace, f"{mode}_b{b}"), python_tracer=False)
+                print(f"== trace, {mode} steps, batch {b}")
+                print_summary(tr)
+                for d in tr.get("per_device", []):
+                    for name, sec in d["top_kernels_s"].items():
+                        print(f"    {sec * 1e3:8.3f} ms  {name}")
+                row[f"{mode}_trace"] = tr
             eng.flush()
             eng.abort_request(ids)
             row[f"{mode}_step_s"] = statistics.median(times[2:])
@@ -204,6 +213,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--input-len", type=int, default=1024, help="step mode: cached context per row")
     p.add_argument("--num-iters", type=int, default=30)
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="step mode: a jax.profiler trace of 10 more steps per mode, summarised "
+                        "(scripts/trace_stats.py)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="step mode: print the top N host functions (cProfile) of the sync plain "
                         "and speculative steps")
@@ -228,7 +240,7 @@ def main() -> None:
     if args.random_shape:
         kw.update(random_shape=args.random_shape, load_format="dummy")
     if args.mode == "step":
-        max_len = args.input_len + args.num_iters * (k + 1) + 16
+        max_len = args.input_len + (args.num_iters + 12) * (k + 1) + 16  # + 10 traced steps
         kw.update(max_model_len=max_len, num_gpu_blocks_override=3 * max_b * -(-max_len // 16) + 16,
                   max_num_batched_tokens=args.max_num_batched_tokens or max(256, max_b * (k + 1)))
     elif args.max_num_batched_tokens:

@@ -35,7 +35,8 @@ def draft_config(spec: SpeculativeConfig, cfg, target_cfg, dtype) -> tuple[dict 
             hf, weights = load_draft(spec.model, cfg.load_format, cfg.cache_dir)
         except (FileNotFoundError, ValueError) as e:
             raise ValueError(f"speculative_config.model: cannot load the draft: {e}") from e
-        placed = place_weights(hf, weights, dtype, cfg.attention_backend, cfg.seed, tp)
+        placed = place_weights(hf, weights, dtype, cfg.attention_backend, cfg.seed, tp,
+                               queries_per_request=spec.num_speculative_tokens + 1)
         return {"hf": hf, "placed": placed}, page_bytes(hf, cfg.block_size, dtype, tp), ()
     import jax.numpy as jnp
     from jaxllm.models.config import ModelConfig

@@ -80,18 +80,21 @@ def _layout(m, tp: int):
 
 
 def place_weights(hf: dict, weights: dict | None, dtype, attention_backend: str | None = None,
-                  seed: int = 0, tp: int = 1, unroll: bool | None = None) -> tuple:
+                  seed: int = 0, tp: int = 1, unroll: bool | None = None,
+                  queries_per_request: int = 1) -> tuple:
     """The draft's module on the device(s): (model config, graphdef, flat weights, their
     treedef, its `TensorParallel` or None). With `tp` > 1 every weight is placed shard by
     shard on the target's mesh (the first `tp` devices, as the runner's). `unroll`: one array
     per layer, the runner's accelerator layout (default: on unless on CPU).
+    `queries_per_request`: k + 1, the tokens of a request its shadow pass over a verified step
+    carries (the decode kernel reads the request's pages once for them: runner.pick_attention).
 
     The engine calls this before the target's runner sizes the KV pool, so the pool is sized
     from the memory left beside both models' weights."""
     platform = jax.devices()[0].platform
     entry = registry.resolve(hf)
     m = entry.config(hf)
-    attn = pick_attention(attention_backend, platform)
+    attn = pick_attention(attention_backend, platform, queries_per_request)
     par, embed_fn, ckpt = None, None, m
     if tp > 1:
         from jaxllm.parallel import TensorParallel
