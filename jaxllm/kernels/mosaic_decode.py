@@ -90,15 +90,18 @@ def active_splits(positions: jax.Array, num_kv_heads: int, max_splits: int,
     return jnp.stack([n, real])
 
 
-def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, q_ref, kv_ref,
-                   *refs, sm_scale: float, num_kv_heads: int, num_pages: int, page_size: int,
+def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, tok0_ref, q_ref,
+                   kv_ref, *refs, sm_scale: float, num_kv_heads: int, num_pages: int, page_size: int,
                    ppb: int, nst: int, num_splits: int, fp8: bool, early_v: bool,
                    interpret: bool, heads: int, qpi: int):
     """Body; refs = outputs (o [, lse]) then the scoped SMEM / barriers.
 
     qpi > 1 (`queries_per_item`): CTA index `tok` is an item of up to qpi consecutive tokens
-    of one request, whose q rows are token-major ([qpi * heads, D]); pos_ref holds each item's
-    last position (-1: no item) and first_ref its first, so row j sees keys <= first + j // heads.
+    of one request from token tok0_ref[tok] on, whose q rows it copies token by token into its
+    rows ([qpi * heads, D], token-major); pos_ref holds each item's last position (-1: no item)
+    and first_ref its first, so row j sees keys <= first + j // heads. active_ref is then
+    (splits, items, real tokens). With one split each token's rows go straight to o_ref
+    [T, K, G, D], and the CTAs past the items write the padding tokens' zeros.
 
     Split grids are flat: CTA w takes (token, kv head, split) = w's digits in base
     (K, active), so the first real * K * active CTAs do all the work and the rest
@@ -120,7 +123,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, q
         kvh, split = (w % per_tok) // active, w % active
     else:
         tok, kvh, split = lax.axis_index("t"), lax.axis_index("h"), 0
-        run = pos_ref[tok] >= 0 if qpi > 1 else True  # items past the real ones: nothing to do
+        run = tok < active_ref[1] if qpi > 1 else True  # items past the real ones: nothing to do
     wg = lax.axis_index("wg")
     # Layout casts only steer the GPU lowering; the CPU interpreter has no rule for them.
     cast = (lambda x, _: x) if interpret else plgpu.layout_cast
@@ -138,7 +141,8 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, q
             return plgpu.transpose_ref(ref, (1, 0))
         a_bufs[2][...] = ref[...].T
         return a_bufs[2]
-    group, head_dim = q_ref.shape[2], q_ref.shape[3]
+    group, head_dim = q_ref.shape[2], q_ref.shape[3]  # G rows a token (qpi > 1: G = heads)
+    num_tokens = q_ref.shape[0]
     keys = ppb * page_size
 
     def page_tile(ref, deq):
@@ -190,7 +194,13 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, q
     def _consumer():
         q_smem[...] = cast(jnp.zeros((_ROWS, head_dim), q_smem.dtype), plgpu.Layout.WGMMA)
         plgpu.commit_smem()
-        plgpu.copy_gmem_to_smem(q_ref.at[tok, kvh], q_smem.at[pl.ds(0, group)], q_bar.at[0])
+        if qpi > 1:  # the item's tokens' rows, token-major (rows past the item: masked garbage)
+            for i in range(qpi):
+                src = jnp.minimum(tok0_ref[tok] + i, num_tokens - 1)
+                plgpu.copy_gmem_to_smem(q_ref.at[src, kvh], q_smem.at[pl.ds(i * heads, heads)],
+                                        q_bar.at[0])
+        else:
+            plgpu.copy_gmem_to_smem(q_ref.at[tok, kvh], q_smem.at[pl.ds(0, group)], q_bar.at[0])
         plgpu.barrier_wait(q_bar.at[0])
         # The CPU interpreter has no rule for plgpu.load; a plain read is equivalent there.
         q = q_smem[...] if interpret else plgpu.load(
@@ -254,12 +264,29 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, q
         if lse_ref is not None:
             lse_smem[...] = m + jnp.log(l) * (1.0 / math.log(2.0))  # log2; -inf if empty
         plgpu.commit_smem()
-        if lse_ref is not None:
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[split, tok, kvh])
+        if lse_ref is not None:  # partials in item layout ([qpi * heads] rows; combine merges)
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, qpi * heads)], o_ref.at[split, tok, kvh])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, tok, kvh])
+        elif qpi > 1:  # each of the item's tokens its own G rows
+            n_tok = pos_ref[tok] - first_ref[tok] + 1
+            for i in range(qpi):
+                @pl.when(i < n_tok)
+                def _():
+                    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(i * heads, heads)],
+                                            o_ref.at[tok0_ref[tok] + i, kvh])
         else:
             plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, group)], o_ref.at[tok, kvh])
         plgpu.wait_smem_to_gmem(0)
+
+    if qpi > 1 and num_splits == 1:  # spare CTA j past the items: padding token real + j gets 0
+        pad_tok = active_ref[2] + tok - active_ref[1]
+
+        @pl.when((wg == 0) & (tok >= active_ref[1]) & (pad_tok < num_tokens))
+        def _padding():
+            o_smem[...] = cast(jnp.zeros((_ROWS, head_dim), o_smem.dtype), plgpu.Layout.WGMMA)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, heads)], o_ref.at[pad_tok, kvh])
+            plgpu.wait_smem_to_gmem(0)
 
 
 def _interpret_params():
@@ -325,13 +352,10 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         raise ValueError(f"queries_per_item {qpi} x {group} query heads per KV head must fit the "
                          f"{_ROWS} rows of a wgmma")
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    positions, token_req, first = md.positions, md.token_req, md.positions
+    positions, token_req, first, tok0 = md.positions, md.token_req, md.positions, md.positions
     if qpi > 1:
         it = items(md, qpi)
-        positions, token_req, first = it.last, it.req, it.first
-        tok = jnp.minimum(it.tok0[:, None] + jnp.arange(qpi), num_tokens - 1)  # [T, qpi]
-        q4 = q4[tok].transpose(0, 2, 1, 3, 4).reshape(num_tokens, num_kv_heads, qpi * group,
-                                                         head_dim)
+        positions, token_req, first, tok0 = it.last, it.req, it.first, it.tok0
     rows = qpi * group  # q rows of a CTA
     auto_splits, auto_stages = default_config(num_tokens, num_kv_heads, num_sms)
     if num_splits is None and num_tokens * num_kv_heads < num_sms:
@@ -339,12 +363,13 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     splits, num_stages = num_splits or auto_splits, num_stages or auto_stages
     if num_splits is not None or splits == 1:  # as asked: every token (item), `splits` ways
         active = jnp.array([splits, num_tokens], jnp.int32)
-        if qpi > 1:  # the real items only (the rest are cheap, but not free in the interpreter)
-            active = jnp.stack([jnp.int32(splits), jnp.sum(positions >= 0).astype(jnp.int32)])
         num_ctas = num_tokens * num_kv_heads * splits  # split: the flat grid, one CTA each
     else:
         active = active_splits(positions, num_kv_heads, splits, num_sms)
         num_ctas = num_sms  # one wave, mapped onto the real tokens (items)
+    if qpi > 1:  # (splits, items, real tokens): the CTAs past the items write padding zeros
+        active = jnp.stack([active[0], jnp.sum(positions >= 0).astype(jnp.int32),
+                            jnp.sum(md.positions >= 0).astype(jnp.int32)])
     flat_kv = kv_pages.reshape(-1, page_size, head_dim)  # page-major; a free reshape
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     # fp8 tiles: 1-byte rows of D (<= 128 bytes swizzled per 8-row tile).
@@ -357,7 +382,7 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         plgpu.SMEM((num_stages, keys, head_dim), kv_pages.dtype, transforms=kv_tiled),
         plgpu.SMEM((_ROWS, head_dim), jnp.float32) if splits > 1 else None,
         plgpu.SMEM((_ROWS,), jnp.float32) if splits > 1 else None,
-        plgpu.Barrier(num_barriers=1),
+        plgpu.Barrier(num_arrivals=qpi, num_barriers=1),  # q: one copy per token of an item
         plgpu.Barrier(num_arrivals=ppb, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=ppb, num_barriers=num_stages),
         plgpu.Barrier(num_barriers=num_stages),
@@ -383,8 +408,8 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         out_type = (jax.ShapeDtypeStruct((splits, num_tokens, num_kv_heads, rows, head_dim),
                                          jnp.float32),
                     jax.ShapeDtypeStruct((splits, num_tokens, num_kv_heads, _ROWS), jnp.float32))
-    else:
-        out_type = (jax.ShapeDtypeStruct((num_tokens, num_kv_heads, rows, head_dim), q.dtype),)
+    else:  # token layout (qpi > 1: each token's rows written on their own)
+        out_type = (jax.ShapeDtypeStruct((num_tokens, num_kv_heads, group, head_dim), q.dtype),)
     body = functools.partial(
         _decode_kernel, sm_scale=float(sm_scale), num_kv_heads=num_kv_heads,
         num_pages=num_pages, page_size=page_size, ppb=ppb, nst=num_stages, num_splits=splits,
@@ -398,16 +423,16 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         interpret=_interpret_params() if interpret else None,
     )(positions.astype(jnp.int32), token_req.astype(jnp.int32),
       md.block_tables.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32), active,
-      first.astype(jnp.int32), q4, flat_kv)
+      first.astype(jnp.int32), tok0.astype(jnp.int32), q4, flat_kv)
     if return_partials:
         return outs
-    if splits > 1:
-        valid = (jnp.arange(splits)[:, None] < active[0]) & (jnp.arange(num_tokens) < active[1])[None, :]
-        out = combine(outs[0], outs[1], rows, q.dtype, valid)
-    else:
-        out = outs[0]
+    if splits == 1:
+        return outs[0].reshape(num_tokens, num_heads, head_dim)
+    valid = (jnp.arange(splits)[:, None] < active[0]) & (jnp.arange(num_tokens) < active[1])[None, :]
+    out = combine(outs[0], outs[1], rows, q.dtype, valid)
     if qpi == 1:
-        return out.reshape(num_tokens, num_heads, head_dim)
+        return out
+    # few items (the split grid): their merged rows back to the tokens, a small gather
     o5 = out.reshape(num_tokens, num_kv_heads, qpi, group, head_dim).transpose(0, 2, 1, 3, 4)
     got = o5[it.item_of, it.offset]  # [T, K, G, D]: each token's rows of its item
     got = jnp.where((md.positions >= 0)[:, None, None, None], got, 0)
