@@ -221,6 +221,9 @@ def main() -> None:
                         "and speculative steps")
     p.add_argument("--baseline-async", choices=["on", "off"], default="on")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="e2e mode: a KV pool of this many blocks, not one sized from memory (a small "
+                        "model's pool fills the GPU, and compiling against it is slow)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--seq-buckets", type=int, nargs="+", default=None)
     p.add_argument("--token-buckets", type=int, nargs="+", default=None)
@@ -243,8 +246,11 @@ def main() -> None:
         max_len = args.input_len + (args.num_iters + 12) * (k + 1) + 16  # + 10 traced steps
         kw.update(max_model_len=max_len, num_gpu_blocks_override=3 * max_b * -(-max_len // 16) + 16,
                   max_num_batched_tokens=args.max_num_batched_tokens or max(256, max_b * (k + 1)))
-    elif args.max_num_batched_tokens:
-        kw.update(max_num_batched_tokens=args.max_num_batched_tokens)
+    else:
+        if args.max_num_batched_tokens:
+            kw.update(max_num_batched_tokens=args.max_num_batched_tokens)
+        if args.num_gpu_blocks:
+            kw.update(num_gpu_blocks_override=args.num_gpu_blocks)
     for name in ("seq_buckets", "token_buckets"):
         if getattr(args, name):
             kw[name] = tuple(getattr(args, name))

