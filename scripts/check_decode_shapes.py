@@ -3,7 +3,7 @@
     python3 scripts/check_decode_shapes.py
 
 (K kv heads, G query heads per KV head, head dim D) in Llama-3-8B's (8, 4, 128), Llama-3.2-1B's
-(8, 4, 64), SmolLM2's (3, 3, 64) padded to G = 4 (`kernels.padded_group`), and (3, 3, 128)
+(8, 4, 64), SmolLM2's (3, 3, 64) padded to G = 4 (check_padded_group.padded_group), and (3, 3, 128)
 padded; B decode tokens at context 512 (B = 1: one 64-key block per split; B = 8 and 64:
 several blocks per CTA), 16-token pages. One JSON line per case; ok = rel err < 1e-2.
 """
@@ -24,7 +24,8 @@ import numpy as np  # noqa: E402
 
 import check_padded_group as cpg  # noqa: E402
 from bench_kernels import check  # noqa: E402
-from jaxllm.kernels import mosaic_decode, padded_group, ref  # noqa: E402
+from jaxllm.kernels import mosaic_decode, ref  # noqa: E402
+from check_padded_group import padded_group  # noqa: E402
 
 
 def main() -> None:

@@ -94,6 +94,6 @@ def test_decode_steps_take_items_of_the_speculative_width(monkeypatch, queries, 
     fn = get_attention_fn("mosaic", "gpu", queries)
     rng = np.random.default_rng(25)
     q, kv, md = make_batch(rng, [(40, 1), (9, 1)], page_size=8, num_kv_heads=1, group=group,
-                           head_dim=64, pad_reqs=1, pad_tokens=1, dtype=jnp.bfloat16)
+                           head_dim=128, pad_reqs=1, pad_tokens=1, dtype=jnp.bfloat16)
     fn(q, kv, jnp.int32(0), md, sm_scale=0.1)
     assert calls == [want]
