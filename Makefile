@@ -19,7 +19,7 @@ demo: install
 	$(BIN)/python scripts/demo.py
 
 test: install
-	$(BIN)/python -m pytest -p no:cacheprovider tests
+	$(BIN)/python -m pytest -p no:cacheprovider --durations=25 tests
 
 serve: install
 	$(BIN)/jaxllm serve --host 127.0.0.1 --port 8000
