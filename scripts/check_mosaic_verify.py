@@ -38,25 +38,31 @@ from jaxllm.kernels import mosaic_decode, ref  # noqa: E402
 from jaxllm.kernels.metadata import AttentionMetadata  # noqa: E402
 
 
-def verify_case(base: dict, k: int, ctx: int, page: int) -> dict:
-    """base's pool and tables, k + 1 tokens a request ending at position ctx - 1."""
-    tables, batch = base["tables"], base["tables"].shape[0]
-    n = k + 1
-    pos = np.tile(np.arange(ctx - n, ctx), batch)
-    req = np.repeat(np.arange(batch), n)
-    rows = batch * n  # the engine's row bucket for B verified requests
+def verify_metadata(tables: np.ndarray, new: int, ctx: int, page: int) -> AttentionMetadata:
+    """`new` tokens a request (one per request row of `tables`) ending at position ctx - 1, in
+    B * new request rows, as the engine's row buckets give B verified requests (T <= R)."""
+    batch = tables.shape[0]
+    pos = np.tile(np.arange(ctx - new, ctx), batch)
+    req = np.repeat(np.arange(batch), new)
+    rows = batch * new
     bt = np.zeros((rows, tables.shape[1]), np.int32)
     bt[:batch] = tables
     seq = np.zeros(rows, np.int32)
     seq[:batch] = ctx
-    qsl = np.full(rows + 1, batch * n, np.int32)
-    qsl[:batch + 1] = np.arange(batch + 1) * n
-    md = AttentionMetadata(
+    qsl = np.full(rows + 1, batch * new, np.int32)
+    qsl[:batch + 1] = np.arange(batch + 1) * new
+    return AttentionMetadata(
         positions=jnp.asarray(pos, jnp.int32), token_req=jnp.asarray(req, jnp.int32),
         slot_mapping=jnp.asarray(tables[req, pos // page] * page + pos % page, jnp.int32),
         block_tables=jnp.asarray(bt), seq_lens=jnp.asarray(seq), query_start_loc=jnp.asarray(qsl),
         num_seqs=jnp.array([batch], jnp.int32))
-    q = jax.random.normal(jax.random.key(7), (base["layers"] + 1, batch * n, H, D), jnp.bfloat16)
+
+
+def verify_case(base: dict, k: int, ctx: int, page: int) -> dict:
+    """base's pool and tables, k + 1 tokens a request ending at position ctx - 1."""
+    md = verify_metadata(base["tables"], k + 1, ctx, page)
+    q = jax.random.normal(jax.random.key(7), (base["layers"] + 1, md.positions.shape[0], H, D),
+                          jnp.bfloat16)
     return dict(base, qs=q, md=md)
 
 

@@ -1,17 +1,13 @@
 """GPU check of the Mosaic decode kernel on a group that is no power of two (SmolLM2-135M: 9 q /
-3 kv heads, D 64), padded to 4 query heads per KV head (`padded_group` below), then SmolLM2's
-decode speed with it against the reference attention it replaces, in one process.
+3 kv heads, D 64), padded to 4 query heads per KV head (`padded_group` below).
 
     python3 scripts/check_padded_group.py [--json $OUT/check_padded_group.json]
 
-1. Kernel: B decode tokens at context 512 (and B requests verifying k = 4 drafts), 16-token pages
-   shuffled in a bf16 pool; the padded kernel against ref.py with its output poisoned (ok = rel
-   err < 1e-2), and both timed per layer (GPU kernel time from a profiler trace).
-2. Engine: `random_shape="smollm2-135m"` (dummy weights), greedy, 128 tokens from 64-token
-   prompts at batch 1 and 8, JAXLLM_PAD_GROUP=0 then 1: in session 13's engine, 1 routed the
-   decode steps through the padded kernel (since removed, see docs/benchmarks.md), so both
-   now run the engine's own path.
-"""
+B decode tokens at context 512 (and B requests verifying k = 4 drafts), 16-token pages shuffled
+in a bf16 pool; the padded kernel against ref.py with its output poisoned (ok = rel err < 1e-2),
+and both timed per layer (GPU kernel time from a profiler trace). The engine comparison of
+session 13 (SmolLM2's shape decoding with the padded kernel routed in, 5.1x at batch 8) is this
+file at 376e971, where the engine still routed it (`JAXLLM_PAD_GROUP`)."""
 
 from __future__ import annotations
 
@@ -20,7 +16,6 @@ import functools
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -30,8 +25,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_kernels import check, gpu_time  # noqa: E402
+from check_mosaic_verify import verify_metadata  # noqa: E402
 from jaxllm.kernels import mosaic_decode, ref  # noqa: E402
-from jaxllm.kernels.metadata import AttentionMetadata  # noqa: E402
 
 K, G, D, PAGE = 3, 3, 64, 16
 
@@ -56,23 +51,10 @@ def case(batch: int, ctx: int, new: int, layers: int = 8) -> dict:
     ppr = -(-ctx // PAGE)
     rng = np.random.default_rng(0)
     tables = rng.permutation(batch * ppr + 8)[:batch * ppr].reshape(batch, ppr).astype(np.int32)
-    pos = np.tile(np.arange(ctx - new, ctx), batch)
-    req = np.repeat(np.arange(batch), new)
-    rows = batch * new
-    bt = np.zeros((rows, ppr), np.int32)
-    bt[:batch] = tables
-    seq = np.zeros(rows, np.int32)
-    seq[:batch] = ctx
-    qsl = np.full(rows + 1, batch * new, np.int32)
-    qsl[:batch + 1] = np.arange(batch + 1) * new
-    md = AttentionMetadata(
-        positions=jnp.asarray(pos, jnp.int32), token_req=jnp.asarray(req, jnp.int32),
-        slot_mapping=jnp.asarray(tables[req, pos // PAGE] * PAGE + pos % PAGE, jnp.int32),
-        block_tables=jnp.asarray(bt), seq_lens=jnp.asarray(seq), query_start_loc=jnp.asarray(qsl),
-        num_seqs=jnp.array([batch], jnp.int32))
+    md = verify_metadata(tables, new, ctx, PAGE)
     k1, k2 = jax.random.split(jax.random.key(1))
     kv = jax.random.normal(k1, (layers, 2, K, batch * ppr + 8, PAGE, D), jnp.bfloat16)
-    qs = jax.random.normal(k2, (layers + 1, rows, K * G, D), jnp.bfloat16)
+    qs = jax.random.normal(k2, (layers + 1, batch * new, K * G, D), jnp.bfloat16)
     return dict(kv=kv, qs=qs, md=md, layers=layers)
 
 
@@ -104,45 +86,11 @@ def kernel_rows() -> list[dict]:
     return rows
 
 
-def engine_rows() -> list[dict]:
-    from jaxllm import LLM, SamplingParams
-    rows = []
-    for pad in ("0", "1"):
-        os.environ["JAXLLM_PAD_GROUP"] = pad  # read when the step is traced (the warm-up)
-        t0 = time.perf_counter()
-        llm = LLM(None, random_shape="smollm2-135m", load_format="dummy", max_num_seqs=8,
-                  max_model_len=1024, num_gpu_blocks_override=1024, max_num_batched_tokens=512,
-                  token_buckets=(8, 512), seq_buckets=(1, 8))
-        start = time.perf_counter() - t0
-        rng = np.random.default_rng(0)
-        for b in (1, 8):
-            prompts = [rng.integers(0, 49152, 64).tolist() for _ in range(b)]
-            sp = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
-            llm.generate(prompts, sp, use_tqdm=False)  # the timed run's shapes, warm
-            t = time.perf_counter()
-            outs = llm.generate(prompts, sp, use_tqdm=False)
-            dt = time.perf_counter() - t
-            n = sum(len(o.outputs[0].token_ids) for o in outs)
-            row = dict(pad_group=pad, batch=b, tok_s=n / dt, start_s=start,
-                       compiles_after_warmup=llm.stats()["compiles_after_warmup"])
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-        del llm
-    for b in (1, 8):
-        r0, r1 = [r for r in rows if r["batch"] == b]
-        print(f"  batch {b}: padded kernel {r1['tok_s']:.1f} tok/s vs reference {r0['tok_s']:.1f} "
-              f"({r1['tok_s'] / r0['tok_s']:.2f}x)")
-    return rows
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "check_padded_group.json"))
     a = p.parse_args()
     res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "kernel": kernel_rows()}
-    with open(a.json, "w") as f:
-        json.dump(res, f, indent=1)
-    res["engine"] = engine_rows()
     with open(a.json, "w") as f:
         json.dump(res, f, indent=1)
     bad = [r for r in res["kernel"] if not r.get("ok")]

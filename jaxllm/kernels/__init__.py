@@ -83,13 +83,13 @@ def mosaic_attention(q, kv_pages, layer, md, *, sm_scale: float,
         # validated on such shapes (an H200 run with SmolLM2's 9 q / 3 kv heads failed
         # to lower): use the reference for these models.
         return ref.ragged_paged_attention(q, kv_pages, layer, md, sm_scale=sm_scale)
-    if num_tokens <= num_reqs and q.shape[2] != VALIDATED_HEAD_DIM:
-        # Only D = 128 is validated on the GPU. SmolLM2's heads (D = 64, its 3 query heads padded
-        # to 4) came out wrong there (rel err 0.6-0.77) once a CTA walked more than one 64-key
-        # block, though right in the interpreter (docs/benchmarks.md, session 13): the
-        # prefill/mixed path's kernel until scripts/check_decode_shapes.py passes.
-        return prefill_fn(q, kv_pages, layer, md, sm_scale=sm_scale)
     if num_tokens <= num_reqs:
+        if q.shape[2] != VALIDATED_HEAD_DIM:
+            # Only D = 128 is validated on the GPU. SmolLM2's heads (D = 64, its 3 query heads
+            # padded to 4) came out wrong there (rel err 0.6-0.77) once a CTA walked more than one
+            # 64-key block, though right in the interpreter (docs/benchmarks.md, session 13): the
+            # prefill/mixed path's kernel until scripts/check_decode_shapes.py passes.
+            return prefill_fn(q, kv_pages, layer, md, sm_scale=sm_scale)
         qpi = min(queries_per_request, mosaic_decode.ROWS // group)
         return mosaic_decode.paged_decode_attention(q, kv_pages, layer, md, sm_scale=sm_scale,
                                                     queries_per_item=max(qpi, 1))

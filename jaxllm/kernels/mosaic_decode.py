@@ -52,7 +52,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxllm.kernels.metadata import AttentionMetadata
 
-ROWS = _ROWS = 64  # wgmma M: one warpgroup's accumulator rows
+ROWS = 64  # wgmma M: one warpgroup's accumulator rows
 _LOG2E = math.log2(math.e)
 
 
@@ -192,7 +192,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
 
     @pl.when((wg == 0) & run)
     def _consumer():
-        q_smem[...] = cast(jnp.zeros((_ROWS, head_dim), q_smem.dtype), plgpu.Layout.WGMMA)
+        q_smem[...] = cast(jnp.zeros((ROWS, head_dim), q_smem.dtype), plgpu.Layout.WGMMA)
         plgpu.commit_smem()
         if qpi > 1:  # the item's tokens' rows, token-major (rows past the item: masked garbage)
             for i in range(qpi):
@@ -210,12 +210,12 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
         row = plgpu.Layout.WGMMA.reduce(1)
         # Causal rows (qpi > 1) may see no key of a split: start from a finite floor, so such a
         # row's exp2(s - m) is exp2(-inf) = 0, not exp2(-inf + inf) = NaN (l stays 0, lse -inf).
-        m = cast(jnp.full((_ROWS,), -1e30 if qpi > 1 else -jnp.inf, jnp.float32), row)
-        l = cast(jnp.full((_ROWS,), 0.0, jnp.float32), row)
-        acc = cast(jnp.full((_ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-        col = cast(lax.broadcasted_iota(jnp.int32, (_ROWS, keys), 1), plgpu.Layout.WGMMA)
+        m = cast(jnp.full((ROWS,), -1e30 if qpi > 1 else -jnp.inf, jnp.float32), row)
+        l = cast(jnp.full((ROWS,), 0.0, jnp.float32), row)
+        acc = cast(jnp.full((ROWS, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        col = cast(lax.broadcasted_iota(jnp.int32, (ROWS, keys), 1), plgpu.Layout.WGMMA)
         if qpi > 1:  # the last key each row may see: its token's position
-            lim = cast(lax.broadcasted_iota(jnp.int32, (_ROWS, keys), 0), plgpu.Layout.WGMMA)
+            lim = cast(lax.broadcasted_iota(jnp.int32, (ROWS, keys), 0), plgpu.Layout.WGMMA)
             lim = lim // heads + first_ref[tok]
 
         def body(step, carry):
@@ -233,7 +233,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
                     v_tiles.append(page_tile(v_smem.at[slot], v_deq))
                 return acc_ref[...]
 
-            s = pl.run_scoped(qk, plgpu.ACC((_ROWS, keys), jnp.float32))
+            s = pl.run_scoped(qk, plgpu.ACC((ROWS, keys), jnp.float32))
             if not fp8:
                 s = s * (sm_scale * _LOG2E)  # log2 domain: exp2 below
             key = col + ((p0 + step * ppb) * page_size)
@@ -253,7 +253,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
                 plgpu.wgmma(acc_ref, operand(p.astype(q.dtype), 1), v_tile)
                 return acc_ref[...]
 
-            acc = acc + pl.run_scoped(pv, plgpu.ACC((_ROWS, head_dim), jnp.float32))
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
             plgpu.barrier_arrive(free_bar.at[slot])
             return acc, m_new, l
 
@@ -283,7 +283,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
 
         @pl.when((wg == 0) & (tok >= active_ref[1]) & (pad_tok < num_tokens))
         def _padding():
-            o_smem[...] = cast(jnp.zeros((_ROWS, head_dim), o_smem.dtype), plgpu.Layout.WGMMA)
+            o_smem[...] = cast(jnp.zeros((ROWS, head_dim), o_smem.dtype), plgpu.Layout.WGMMA)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, heads)], o_ref.at[pad_tok, kvh])
             plgpu.wait_smem_to_gmem(0)
@@ -342,15 +342,15 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         raise ValueError(f"quantized or mixed-dtype pages ({kv_pages.dtype}, rows of {kv_pages.shape[-1]}) "
                          f"are not supported by the Mosaic decode kernel (it reads {q.dtype} and "
                          f"fp8 pages); use the Pallas kernel")
-    if group > _ROWS or page_size % 8 or head_dim % 64 or block_keys % page_size:
+    if group > ROWS or page_size % 8 or head_dim % 64 or block_keys % page_size:
         raise ValueError(f"unsupported shape: G={group}, S={page_size}, D={head_dim}")
     if block_keys != 64:  # 32: wgmma wants K % 64 == 0; 128 failed the check (docs/kernels.md)
         raise ValueError(f"block_keys must be 64, got {block_keys}")
     ppb = max(1, block_keys // page_size)
     qpi = queries_per_item
-    if qpi < 1 or qpi * group > _ROWS:
+    if qpi < 1 or qpi * group > ROWS:
         raise ValueError(f"queries_per_item {qpi} x {group} query heads per KV head must fit the "
-                         f"{_ROWS} rows of a wgmma")
+                         f"{ROWS} rows of a wgmma")
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     positions, token_req, first, tok0 = md.positions, md.token_req, md.positions, md.positions
     if qpi > 1:
@@ -377,11 +377,11 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     kv_tiled = (plgpu.TilingTransform((8, row_bytes)), plgpu.SwizzleTransform(row_bytes)) if fp8 else tiled
     keys = ppb * page_size
     scratch = (  # 16 KB + nst * BK * D * 4 bytes (+ 32 KB f32 partials when split)
-        plgpu.SMEM((_ROWS, head_dim), q.dtype),
+        plgpu.SMEM((ROWS, head_dim), q.dtype),
         plgpu.SMEM((num_stages, keys, head_dim), kv_pages.dtype, transforms=kv_tiled),
         plgpu.SMEM((num_stages, keys, head_dim), kv_pages.dtype, transforms=kv_tiled),
-        plgpu.SMEM((_ROWS, head_dim), jnp.float32) if splits > 1 else None,
-        plgpu.SMEM((_ROWS,), jnp.float32) if splits > 1 else None,
+        plgpu.SMEM((ROWS, head_dim), jnp.float32) if splits > 1 else None,
+        plgpu.SMEM((ROWS,), jnp.float32) if splits > 1 else None,
         plgpu.Barrier(num_arrivals=qpi, num_barriers=1),  # q: one copy per token of an item
         plgpu.Barrier(num_arrivals=ppb, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=ppb, num_barriers=num_stages),
@@ -391,13 +391,13 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         plgpu.SMEM((keys, head_dim), cdt, transforms=tiled) if fp8 else None,
     )
     if interpret:  # staging for wgmma's A operand, see `operand`
-        scratch += (plgpu.SMEM((_ROWS, head_dim), cdt),
-                    plgpu.SMEM((_ROWS, keys), cdt),
+        scratch += (plgpu.SMEM((ROWS, head_dim), cdt),
+                    plgpu.SMEM((ROWS, keys), cdt),
                     plgpu.SMEM((head_dim, keys), cdt))
     item = jnp.dtype(kv_pages.dtype).itemsize
-    smem = (2 * _ROWS * head_dim + num_stages * keys * head_dim * 2 * item
+    smem = (2 * ROWS * head_dim + num_stages * keys * head_dim * 2 * item
             + fp8 * 2 * keys * head_dim * 2
-            + (splits > 1) * (_ROWS * head_dim * 4 + _ROWS * 4))
+            + (splits > 1) * (ROWS * head_dim * 4 + ROWS * 4))
     # Mosaic reserves scratch for cross-warp reductions; the softmax only reduces along
     # rows (within a warp), so drop it when that lets two CTAs share an SM (<= 113 KB).
     if reduction_scratch_bytes is None and smem <= 112 * 1024 + 512:
@@ -407,7 +407,7 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     if splits > 1:
         out_type = (jax.ShapeDtypeStruct((splits, num_tokens, num_kv_heads, rows, head_dim),
                                          jnp.float32),
-                    jax.ShapeDtypeStruct((splits, num_tokens, num_kv_heads, _ROWS), jnp.float32))
+                    jax.ShapeDtypeStruct((splits, num_tokens, num_kv_heads, ROWS), jnp.float32))
     else:  # token layout (qpi > 1: each token's rows written on their own)
         out_type = (jax.ShapeDtypeStruct((num_tokens, num_kv_heads, group, head_dim), q.dtype),)
     body = functools.partial(
@@ -439,7 +439,6 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     return got.reshape(num_tokens, num_heads, head_dim)
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Items:
     """A batch's tokens cut into items of up to qpi consecutive tokens of one request (a

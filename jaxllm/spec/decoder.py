@@ -206,8 +206,8 @@ def _drafted(base: SampleRow, drafts: list[int], j: int) -> SampleRow:
     """`base`'s row as if its first j drafts had been sampled: their ids where penalties read
     the history, else only their count (`num_output`: min_tokens, the seed's step), so a row
     never copies a long history (160 rows a step at batch 32, k = 4)."""
-    from jaxllm.engine.sampler import SampleRow
     if base.params.has_penalties:
         return dataclasses.replace(base, output_ids=list(base.output_ids) + drafts[:j])
-    return SampleRow(base.params, base.prompt_ids, base.output_ids, base.seed, base.eos_token_id,
-                     base.num_pending + j)
+    # type(base): engine.sampler's SampleRow, built directly (replace() costs ~3x as much)
+    return type(base)(base.params, base.prompt_ids, base.output_ids, base.seed, base.eos_token_id,
+                      base.num_pending + j)
