@@ -1,13 +1,12 @@
 """GPU check of the Mosaic decode kernel on a group that is no power of two (SmolLM2-135M: 9 q /
-3 kv heads, D 64), padded to 4 query heads per KV head (`padded_group` below).
+3 kv heads, D 64), padded to 4 query heads per KV head (`jaxllm.kernels.padded_group`).
 
     python3 scripts/check_padded_group.py [--json $OUT/check_padded_group.json]
 
 B decode tokens at context 512 (and B requests verifying k = 4 drafts), 16-token pages shuffled
 in a bf16 pool; the padded kernel against ref.py with its output poisoned (ok = rel err < 1e-2),
-and both timed per layer (GPU kernel time from a profiler trace). The engine comparison of
-session 13 (SmolLM2's shape decoding with the padded kernel routed in, 5.1x at batch 8) is this
-file at 376e971, where the engine still routed it (`JAXLLM_PAD_GROUP`)."""
+and both timed per layer (GPU kernel time from a profiler trace). The engine with and without
+it: scripts/check_decode_shapes.py --engine."""
 
 from __future__ import annotations
 
@@ -26,25 +25,9 @@ import numpy as np  # noqa: E402
 
 from bench_kernels import check, gpu_time  # noqa: E402
 from check_mosaic_verify import verify_metadata  # noqa: E402
-from jaxllm.kernels import mosaic_decode, ref  # noqa: E402
+from jaxllm.kernels import mosaic_decode, padded_group, ref  # noqa: E402
 
 K, G, D, PAGE = 3, 3, 64, 16
-
-
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
-def padded_group(fn, q, kv_pages, layer, md, *, sm_scale: float):
-    """`fn` on q with each KV head's G query heads padded by zero heads to the next power of
-    two, the padding heads' outputs dropped: q [T, K * G, D] -> [T, K * G, D]. (Not in the
-    engine: on the H200 this came out wrong for SmolLM2's heads at B >= 8, session 13.)"""
-    T, H, Dh = q.shape
-    Kv = kv_pages.shape[2]
-    g, g2 = H // Kv, _pow2(H // Kv)
-    q4 = jnp.pad(q.reshape(T, Kv, g, Dh), ((0, 0), (0, 0), (0, g2 - g), (0, 0)))
-    out = fn(q4.reshape(T, Kv * g2, Dh), kv_pages, layer, md, sm_scale=sm_scale)
-    return out.reshape(T, Kv, g2, Dh)[:, :, :g].reshape(T, H, Dh)
 
 
 def case(batch: int, ctx: int, new: int, layers: int = 8) -> dict:

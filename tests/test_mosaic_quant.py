@@ -122,20 +122,3 @@ def test_mosaic_backend_sends_float32_pages_to_the_prefill_path(monkeypatch):
     monkeypatch.setattr(prefill_choice, "is_hopper", lambda: True)
     ok, why = prefill_choice.mosaic_prefill_ok(32, 8, 128, 16, "float32")
     assert not ok and "float32" in why
-
-
-def test_mosaic_backend_keeps_unvalidated_head_dims_off_the_decode_kernel(monkeypatch):
-    """Only D = 128 is validated on the H200; D = 64 decode steps take the prefill/mixed path
-    (SmolLM2's heads came out wrong in the decode kernel there, docs/benchmarks.md session 13)."""
-    from jaxllm.kernels import mosaic_attention, mosaic_decode
-
-    calls = []
-    monkeypatch.setattr(mosaic_decode, "paged_decode_attention",
-                        lambda q, *a, **k: calls.append("decode") or q)
-    prefill = lambda q, *a, **k: calls.append("prefill") or q  # noqa: E731
-    rng = np.random.default_rng(26)
-    for head_dim in (128, 64):
-        q, kv, md = make_batch(rng, [(40, 1), (9, 1)], page_size=8, num_kv_heads=2, group=4,
-                               head_dim=head_dim, pad_reqs=1, pad_tokens=1, dtype=jnp.bfloat16)
-        mosaic_attention(q, kv, jnp.int32(0), md, sm_scale=0.1, prefill_fn=prefill)
-    assert calls == ["decode", "prefill"]

@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 
 AttentionFn = Callable[..., jax.Array]
 BACKENDS = ("reference", "pallas", "mosaic")
-VALIDATED_HEAD_DIM = 128  # the Mosaic decode kernel's head dim checked on an H200
 
 
 def _pallas_fn(interpret: bool | None = None) -> AttentionFn:
@@ -78,21 +77,17 @@ def mosaic_attention(q, kv_pages, layer, md, *, sm_scale: float,
         return prefill_fn(q, kv_pages, layer, md, sm_scale=sm_scale)
     group = q.shape[1] // kv_pages.shape[2]
     num_tokens, num_reqs = q.shape[0], md.block_tables.shape[0]
+    if num_tokens <= num_reqs and decode_head_dim_ok(q.shape[2], kv_pages.dtype):
+        g = _pow2(group)  # a group that is no power of two (SmolLM2: 9 q / 3 kv heads) padded
+        qpi = max(min(queries_per_request, mosaic_decode.ROWS // g), 1)
+        fn = functools.partial(mosaic_decode.paged_decode_attention, queries_per_item=qpi)
+        if g != group:
+            return padded_group(fn, q, kv_pages, layer, md, sm_scale=sm_scale)
+        return fn(q, kv_pages, layer, md, sm_scale=sm_scale)
     if group & (group - 1) or q.shape[2] & (q.shape[2] - 1):
-        # Triton lowering needs power-of-two blocks and the decode kernel was only
-        # validated on such shapes (an H200 run with SmolLM2's 9 q / 3 kv heads failed
-        # to lower): use the reference for these models.
+        # Triton lowering needs power-of-two blocks: these models' other steps (prefill,
+        # mixed) take the reference.
         return ref.ragged_paged_attention(q, kv_pages, layer, md, sm_scale=sm_scale)
-    if num_tokens <= num_reqs:
-        if q.shape[2] != VALIDATED_HEAD_DIM:
-            # Only D = 128 is validated on the GPU. SmolLM2's heads (D = 64, its 3 query heads
-            # padded to 4) came out wrong there (rel err 0.6-0.77) once a CTA walked more than one
-            # 64-key block, though right in the interpreter (docs/benchmarks.md, session 13): the
-            # prefill/mixed path's kernel until scripts/check_decode_shapes.py passes.
-            return prefill_fn(q, kv_pages, layer, md, sm_scale=sm_scale)
-        qpi = min(queries_per_request, mosaic_decode.ROWS // group)
-        return mosaic_decode.paged_decode_attention(q, kv_pages, layer, md, sm_scale=sm_scale,
-                                                    queries_per_item=max(qpi, 1))
     from jaxllm.kernels import mixed_split
     if mixed_split.mode() == "decode" and _split_ok(q, kv_pages, prefill_fn):
         mixed_split.log_once((num_tokens, num_reqs))
@@ -102,10 +97,34 @@ def mosaic_attention(q, kv_pages, layer, md, *, sm_scale: float,
     return prefill_fn(q, kv_pages, layer, md, sm_scale=sm_scale)
 
 
+def decode_head_dim_ok(head_dim: int, page_dtype) -> bool:
+    """Head dims the Mosaic decode kernel is checked at on an H200 (scripts/check_decode_shapes.py):
+    128, and 64 with model-dtype pages (fp8 pages at 64 run in the interpreter, not yet on a GPU)."""
+    import jax.numpy as jnp
+    return head_dim == 128 or (head_dim == 64 and jnp.dtype(page_dtype).itemsize == 2)
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def padded_group(fn: AttentionFn, q, kv_pages, layer, md, *, sm_scale: float) -> jax.Array:
+    """`fn` on q with each KV head's G query heads padded by zero heads to the next power of two,
+    the padding heads' outputs dropped: q [T, K * G, D] -> [T, K * G, D] (the decode kernel's
+    per-head TMA copies failed to lower for SmolLM2's G = 3 on an H200; padded they are checked)."""
+    import jax.numpy as jnp
+    T, H, D = q.shape
+    K = kv_pages.shape[2]
+    G, G2 = H // K, _pow2(H // K)
+    q4 = jnp.pad(q.reshape(T, K, G, D), ((0, 0), (0, 0), (0, G2 - G), (0, 0)))
+    out = fn(q4.reshape(T, K * G2, D), kv_pages, layer, md, sm_scale=sm_scale)
+    return out.reshape(T, K, G2, D)[:, :, :G].reshape(T, H, D)
+
+
 def _split_ok(q, kv_pages, prefill_fn: AttentionFn) -> bool:
     """The split (mixed_split.py) only where the mixed kernel is the portable Pallas one: the
     Mosaic prefill kernel's handling of padding tokens inside a request is not verified."""
-    if q.shape[2] != VALIDATED_HEAD_DIM:  # the decode kernel's rows (see mosaic_attention)
+    if not decode_head_dim_ok(q.shape[2], kv_pages.dtype):  # the decode kernel's rows
         return False
     if prefill_fn is not gpu_prefill_attention:
         return prefill_fn is ref.ragged_paged_attention

@@ -112,7 +112,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
     else:
         o_ref, lse_ref, scratch = refs[0], None, refs[1:]
     (q_smem, k_smem, v_smem, o_smem, lse_smem,
-     q_bar, k_bar, v_bar, free_bar, k_deq, v_deq, *a_bufs) = scratch
+     q_bar, k_bar, v_bar, free_bar, k_deq, v_deq, q16_smem, *a_bufs) = scratch
     if o_smem is None:  # one split: stage the bf16 output in q's buffer (q is in registers)
         o_smem = q_smem
     active = active_ref[0]  # splits in use
@@ -207,6 +207,11 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
             q_smem, (), layout=plgpu.Layout.WGMMA, optimized=False)
         if fp8:  # f16 operands (module docstring); the score scale moves into q
             q = (q.astype(jnp.float32) * (sm_scale * _LOG2E)).astype(jnp.float16)
+        q_src = q_smem  # where `reload_q` reads q from
+        if q16_smem is not None:
+            q16_smem[...] = q
+            plgpu.commit_smem()
+            q_src = q16_smem
         row = plgpu.Layout.WGMMA.reduce(1)
         # Causal rows (qpi > 1) may see no key of a split: start from a finite floor, so such a
         # row's exp2(s - m) is exp2(-inf) = 0, not exp2(-inf + inf) = NaN (l stays 0, lse -inf).
@@ -218,6 +223,12 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
             lim = cast(lax.broadcasted_iota(jnp.int32, (ROWS, keys), 0), plgpu.Layout.WGMMA)
             lim = lim // heads + first_ref[tok]
 
+        # At D == BK (64) q and p are both [64, 64] register operands, and on an H200 (jax
+        # 0.11.2) every QK wgmma after a CTA's first then read p's registers, not q's (rel err
+        # 0.6-0.8 once a CTA walks two blocks; q = 0 still gave wrong scores:
+        # scripts/diag_decode_d64.py). Read from SMEM again each step, q is right there.
+        reload_q = head_dim == keys
+
         def body(step, carry):
             acc, m, l = carry
             slot = lax.rem(step, jnp.int32(nst))
@@ -227,7 +238,11 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
             v_tiles = []
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, operand(q, 0), keys_t(k_tile))
+                a = q
+                if reload_q:
+                    a = q_src[...] if interpret else plgpu.load(
+                        q_src, (), layout=plgpu.Layout.WGMMA, optimized=False)
+                plgpu.wgmma(acc_ref, operand(a, 0), keys_t(k_tile))
                 if early_v:  # convert the V tile while the async QK wgmma runs
                     plgpu.barrier_wait(v_bar.at[slot])
                     v_tiles.append(page_tile(v_smem.at[slot], v_deq))
@@ -389,6 +404,8 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         # fp8 pages: the dequantized f16 K and V tiles the wgmmas read (`page_tile`).
         plgpu.SMEM((keys, head_dim), cdt, transforms=tiled) if fp8 else None,
         plgpu.SMEM((keys, head_dim), cdt, transforms=tiled) if fp8 else None,
+        # fp8 pages at D == BK: the scaled f16 q, read again every step (`reload_q`)
+        plgpu.SMEM((ROWS, head_dim), cdt) if fp8 and head_dim == keys else None,
     )
     if interpret:  # staging for wgmma's A operand, see `operand`
         scratch += (plgpu.SMEM((ROWS, head_dim), cdt),
@@ -396,7 +413,7 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
                     plgpu.SMEM((head_dim, keys), cdt))
     item = jnp.dtype(kv_pages.dtype).itemsize
     smem = (2 * ROWS * head_dim + num_stages * keys * head_dim * 2 * item
-            + fp8 * 2 * keys * head_dim * 2
+            + fp8 * 2 * keys * head_dim * 2 + (fp8 and head_dim == keys) * ROWS * head_dim * 2
             + (splits > 1) * (ROWS * head_dim * 4 + ROWS * 4))
     # Mosaic reserves scratch for cross-warp reductions; the softmax only reduces along
     # rows (within a warp), so drop it when that lets two CTAs share an SM (<= 113 KB).

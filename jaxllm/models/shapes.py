@@ -24,6 +24,8 @@ QWEN2_5_7B = dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, inter
                   num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
                   rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=32768,
                   tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645)
+LLAMA3_2_1B = dict(LLAMA3_8B, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                   head_dim=64, tie_word_embeddings=True, max_position_embeddings=131072)
 SMOLLM2_135M = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                     num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
                     rms_norm_eps=1e-5, rope_theta=100000.0, max_position_embeddings=8192,
@@ -51,7 +53,7 @@ TINY_MOE = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size
 SHAPES: dict[str, dict] = {
     "llama3-8b": LLAMA3_8B, "llama3-70b": LLAMA3_70B, "llama2-7b": LLAMA2_7B,
     "mistral-7b": MISTRAL_7B, "qwen3-8b": QWEN3_8B, "qwen2.5-7b": QWEN2_5_7B,
-    "smollm2-135m": SMOLLM2_135M, "tiny": TINY,
+    "llama3.2-1b": LLAMA3_2_1B, "smollm2-135m": SMOLLM2_135M, "tiny": TINY,
     "qwen3-30b-a3b": QWEN3_30B_A3B, "mixtral-8x7b": MIXTRAL_8X7B, "tiny-moe": TINY_MOE,
 }
 

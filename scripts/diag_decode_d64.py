@@ -1,0 +1,84 @@
+"""GPU diagnosis of the Mosaic decode kernel at head dim 64 (wrong on the H200 when a CTA walks
+more than one 64-key block; right at D = 128 and with one block: check_decode_shapes.py):
+
+    python3 scripts/diag_decode_d64.py
+
+Kernel variants (the module's source with one edit each) x inputs (random; K = 0, so every
+score is equal and the online softmax never rescales; V = 1, so any output but 1 means the
+accumulator and the denominator were rescaled differently; q = 0: every score 0 again, unless
+the QK product reads something else than q), Llama-3.2-1B heads (K 8, G 4, D
+64), context 512, batch 8 and 64. One JSON line per case; ok = rel err < 1e-2.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import types
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import check_padded_group as cpg  # noqa: E402
+from bench_kernels import check  # noqa: E402
+from jaxllm.kernels import mosaic_decode, ref  # noqa: E402
+
+EDITS = {
+    "base": [],
+    # q read from SMEM into registers again every step, not once before the loop
+    "qload": [("                plgpu.wgmma(acc_ref, operand(q, 0), keys_t(k_tile))\n",
+               "                plgpu.wgmma(acc_ref, plgpu.load(q_smem, (), layout=plgpu.Layout.WGMMA,"
+               " optimized=False), keys_t(k_tile))\n")],
+}
+
+
+def variant(name: str):
+    src = open(mosaic_decode.__file__).read()
+    for old, new in EDITS[name]:
+        assert src.count(old) == 1, (name, old)
+        src = src.replace(old, new)
+    mod = types.ModuleType(f"mosaic_decode_{name}")
+    mod.__file__ = mosaic_decode.__file__
+    exec(compile(src, mosaic_decode.__file__, "exec"), mod.__dict__)
+    return mod
+
+
+def main() -> None:
+    cpg.K, cpg.G, cpg.D = 8, 4, 64
+    scale = 64 ** -0.5
+    reff = jax.jit(functools.partial(ref.ragged_paged_attention, sm_scale=scale))
+    for name in EDITS:
+        try:
+            mod = variant(name)
+        except Exception as e:  # noqa: BLE001
+            print(json.dumps(dict(variant=name, error=repr(e)[-300:])), flush=True)
+            continue
+        for batch, splits, stages in ((8, None, None), (64, None, None), (64, None, 1)):
+            for inp in ("random", "k0", "v1", "q0"):
+                c = cpg.case(batch, 512, 1, layers=2)
+                if inp == "k0":
+                    c["kv"] = c["kv"].at[:, 0].set(0)
+                elif inp == "v1":
+                    c["kv"] = c["kv"].at[:, 1].set(1)
+                if inp == "q0":  # every score 0 whatever K is
+                    c["qs"] = jnp.zeros_like(c["qs"])
+                want = np.asarray(reff(c["qs"][-1], c["kv"], jnp.int32(0), c["md"]).astype(jnp.float32))
+                fn = functools.partial(mod.paged_decode_attention, sm_scale=scale, num_splits=splits,
+                                       num_stages=stages)
+                row = dict(variant=name, batch=batch, splits=splits, stages=stages, input=inp)
+                try:
+                    row["rel_err"] = round(check(fn, c, want), 5)
+                    row["ok"] = row["rel_err"] < 1e-2
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = repr(e)[-300:]
+                print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
