@@ -58,7 +58,8 @@ class RandomProposer:
 
     def propose(self, histories, k=None):
         caps = np.broadcast_to(np.asarray(self.k if k is None else k), (len(histories),))
-        return [self.rng.integers(0, self.vocab, size=int(c)).tolist() for c in caps]
+        ids = self.rng.integers(0, self.vocab, size=(len(histories), self.k)).tolist()  # one draw
+        return [row[:c] for row, c in zip(ids, caps.tolist())]
 
 
 def repeat_prompts(llm, n: int) -> list[list[int]]:
