@@ -59,8 +59,9 @@ def test_head_dim_64_lowers_for_cuda_with_q_read_every_block():
 
 
 def test_small_heads_route(monkeypatch):
-    """Decode steps at D = 64 take the decode kernel (fp8 pages there, unchecked on a GPU: the prefill/mixed path);
-    a group of 3 goes in padded to 4 query heads a KV head, its prefill steps to the reference."""
+    """Decode steps at D = 64 and 128 take the decode kernel (bf16 and fp8 pages), at D = 256
+    the prefill/mixed path's kernel (unchecked on a GPU); a group of 3 goes in padded to 4 query
+    heads a KV head, its prefill steps to the reference."""
     from jaxllm.kernels import mosaic_attention, mosaic_decode, ref
 
     calls = []
@@ -72,6 +73,7 @@ def test_small_heads_route(monkeypatch):
     rng = np.random.default_rng(35)
     cases = [([(40, 1), (9, 1)], 1, 4, 64, jnp.bfloat16),   # decode, D 64
              ([(40, 1), (9, 1)], 1, 4, 64, jnp.float8_e4m3fn),  # decode, D 64, fp8 pages
+             ([(40, 1), (9, 1)], 1, 4, 256, jnp.bfloat16),  # decode, D 256
              ([(40, 1), (9, 1)], 1, 4, 128, jnp.float8_e4m3fn),  # decode, D 128, fp8 pages
              ([(40, 1), (9, 1)], 1, 3, 64, jnp.bfloat16),   # decode, G 3: padded to 4
              ([(40, 5)], 0, 3, 64, jnp.bfloat16),           # prefill, G 3
@@ -83,5 +85,5 @@ def test_small_heads_route(monkeypatch):
         out = mosaic_attention(q, kv.astype(dtype), jnp.int32(0), md, sm_scale=0.1,
                                prefill_fn=prefill)
         assert out.shape == q.shape
-    assert calls == [("decode", 12), ("prefill", 12), ("decode", 12), ("decode", 12),
-                     ("ref", 9), ("prefill", 12)]
+    assert calls == [("decode", 12), ("decode", 12), ("prefill", 12), ("decode", 12),
+                     ("decode", 12), ("ref", 9), ("prefill", 12)]
