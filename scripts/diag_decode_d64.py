@@ -3,7 +3,8 @@ more than one 64-key block; right at D = 128 and with one block: check_decode_sh
 
     python3 scripts/diag_decode_d64.py
 
-Kernel variants (the module's source with one edit each) x inputs (random; K = 0, so every
+Kernel variants (the module's source with one edit each: the kernel as it is, as it was
+before q was read again every block, and two edits of the rescale that changed nothing) x inputs (random; K = 0, so every
 score is equal and the online softmax never rescales; V = 1, so any output but 1 means the
 accumulator and the denominator were rescaled differently; q = 0: every score 0 again, unless
 the QK product reads something else than q), Llama-3.2-1B heads (K 8, G 4, D
@@ -29,12 +30,23 @@ import check_padded_group as cpg  # noqa: E402
 from bench_kernels import check  # noqa: E402
 from jaxllm.kernels import mosaic_decode, ref  # noqa: E402
 
+RESCALE = "            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])\n"
+Q_IN_REGISTERS = ("        reload_q = head_dim == keys\n", "        reload_q = False\n")
 EDITS = {
     "base": [],
-    # q read from SMEM into registers again every step, not once before the loop
-    "qload": [("                plgpu.wgmma(acc_ref, operand(q, 0), keys_t(k_tile))\n",
-               "                plgpu.wgmma(acc_ref, plgpu.load(q_smem, (), layout=plgpu.Layout.WGMMA,"
-               " optimized=False), keys_t(k_tile))\n")],
+    # on the kernel as it was (q in registers): the carried accumulator and the row factor
+    # pinned to their layouts in the loop
+    "pinned": [Q_IN_REGISTERS, (
+        RESCALE, "            acc = cast(acc, plgpu.Layout.WGMMA)\n"
+                 "            alpha = cast(alpha, row)\n"
+                 "            acc = acc * cast(lax.broadcast_in_dim(alpha, acc.shape, [0]), plgpu.Layout.WGMMA)\n")],
+    # ... and the factor built as the scores' broadcasts are (the form that is right at D = 128)
+    "wide": [Q_IN_REGISTERS, (
+        RESCALE, "            acc = acc * jnp.exp2(lax.broadcast_in_dim(m, acc.shape, [0])"
+                 " - lax.broadcast_in_dim(m_new, acc.shape, [0]))\n")],
+    # the kernel as landed (ad944ef) reads q from SMEM every block at D = 64; "q_in_registers"
+    # undoes that (the kernel as it was), "base" is the kernel as it is
+    "q_in_registers": [Q_IN_REGISTERS],
 }
 
 
@@ -59,7 +71,7 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001
             print(json.dumps(dict(variant=name, error=repr(e)[-300:])), flush=True)
             continue
-        for batch, splits, stages in ((8, None, None), (64, None, None), (64, None, 1)):
+        for batch, splits, stages in ((8, None, None), (8, 8, None), (64, None, None), (64, None, 1)):
             for inp in ("random", "k0", "v1", "q0"):
                 c = cpg.case(batch, 512, 1, layers=2)
                 if inp == "k0":
