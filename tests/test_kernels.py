@@ -207,13 +207,13 @@ def test_mosaic_decode_splits_follow_the_real_tokens():
     """Auto splits: the grid is sized for one real token (4 splits on a 4-SM toy), two real
     tokens use 2 of them; the skipped CTAs write nothing and `combine` ignores their slots."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
-    from jaxllm.kernels import mosaic_decode
+    from jaxllm.kernels import decode_schedule, mosaic_decode
     rng = np.random.default_rng(12)
     reqs = [(27, 1), (35, 1)]
     q, kv, md = make_batch(rng, reqs, page_size=8, num_kv_heads=1, group=4, head_dim=64,
                            pad_reqs=0, pad_tokens=1, dtype=jnp.bfloat16)
-    assert mosaic_decode.default_config(1, 1, num_sms=4)[0] == 4
-    assert int(mosaic_decode.active_splits(md.positions, 1, 4, num_sms=4)[0]) == 2
+    assert decode_schedule.default_config(1, 1, num_sms=4)[0] == 4
+    assert int(decode_schedule.active_splits(md.positions, 1, 4, num_sms=4)[0]) == 2
     o_part, lse = mosaic_decode.paged_decode_attention(
         q, kv, jnp.int32(1), md, sm_scale=0.3, num_stages=2, interpret=True, num_sms=4,
         return_partials=True)

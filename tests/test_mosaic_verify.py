@@ -21,7 +21,7 @@ REQS = [(66, 4), (13, 6)]
 @pytest.mark.parametrize("splits", [1, 2])
 def test_items_match_dense_attention(splits):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
-    from jaxllm.kernels import mosaic_decode
+    from jaxllm.kernels import decode_schedule, mosaic_decode
     rng = np.random.default_rng(21)
     q, kv, md = make_batch(rng, REQS, page_size=8, num_kv_heads=1, group=4, head_dim=64,
                            pad_reqs=0, pad_tokens=1, dtype=jnp.bfloat16)
@@ -30,7 +30,7 @@ def test_items_match_dense_attention(splits):
                                                queries_per_item=4)
     dense = dense_outputs(q, kv, 1, md, REQS, 8, 0.3)
     n = sum(new for _, new in REQS)
-    it = mosaic_decode.items(md, 4)
+    it = decode_schedule.items(md, 4)
     np.testing.assert_array_equal(np.asarray(it.last), [65, 10, 12] + [-1] * 8)
     assert rel_err(np.asarray(got[:n], np.float32), dense[:n]) < 1e-2
     for t in range(n):  # every token on its own, not only on average
@@ -40,11 +40,11 @@ def test_items_match_dense_attention(splits):
 
 
 def test_items_cut_requests_into_consecutive_groups():
-    from jaxllm.kernels import mosaic_decode
+    from jaxllm.kernels import decode_schedule
     rng = np.random.default_rng(22)
     reqs = [(66, 4), (35, 7), (9, 1), (20, 2)]  # 4, 7, 1 and 2 new tokens
     _, _, md = make_batch(rng, reqs, page_size=8, num_kv_heads=1, group=1, pad_tokens=2)
-    it = mosaic_decode.items(md, 4)
+    it = decode_schedule.items(md, 4)
     # requests of 4, 7, 1, 2 tokens -> items (0..3), (4..7), (8..10), (11), (12..13)
     np.testing.assert_array_equal(np.asarray(it.tok0)[:5], [0, 4, 8, 11, 12])
     np.testing.assert_array_equal(np.asarray(it.req)[:5], [0, 1, 1, 2, 3])

@@ -65,7 +65,7 @@ def mosaic_attention(q, kv_pages, layer, md, *, sm_scale: float,
 
     queries_per_request > 1 (speculative decoding: k + 1): the decode kernel takes up to that
     many consecutive tokens of a request in one CTA, so verifying k drafts reads the request's
-    pages once, not k + 1 times (mosaic_decode.items)."""
+    pages once, not k + 1 times (decode_schedule.items)."""
     from jaxllm.kernels import kv_quant, mosaic_decode
     if kv_quant.page_format(kv_pages.dtype, kv_pages.shape[-1], q.shape[-1]) in ("int8", "int4"):
         # int8 / int4 rows (D + 2, D/2 + 4 bytes) are no TMA shape: the prefill/mixed kernel
