@@ -59,6 +59,7 @@ class Dispatcher:
         self.runner, self.kv_ops, self.sampler = runner, kv_ops, sampler
         self.connector = connector  # worker side of the KV connector, or None
         self._pool = None
+        self._last: Future | None = None  # the latest work queued on the thread
         self.threaded = threaded
         # A speculative proposer with KV of its own (jaxllm/spec: a draft model): it sees
         # each step's page moves (`on_kv_ops(out)`) and batch (`after_forward(out, hb, prev_ids)`).
@@ -74,7 +75,7 @@ class Dispatcher:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-step")
         elif not on and self._pool is not None:
             self._pool.shutdown(wait=True)
-            self._pool = None
+            self._pool, self._last = None, None
 
     def drain(self) -> None:
         """Wait for the work submitted so far."""
@@ -83,13 +84,17 @@ class Dispatcher:
 
     def submit(self, out: SchedulerOutput, hb=None, sbatch=None,
                prev: Future | PendingSample | None = None,
-               mask: Future | None = None, sampler=None) -> Future | PendingSample | None:
+               mask: Future | None = None, sampler=None,
+               inline: bool = False) -> Future | PendingSample | None:
         """Queue the step's device work; `prev` is the step before's draw (placeholders);
         `mask` a Future of the structured-outputs bitmask job, which the draw waits for and runs;
-        `sampler`: draws instead of the engine's sampler (speculative verification)."""
-        if self._pool is None:
+        `sampler`: draws instead of the engine's sampler (speculative verification).
+        `inline`: a step the host reads at once (synchronous) runs on the calling thread when
+        the thread has nothing queued, saving the two thread hand-offs."""
+        if self._pool is None or (inline and (self._last is None or self._last.done())):
             return self._run(out, hb, sbatch, prev, mask, sampler)
-        return self._pool.submit(self._run, out, hb, sbatch, prev, mask, sampler)
+        self._last = self._pool.submit(self._run, out, hb, sbatch, prev, mask, sampler)
+        return self._last
 
     def _run(self, out, hb, sbatch, prev, mask=None, sampler=None) -> PendingSample | None:
         """In order: page moves, forward pass, draw. Nothing here waits for the device; a

@@ -397,7 +397,7 @@ class LLMEngine:
         if prev is None:  # every earlier token is known: fill now
             self._fill_mask(launched)
         launched.sample = self.dispatcher.submit(out, hb, sbatch, prev.sample if prev else None, launched.mask,
-                                                 verify)
+                                                 verify, inline=self.spec is not None)
         return launched
 
     def _fill_mask(self, launched: Launched) -> None:
