@@ -7,6 +7,9 @@
 #   call B (carry .smol/part.ab and .whl): bash scripts/gpu_session14.sh b
 #     SmolLM2 with ngram speculation (its padded G = 3 heads now on the decode kernel), and the
 #     engine on the Llama-3.2-1B / SmolLM2 shapes with and without the decode kernel
+#   after the faster ngram and the inline synchronous steps (b8c5d6d):
+#   call C (carry .smol/part.aa): bash scripts/gpu_session14.sh c   (batch-32 step, zero acceptance)
+#   call D (carry .smol/part.ab and .whl): bash scripts/gpu_session14.sh d   (SmolLM2 ngram)
 set -u
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -15,5 +18,7 @@ case "${1:-}" in
      OUT=${OUT:-out}; mkdir -p "$OUT"  # the whole log kept there, its result lines shown here
      timeout 200 python3 scripts/check_decode_shapes.py --engine --no-kernels > "$OUT/decode_shapes.log" 2>&1
      grep -E '^\{|^  ' "$OUT/decode_shapes.log" ;;
-  *) echo "usage: $0 a|b" >&2; exit 2 ;;
+  c) PARTS="step_b32 e2e_zero_accept" bash scripts/gpu_spec.sh ;;
+  d) PARTS="e2e_smollm2_ngram" bash scripts/gpu_spec.sh ;;
+  *) echo "usage: $0 a|b|c|d" >&2; exit 2 ;;
 esac
