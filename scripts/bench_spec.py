@@ -12,7 +12,8 @@
 
 Both modes use ONE engine built with `speculative_config`; its baseline runs with the
 speculative hook detached (`engine.spec = None`), so it is exactly the plain engine
-(async scheduling as --baseline-async) on the same weights and compiled steps, in the
+(async scheduling as --baseline-async; the speculative modes as --spec-async) on the same
+weights and compiled steps, in the
 same process. Figures are ratios against that baseline. With a draft model the baseline
 also detaches the draft's shadow pass (`dispatcher.spec_hook`), and the prefix cache is
 reset between modes (blocks computed without the shadow pass hold no draft K/V).
@@ -75,9 +76,9 @@ def repeat_prompts(llm, n: int) -> list[list[int]]:
     return out
 
 
-def spec_counts(eng) -> tuple[int, int, int]:
+def spec_counts(eng) -> tuple[int, int, int, int]:
     m = eng.spec_hook.metrics
-    return m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens
+    return m.num_drafts, m.num_draft_tokens, m.num_accepted_tokens, eng.spec_hook.num_overlapped
 
 
 def use_mode(eng, mode: str) -> None:
@@ -101,14 +102,15 @@ def run_e2e(llm, args) -> list[dict]:
         prompts = repeat_prompts(llm, b)
         modes = ("plain", *args.proposer)
         times = {m: [] for m in modes}
-        outs, counts = {}, {m: [0, 0, 0] for m in modes}
+        outs, counts = {}, {m: [0, 0, 0, 0] for m in modes}
         for rep in range(args.repeats + 1):  # interleaved: a shared host's load hits every mode alike
             for mode in modes:
+                eng.flush()  # a step still in flight is read by the mode that launched it
                 eng.spec = eng.spec_hook if mode != "plain" else None
                 if mode != "plain":
                     eng.spec.proposer = eng.proposers[mode]
                 use_mode(eng, mode)
-                llm.engine.async_scheduling = args.baseline_async == "on" if mode == "plain" else False
+                llm.engine.async_scheduling = (args.baseline_async if mode == "plain" else args.spec_async) == "on"
                 if rep == 0:  # warm
                     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
                     continue
@@ -120,10 +122,10 @@ def run_e2e(llm, args) -> list[dict]:
         res = {}
         for mode in modes:
             ntok = sum(len(o.outputs[0].token_ids) for o in outs[mode])
-            d, dt, a = counts[mode]
+            d, dt, a, ov = counts[mode]
             res[mode] = {"tok_s": ntok / statistics.median(times[mode]), "tokens": ntok,
                          "s": statistics.median(times[mode]), "ids": [o.outputs[0].token_ids for o in outs[mode]],
-                         "drafts": d, "draft_tokens": dt, "accepted": a,
+                         "drafts": d, "draft_tokens": dt, "accepted": a, "overlapped_steps": ov,
                          "mean_acceptance_length": 1 + a / d if d else None}
         eng.spec = eng.spec_hook
         use_mode(eng, args.proposer[0])
@@ -133,6 +135,7 @@ def run_e2e(llm, args) -> list[dict]:
                          "spec_tok_s": r["tok_s"], "speedup": r["tok_s"] / res["plain"]["tok_s"],
                          "mean_acceptance_length": r["mean_acceptance_length"],
                          "acceptance_rate": r["accepted"] / max(r["draft_tokens"], 1),
+                         "overlapped_steps": r["overlapped_steps"], "spec_async": args.spec_async,
                          "output_tokens": r["tokens"], "identical_greedy_output": res["plain"]["ids"] == r["ids"]})
     return rows
 
@@ -221,6 +224,9 @@ def main() -> None:
                    help="step mode: print the top N host functions (cProfile) of the sync plain "
                         "and speculative steps")
     p.add_argument("--baseline-async", choices=["on", "off"], default="on")
+    p.add_argument("--spec-async", choices=["on", "off"], default="on",
+                   help="async scheduling for the speculative modes (on: the engine's default; steps "
+                        "verifying greedy drafts of a host-side proposer overlap the next, spec/shift.py)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="e2e mode: a KV pool of this many blocks, not one sized from memory (a small "

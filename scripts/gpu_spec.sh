@@ -6,7 +6,8 @@
 #     160 tokens in a 160-row bucket (T <= R: the Mosaic decode kernel, which reads each
 #     token's context on its own) and with T padded to 256 (the ragged prefill kernel).
 #  2. End to end, batch 1, drafts of random tokens (acceptance ~0): output tok/s vs no
-#     speculation (target: slowdown <= 10%).
+#     speculation (target: slowdown <= 10%); e2e_zero_accept_sync: the same with the
+#     verification steps synchronous (--spec-async off, as before spec/shift.py).
 #  3. SmolLM2-135M-Instruct, ngram k = 4, "repeat this passage" prompts, batch 1: speed-up
 #     and mean acceptance length (target >= 1.8x). Needs the model's GGUF, which is not on the
 #     H200 image and is 98 MB, over the 64 MiB a call carries: set SMOLLM2_GGUF to a path
@@ -53,6 +54,8 @@ run step_b32_t256 75 step $R --batch-size 32 --input-len 1024 --num-iters 30 --s
   --token-buckets 32 256 --max-num-batched-tokens 256
 run e2e_zero_accept 60 e2e $R --batch-size 1 --max-tokens 128 --ignore-eos --repeats 2 --seq-buckets 8 \
   --token-buckets 8 128 --max-num-batched-tokens 128
+run e2e_zero_accept_sync 60 e2e $R --batch-size 1 --max-tokens 128 --ignore-eos --repeats 2 --seq-buckets 8 \
+  --token-buckets 8 128 --max-num-batched-tokens 128 --spec-async off
 D=/tmp/spec_heads; rm -rf $D
 if want e2e_draft1b_zero_accept || want e2e_eagle_zero_accept || want e2e_eagle3_zero_accept; then
   python3 scripts/spec_heads.py draft-config $D/draft1b >/dev/null \

@@ -246,7 +246,7 @@ class RuntimeMachine(RuleBasedStateMachine):
             else:
                 assert s.start_pos % S == 0
             assert req.num_computed_tokens == s.start_pos + n
-            assert req.num_pending == int(s.sample)
+            assert req.num_pending == int(s.sample) * (1 + k)  # drafts counted as if accepted
             assert s.token_ids == req.all_token_ids[s.start_pos:s.start_pos + n - k] + s.spec_token_ids
             assert s.sample == (s.start_pos + n - k == req.num_tokens)
             assert not k or s.sample

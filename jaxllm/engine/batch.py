@@ -29,6 +29,9 @@ class HostBatch:
     logits_indices: np.ndarray  # [R] int32 last token of each row; padding 0
     num_rows: int  # real rows
     prev_index: np.ndarray | None = None  # [T] int32 row of the previous step's ids; -1: known
+    # [R, 2K + 1] int32: per row, the previous step's rows and drafts of its request when that
+    # step verified drafts (overlapped speculative steps, jaxllm/spec/shift.py); -1: none
+    spec_prev: np.ndarray | None = None
 
 
 def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -135,7 +138,8 @@ def with_logit_rows(hb: HostBatch, token_indices: list[int], token_buckets: tupl
         block_tables=grow(hb.block_tables, R, 0), seq_lens=grow(hb.seq_lens, R, 0),
         query_start_loc=grow(hb.query_start_loc, R + 1, hb.query_start_loc[-1]),
         num_seqs=hb.num_seqs, logits_indices=li, num_rows=hb.num_rows,
-        prev_index=None if hb.prev_index is None else grow(hb.prev_index, T, -1))
+        prev_index=None if hb.prev_index is None else grow(hb.prev_index, T, -1),
+        spec_prev=None if hb.spec_prev is None else grow(hb.spec_prev, R, -1))
 
 
 def with_fork_rows(hb: HostBatch, src_rows: list[int], token_buckets: tuple[int, ...],

@@ -103,7 +103,7 @@ class Dispatcher:
         if hb is None:
             return None
         prev_ids = None
-        if hb.prev_index is not None and (hb.prev_index >= 0).any():
+        if hb.prev_index is not None and (hb.prev_index != -1).any():
             prev_ids = resolved(prev).token_ids  # submitted earlier on this thread: done
         logits, greedy_ids = self.runner.execute(hb, prev_ids)
         if self.spec_hook is not None:

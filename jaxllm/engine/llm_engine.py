@@ -34,6 +34,7 @@ from jaxllm.runtime.kv_cache_manager import KVCacheManager
 from jaxllm.runtime.request import Request, RequestStatus, StopRule
 from jaxllm.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+from jaxllm.spec.shift import host_rows
 
 log = logging.getLogger("jaxllm")
 IDLE_WAIT_S = 0.005  # at most, with only KV loads in flight (a finished load wakes it at once)
@@ -282,14 +283,33 @@ class LLMEngine:
         return len(self.parents)
 
     # -- the step -----------------------------------------------------------
-    def _sample_row(self, request_id: str, own: bool = False) -> SampleRow:
-        """`own`: the row of a request the scheduler just scheduled to sample, which
-        counted that sample in `num_pending` already."""
+    def _sample_row(self, request_id: str, own: int = 0) -> SampleRow:
+        """`own`: the tokens the scheduler just counted in `num_pending` for this row's step
+        (1, or 1 + its drafts), which are not in flight before it."""
         seq = self.seqs.get(request_id)
         if seq is None:
             return self.beam.sample_row(request_id)
         return SampleRow(seq.params, seq.req.prompt_token_ids, seq.req.output_token_ids, seq.seed,
                          self.eos_ids[0] if self.eos_ids else None, seq.req.num_pending - own)
+
+    def _overlaps(self, prev: Launched) -> bool:
+        """Can the next step be scheduled while `prev` runs? Not when it forks siblings, has
+        penalties, or beam search reads it; with speculative decoding, only when the step
+        corrects itself on the device (spec/shift.py) and every request that verifies drafts in
+        `prev` is greedy past its min_tokens: their counts in flight assume every draft
+        accepted, which a sampled row's random stream and EOS suppression would read."""
+        if not prev.overlappable or self.beam is not None:
+            return False
+        if not prev.spec_rows:  # a draft model or EAGLE head proposes only between synchronous steps
+            return self.spec is None or self.spec.overlap
+        if not self.runner.spec_width:  # (the step cannot correct itself)
+            return False
+        for rid in prev.spec_rows:
+            seq = self.seqs.get(rid)
+            if seq is not None and not (seq.params.is_greedy
+                                        and len(seq.req.output_token_ids) >= seq.params.min_tokens):
+                return False
+        return True
 
     def step(self) -> list[RequestOutput]:
         """Schedule and dispatch a step; return the outputs of the last one finished.
@@ -298,12 +318,12 @@ class LLMEngine:
         the host reads the step before (vLLM's async scheduling): tokens still
         in flight enter the batch as placeholders the device fills from the
         previous step's sampled ids. Steps that fork siblings, use penalties or
-        beam search are read before the next is scheduled, and so is every step
-        with speculative decoding on (the next step's drafts need its tokens).
+        beam search are read before the next is scheduled, and so are steps that
+        verify drafts of sampled (not greedy) requests (`_overlaps`).
         """
         prev, self._inflight = self._inflight, None
         outputs: list[RequestOutput] = self._fail_grammars() if self._structured is not None else []
-        if prev is not None and (not prev.overlappable or self.beam is not None or self.spec is not None):
+        if prev is not None and not self._overlaps(prev):
             outputs, prev = outputs + self._process(prev), None
         out = self.scheduler.schedule()
         launched = self._launch(out, prev)
@@ -372,7 +392,12 @@ class LLMEngine:
         now = time.time()
         hb = build_batch(out, self.token_buckets, self.seq_buckets, self.cfg.block_size,
                          self.runner.max_blocks, prev.row_of if prev is not None else None)
-        rows = [self._sample_row(s.request_id, True) if s.sample else PAD_ROW for s in out.scheduled]
+        if prev is not None and prev.spec_rows:  # the device corrects for prev's acceptance
+            hb = host_rows(hb, out, prev, self.runner.spec_width)
+            if self.spec is not None:
+                self.spec.num_overlapped += 1
+        rows = [self._sample_row(s.request_id, 1 + len(s.spec_token_ids)) if s.sample else PAD_ROW
+                for s in out.scheduled]
         row_of = {s.request_id: i for i, s in enumerate(out.scheduled)}
         extra = []  # token index of each logits row past the batch's own
         for i, s in enumerate(out.scheduled):
@@ -396,8 +421,10 @@ class LLMEngine:
                             num_rows=sbatch.num_rows, spec_rows=spec_rows)
         if prev is None:  # every earlier token is known: fill now
             self._fill_mask(launched)
+        # A speculative step the next `step` reads before scheduling runs on this thread when it can
+        inline = self.spec is not None and not self._overlaps(launched)
         launched.sample = self.dispatcher.submit(out, hb, sbatch, prev.sample if prev else None, launched.mask,
-                                                 verify, inline=self.spec is not None)
+                                                 verify, inline=inline)
         return launched
 
     def _fill_mask(self, launched: Launched) -> None:
@@ -471,7 +498,7 @@ class LLMEngine:
             if parent.finished or parent.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                 outputs[parent.request_id] = make_output(parent, parent.finished)
         if self.spec is not None:
-            self.spec.propose(self.scheduler.running, self.max_model_len, self._structured or ())
+            self.spec.propose(self.scheduler.running, self.max_model_len, self._structured or (), then)
         return list(outputs.values())
 
     def _on_tokens(self, seq: Sequence, sout, rows: list[int], first: int) -> None:
@@ -506,5 +533,5 @@ class LLMEngine:
             "num_free_host_blocks": self.kv.host.num_free + self.kv.host.num_pending,
             **(self.connector.stats() if self.connector is not None else {}),
             **(self._structured.stats() if self._structured is not None else {}),
-            **(self.spec.metrics.as_dict() if self.spec is not None else {}),
+            **(self.spec.stats() if self.spec is not None else {}),
         }

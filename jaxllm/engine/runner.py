@@ -60,17 +60,28 @@ class Batch:
     """
 
     per_token: jax.Array  # [5, T] int32: tokens, positions, token_req, slot_mapping, prev_index
-    per_row: jax.Array  # [R, B + 3] int32: block table (B) | seq_len | logits index | query end
+    # [R, B + 3 + S] int32: block table (B) | seq_len | logits index | query end | spec entry (S)
+    per_row: jax.Array
+    # S: columns of the overlapped speculative entry (`HostBatch.spec_prev`, spec/shift.py); 0: none
+    spec_width: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @classmethod
-    def from_host(cls, hb: HostBatch, sharding=None) -> "Batch":
+    def from_host(cls, hb: HostBatch, sharding=None, spec_width: int = 0) -> "Batch":
         if int(hb.num_seqs[0]) != int(np.count_nonzero(hb.seq_lens)):
             raise ValueError(f"num_seqs {hb.num_seqs[0]} != rows with a context {hb.seq_lens}")
         prev = hb.prev_index if hb.prev_index is not None else np.full_like(hb.tokens, -1)
         per_token = np.stack([hb.tokens, hb.positions, hb.token_req, hb.slot_mapping, prev])
-        per_row = np.concatenate([hb.block_tables, hb.seq_lens[:, None], hb.logits_indices[:, None],
-                                  hb.query_start_loc[1:, None]], axis=1, dtype=np.int32)
-        return jax.device_put(cls(per_token, per_row), sharding)
+        cols = [hb.block_tables, hb.seq_lens[:, None], hb.logits_indices[:, None],
+                hb.query_start_loc[1:, None]]
+        if spec_width:
+            R = len(hb.seq_lens)
+            cols.append(hb.spec_prev if hb.spec_prev is not None else np.full((R, spec_width), -1, np.int32))
+        per_row = np.concatenate(cols, axis=1, dtype=np.int32)
+        return jax.device_put(cls(per_token, per_row, spec_width), sharding)
+
+    @property
+    def _B(self) -> int:
+        return self.per_row.shape[1] - 3 - self.spec_width
 
     def tokens(self, prev_ids: jax.Array) -> jax.Array:  # [T]
         """Token ids, with the previous step's sampled ids ([P]) where they were unknown."""
@@ -79,16 +90,26 @@ class Batch:
 
     @property
     def logits_indices(self) -> jax.Array:  # [R]
-        return self.per_row[:, -2]
+        return self.per_row[:, self._B + 1]
 
     @property
     def md(self) -> AttentionMetadata:
-        rows, B = self.per_row, self.per_row.shape[1] - 3
+        rows, B = self.per_row, self._B
         seq_lens = rows[:, B]
         qsl = jnp.concatenate([jnp.zeros(1, jnp.int32), rows[:, B + 2]])
         num_seqs = jnp.count_nonzero(seq_lens).astype(jnp.int32)[None]
         return AttentionMetadata(self.per_token[1], self.per_token[2], self.per_token[3],
                                  rows[:, :B], seq_lens, qsl, num_seqs)
+
+    def inputs(self, prev_ids: jax.Array, block_size: int) -> tuple[jax.Array, AttentionMetadata]:
+        """(token ids [T], attention metadata), moved back over the drafts the previous step
+        rejected where this step overlaps a speculative one (jaxllm/spec/shift.py)."""
+        tokens, md = self.tokens(prev_ids), self.md
+        if not self.spec_width:
+            return tokens, md
+        from jaxllm.spec import shift
+        return shift.correct(tokens, md, self.per_row[:, self._B + 3:], self.per_token[4], prev_ids,
+                             block_size)
 
 
 def resolve_dtype(name: str, platform: str):
@@ -202,6 +223,12 @@ class ModelRunner:
         self.flat_params, self._params_def = jax.tree.flatten(self.step_params)
         self.no_ids = jnp.zeros(self.max_rows, jnp.int32)  # `prev_ids` when every token is known
         self.max_num_tokens = max_num_tokens or max(512, cfg.max_num_seqs)
+        # Overlapped speculative steps (host-side proposers, one process): each row carries the
+        # previous step's acceptance inputs, from which the step corrects itself (spec/shift.py).
+        self.spec_width = 0
+        if spec is not None and spec.method == "ngram" and self.channel is None:
+            from jaxllm.spec.shift import width
+            self.spec_width = width(spec.num_speculative_tokens)
         self.compiler_options: dict = {}  # set by the pool sizing (XLA's memory limit, GPU)
         enable_persistent_cache(self.platform)
         self._compiled: dict[tuple[int, int], object] = {}  # (T, R) -> executable, from `warmup`
@@ -237,7 +264,7 @@ class ModelRunner:
         T, R = self.max_num_tokens, self.max_rows
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
         pages = jax.ShapeDtypeStruct(self._pages_shape(num_blocks), self.kv_dtype)
-        batch = Batch(i32(5, T), i32(R, self.max_blocks + 3))
+        batch = Batch(i32(5, T), i32(R, self.max_blocks + 3 + self.spec_width), self.spec_width)
         return self._jit_step(options).lower(self.flat_params, pages, batch, i32(self.max_rows)).compile()
 
     def _memory_stats(self) -> tuple[int, int]:
@@ -315,8 +342,8 @@ class ModelRunner:
         # float32 means float32: without this, GPUs run f32 matmuls as TF32.
         precision = "highest" if self.dtype == jnp.float32 else None
         with jax.default_matmul_precision(precision):
-            kv_pages, logits, *aux = model(kv_pages, batch.tokens(prev_ids), batch.md,
-                                           batch.logits_indices, layers)
+            tokens, md = batch.inputs(prev_ids, self.block_size)
+            kv_pages, logits, *aux = model(kv_pages, tokens, md, batch.logits_indices, layers)
         if self.tp is not None:
             # Logits computed per vocabulary shard, then gathered once, and the argmax taken on
             # the gathered copy. Unpinned, XLA either all-gathers the whole LM head (replicated
@@ -352,12 +379,12 @@ class ModelRunner:
         step = self._compiled.get((len(hb.tokens), hb.block_tables.shape[0]), self._step)
         if self.tp is None:
             self.kv_pages, logits, ids, *aux = step(self.flat_params, self.kv_pages,
-                                                    Batch.from_host(hb), prev_ids)
+                                                    Batch.from_host(hb, None, self.spec_width), prev_ids)
             if self.capture:
                 self.last_hidden = aux.pop()
             self._after_step(aux)
             return logits, ids
-        batch = Batch.from_host(hb, self.tp.replicated)
+        batch = Batch.from_host(hb, self.tp.replicated, self.spec_width)
         prev_ids = jax.device_put(prev_ids, self.tp.replicated)  # a no-op for the step's own ids
         self.kv_pages, logits, ids, *aux = step(self.flat_params, self.kv_pages, batch, prev_ids)
         if self.capture:  # replicated, as the residual stream is: the head reads it in place
@@ -417,7 +444,7 @@ class ModelRunner:
         if self.channel is None:
             sharding = None if self.tp is None else self.tp.replicated
             self._compiled = compile_all(lambda T, R: self._step.lower(
-                self.flat_params, self.kv_pages, Batch.from_host(self._empty_batch(T, R), sharding),
+                self.flat_params, self.kv_pages, Batch.from_host(self._empty_batch(T, R), sharding, self.spec_width),
                 self.no_ids), pairs)
         for T, R in pairs:
             jax.block_until_ready(self.execute(self._empty_batch(T, R)))

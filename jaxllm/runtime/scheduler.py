@@ -33,7 +33,10 @@ last token in the same chunk, counted in the budget (vLLM's
 `num_tokens_with_spec`), fewer when the budget, `max_tokens` or the context
 would be overshot. `update` takes the accepted drafts plus one sampled token
 as a list, sets `num_computed_tokens` back over the rejected ones and frees
-their blocks; drafts are never hashed (only known tokens are).
+their blocks; drafts are never hashed (only known tokens are). A step with drafts
+counts 1 + drafts in `num_pending`, as if every draft were accepted (vLLM V1's
+optimistic count): overlapped, the next step is scheduled after them and the device
+moves its tokens back over the rejected ones (jaxllm/spec/shift.py).
 
 The output is plain data (`SchedulerOutput`): which tokens of which request to
 run, where their K/V go, which rows produce sampled tokens, and the page copies
@@ -394,7 +397,7 @@ class Scheduler:
             # Counted as computed now (vLLM V1 does the same): the next schedule may come
             # before this step's update when the engine overlaps steps.
             req.num_computed_tokens = end
-            req.num_pending += sample
+            req.num_pending += sample * (1 + len(spec))  # drafts: as if every one is accepted
         out.swap_out, out.copies, out.swap_in = self.kv.take_ops()
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta()
@@ -418,7 +421,7 @@ class Scheduler:
             req = self.requests.get(s.request_id)
             if req is None:  # finished or aborted meanwhile
                 continue
-            req.num_pending -= s.sample
+            req.num_pending -= s.sample * (1 + len(s.spec_token_ids))
             if s.spec_token_ids:
                 self._roll_back(req, s, sampled.get(req.request_id))
             if s.sample:

@@ -79,5 +79,7 @@ def build_decoder(engine, spec: SpeculativeConfig, draft_hf: dict | None, num_ho
             num_host_blocks=num_host_blocks, kv=engine.kv, requests=engine.scheduler.requests,
             seq_buckets=engine.seq_buckets, max_num_seqs=engine.cfg.max_num_seqs,
             attention_backend=engine.cfg.attention_backend)
-    return SpecDecoder(spec, engine.model_cfg.vocab_size, engine.sampler.max_logprobs,
-                       engine.runner.max_rows, proposer)
+    decoder = SpecDecoder(spec, engine.model_cfg.vocab_size, engine.sampler.max_logprobs,
+                          engine.runner.max_rows, proposer)
+    decoder.overlap = engine.runner.spec_width > 0
+    return decoder

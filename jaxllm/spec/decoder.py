@@ -5,10 +5,11 @@ position (the positions of its last token and of every draft but the last; its o
 is the bonus position after the last draft), each with the sampling state of that
 position (the drafts before it count as output: penalties, min_tokens and the random
 key follow). `accepted` reads the rows back into the accepted drafts plus one token.
-`propose` sets the next drafts of running requests whose tokens are all known.
-Steps that verify drafts run synchronously: the next step's positions depend on how
-many drafts were accepted, and its drafts on the accepted tokens (vLLM restricts
-async scheduling with ngram / draft-model speculation as well).
+`propose` sets the next drafts of running requests: of those whose tokens are all known,
+and, with a host-side proposer (ngram), of those whose one step in flight verifies
+drafts, from their known tokens plus those drafts (the engine then schedules the next step
+before reading that one, and the device moves it back over the drafts that step rejects:
+spec/shift.py). A draft model or EAGLE head reads its own KV and proposes in sync steps.
 """
 
 from __future__ import annotations
@@ -90,6 +91,13 @@ class SpecDecoder:
             from jaxllm.spec.ngram import NgramProposer
             proposer = NgramProposer(self.k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         self.proposer = proposer
+        # Steps that verify drafts may overlap the next (a host-side proposer; engine's
+        # runner corrects positions on the device, spec/shift.py): set by `build_decoder`.
+        self.overlap = False
+        self.num_overlapped = 0  # steps scheduled while a step verifying drafts was in flight
+        # request id -> (its token count when its drafts were proposed, the tokens they assumed
+        # would come before them): drafts in flight still extend the known tokens iff they came
+        self._guess: dict[str, tuple[int, list[int]]] = {}
         self.metrics = SpecMetrics(accepted_per_pos=[0] * self.k)
         self.log_interval = 10.0  # seconds between "spec decode:" log lines (vLLM's cadence)
         self._last_log = time.monotonic()
@@ -122,6 +130,10 @@ class SpecDecoder:
                         batch.masked = True
                         batch.bitmask = np.full((R, sampler.mask_words), -1, np.int32)
                     self.verifier.bind(np.full(R, -1, np.int32)).launch(logits, batch).fetch()
+
+    def stats(self) -> dict:
+        """vLLM's counters, and how many steps overlapped a verification in flight."""
+        return {**self.metrics.as_dict(), "spec_decode_overlapped_steps": self.num_overlapped}
 
     def num_compiled(self) -> int:
         own = self.proposer.num_compiled() if hasattr(self.proposer, "num_compiled") else 0
@@ -187,24 +199,58 @@ class SpecDecoder:
         return res
 
     # -- proposals -----------------------------------------------------------------
-    def propose(self, running: list[Request], max_model_len: int, skip=()) -> None:
+    def propose(self, running: list[Request], max_model_len: int, skip=(), inflight=None) -> None:
         """Drafts for every running request whose tokens are all known and computed but the
-        last; none for ids in `skip` (structured outputs: the grammar has not seen drafts)."""
-        ready = [r for r in running if r.status is RequestStatus.RUNNING and r.num_pending == 0
-                 and r.num_computed_tokens == r.num_tokens - 1 and not r.pending_forks
-                 and r.request_id not in skip]
+        last; none for ids in `skip` (structured outputs: the grammar has not seen drafts).
+
+        `inflight`: the step launched but not read (engine.dispatch.Launched). With a host-side
+        proposer, a request whose only step in flight samples its next token gets drafts
+        too: proposed after its known tokens, plus that step's drafts where they still
+        extend them (`_guess`), plus a predicted token for the one that step samples."""
         takes_requests = getattr(self.proposer, "takes_requests", False)
-        if not ready and not takes_requests:  # (an EAGLE head writes the step's entries anyway)
+        in_step = {}
+        if inflight is not None and self.overlap and not takes_requests:
+            in_step = {s.request_id: s for s in inflight.out.scheduled if s.sample}
+        ready, ahead = [], []
+        for r in running:
+            if r.status is not RequestStatus.RUNNING or r.pending_forks or r.request_id in skip:
+                continue
+            if r.num_pending == 0 and r.num_computed_tokens == r.num_tokens - 1:
+                ready.append(r)
+            elif (s := in_step.get(r.request_id)) is not None and r.num_pending == 1 + len(s.spec_token_ids):
+                ahead.append((r, s.spec_token_ids))
+        if not ready and not ahead and not takes_requests:  # (an EAGLE head writes its entries anyway)
+            self._guess = {}
             return
-        room = np.array([min(self.k, r.stop.max_tokens - len(r.output_token_ids) - 1,
-                             max_model_len - r.num_tokens - 1) for r in ready])
-        room = np.maximum(room, 0).astype(np.int64)
+        # Drafts each request has room for (max_tokens, the context), counting its tokens in flight
+        room = [max(0, min(self.k, r.stop.max_tokens - len(r.output_token_ids) - r.num_pending - 1,
+                           max_model_len - r.num_tokens_scheduled - 1)) for r in ready]
         if takes_requests:  # a draft model or EAGLE head: it reads its own KV
-            drafts = self.proposer.propose(ready, room)
-        else:
-            drafts = self.proposer.propose([r.all_token_ids for r in ready], room)
+            drafts = self.proposer.propose(ready, np.array(room, np.int64))
+            for r, d in zip(ready, drafts):
+                r.spec_token_ids = d
+            return
+        histories = [r.all_token_ids for r in ready]
+        bases = []  # of the requests ahead: (known tokens, what their step in flight is assumed to add)
+        for r, flying in ahead:
+            known = r.all_token_ids
+            was = self._guess.get(r.request_id)
+            valid = not flying or (was is not None and known[was[0]:] == was[1])
+            bases.append((len(known), list(flying) if valid else []))
+            histories.append(known + bases[-1][1])
+            room.append(1 + max(0, min(self.k, r.stop.max_tokens - len(r.output_token_ids) - r.num_pending - 1,
+                                       max_model_len - r.num_tokens_scheduled - 1)))
+        drafts = self.proposer.propose(histories, np.array(room, np.int64))
+        guess = {}
         for r, d in zip(ready, drafts):
             r.spec_token_ids = d
+            if d:
+                guess[r.request_id] = (r.num_tokens, [])
+        for (r, _), (n, assumed), d in zip(ahead, bases, drafts[len(ready):]):
+            r.spec_token_ids = d[1:]  # d[0]: the token the step in flight is predicted to sample
+            if d[1:]:
+                guess[r.request_id] = (n, assumed + d[:1])
+        self._guess = guess
 
     def log_line(self) -> str:
         m = self.metrics
