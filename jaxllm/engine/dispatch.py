@@ -10,6 +10,7 @@ order, which the page moves and the donated KV pages rely on.
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -36,12 +37,13 @@ class Launched:
     num_rows: int = 0  # the draw's padded row count
     spec_rows: dict = field(default_factory=dict)  # request id -> rows verifying its drafts
 
-    @property
+    @functools.cached_property
     def overlappable(self) -> bool:
         """Can the next step be scheduled before this one's tokens are known?
 
         Not when it forks n > 1 siblings (they join the running set only on
         update) or a row has penalties (the next draw needs every earlier token).
+        (Asked twice a step: once when launched, once before the next; rows are fixed by then.)
         """
         return not any(s.fork_ids for s in self.out.scheduled) and not any(
             r.params.has_penalties for r in self.rows if r is not PAD_ROW)
