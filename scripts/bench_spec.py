@@ -94,23 +94,27 @@ def use_mode(eng, mode: str) -> None:
 
 
 def run_e2e(llm, args) -> list[dict]:
+    """Per batch: plain decoding, then each proposer under each --spec-async setting, their timed
+    runs interleaved (a shared host's load hits every mode alike); a row per (proposer, setting)."""
     from jaxllm import SamplingParams
     eng = llm.engine
     rows = []
     p = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
+    runs = [(m, a) for m in args.proposer for a in args.spec_async]  # (proposer, "on" / "off")
     for b in args.batch_size:
         prompts = repeat_prompts(llm, b)
-        modes = ("plain", *args.proposer)
+        modes = [("plain", args.baseline_async), *runs]
         times = {m: [] for m in modes}
         outs, counts = {}, {m: [0, 0, 0, 0] for m in modes}
-        for rep in range(args.repeats + 1):  # interleaved: a shared host's load hits every mode alike
+        for rep in range(args.repeats + 1):
             for mode in modes:
+                proposer, on = mode
                 eng.flush()  # a step still in flight is read by the mode that launched it
-                eng.spec = eng.spec_hook if mode != "plain" else None
-                if mode != "plain":
-                    eng.spec.proposer = eng.proposers[mode]
-                use_mode(eng, mode)
-                llm.engine.async_scheduling = (args.baseline_async if mode == "plain" else args.spec_async) == "on"
+                eng.spec = eng.spec_hook if proposer != "plain" else None
+                if proposer != "plain":
+                    eng.spec.proposer = eng.proposers[proposer]
+                use_mode(eng, proposer)
+                llm.engine.async_scheduling = on == "on"
                 if rep == 0:  # warm
                     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
                     continue
@@ -129,14 +133,15 @@ def run_e2e(llm, args) -> list[dict]:
                          "mean_acceptance_length": 1 + a / d if d else None}
         eng.spec = eng.spec_hook
         use_mode(eng, args.proposer[0])
-        for mode in args.proposer:
+        plain = res[modes[0]]
+        for mode in runs:
             r = res[mode]
-            rows.append({"batch": b, "proposer": mode, "plain_tok_s": res["plain"]["tok_s"],
-                         "spec_tok_s": r["tok_s"], "speedup": r["tok_s"] / res["plain"]["tok_s"],
+            rows.append({"batch": b, "proposer": mode[0], "spec_async": mode[1], "plain_tok_s": plain["tok_s"],
+                         "spec_tok_s": r["tok_s"], "speedup": r["tok_s"] / plain["tok_s"],
                          "mean_acceptance_length": r["mean_acceptance_length"],
                          "acceptance_rate": r["accepted"] / max(r["draft_tokens"], 1),
-                         "overlapped_steps": r["overlapped_steps"], "spec_async": args.spec_async,
-                         "output_tokens": r["tokens"], "identical_greedy_output": res["plain"]["ids"] == r["ids"]})
+                         "overlapped_steps": r["overlapped_steps"],
+                         "output_tokens": r["tokens"], "identical_greedy_output": plain["ids"] == r["ids"]})
     return rows
 
 
@@ -224,9 +229,10 @@ def main() -> None:
                    help="step mode: print the top N host functions (cProfile) of the sync plain "
                         "and speculative steps")
     p.add_argument("--baseline-async", choices=["on", "off"], default="on")
-    p.add_argument("--spec-async", choices=["on", "off"], default="on",
-                   help="async scheduling for the speculative modes (on: the engine's default; steps "
-                        "verifying greedy drafts of a host-side proposer overlap the next, spec/shift.py)")
+    p.add_argument("--spec-async", choices=["on", "off"], nargs="+", default=["on"],
+                   help="e2e: async scheduling for the speculative modes, each value a run of each "
+                        "proposer (on: the engine's default; steps verifying greedy drafts of a "
+                        "host-side proposer overlap the next, spec/shift.py)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--num-gpu-blocks", type=int, default=None,
                    help="e2e mode: a KV pool of this many blocks, not one sized from memory (a small "

