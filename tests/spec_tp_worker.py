@@ -61,6 +61,7 @@ def run(llm, seen=None):
     return {"identical": got == want, "plain_tp1": got == PLAIN, "drafts": d["spec_decode_num_draft_tokens"],
             "accepted": d["spec_decode_num_accepted_tokens"], "adds_up": adds_up,
             "compiles_after_warmup": st["compiles_after_warmup"],
+            "overlapped": st["spec_decode_overlapped_steps"] - st0["spec_decode_overlapped_steps"],
             "leaked": st["num_total_blocks"] - st["num_free_blocks"]}
 
 

@@ -42,6 +42,7 @@ def test_tp_ngram(results):
     r = results["ngram"]
     _check(r)
     assert 0 < r["accepted"] < r["drafts"]
+    assert r["overlapped"] > 0  # verification steps overlapped the next over the mesh (spec/shift.py)
 
 
 @pytest.mark.slow
@@ -49,6 +50,7 @@ def test_tp_draft_model(results):
     r = results["draft"]
     _check(r["self"])
     assert 40 < r["self"]["drafts"] == r["self"]["accepted"]  # the target's own guesses
+    assert r["self"]["overlapped"] == 0  # a draft model's steps stay synchronous
     _check(r["random"])
     assert r["random"]["drafts"] > 100 and r["random"]["accepted"] < 0.05 * r["random"]["drafts"]
     assert r["split"] == [1, 2]  # one of the draft's 2 KV heads on each device
