@@ -9,6 +9,7 @@ request to response (template, constraint, parser, SSE, client parsing) still ru
 from __future__ import annotations
 
 import json
+import re
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -330,3 +331,154 @@ def test_a_cached_constraint_takes_no_hop_through_the_engine_loop():
         asyncio.run(serving.constraint(req({"type": "object", "properties": {"a": {"type": "nonsense"}}})))
     assert err.value.status == 400 and err.value.param == "response_format"
     assert len(calls) == 1
+
+
+TAG_SCHEMA = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["unit", "n"], "additionalProperties": False,
+              # compact JSON (llguidance's schema option): random weights would otherwise spend the
+              # budget on the whitespace JSON allows; a tag has no whitespace_pattern of its own
+              "x-guidance": {"whitespace_flexible": False}}
+
+
+def test_structural_tag_constrains_between_its_markers(srv, client):
+    """vLLM's `structured_outputs.structural_tag` on the real engine: text is free until a trigger,
+    then the tag's begin, a JSON value of its schema and its end are forced. The trigger is the text
+    of the token this random-weight model writes first when unconstrained, so greedy decoding walks
+    into the tag (only the constraint can make what follows valid). A malformed tag is a 400 naming
+    the field, whatever is wrong with it."""
+    import re
+
+    import jsonschema
+
+    msgs = [{"role": "user", "content": "Set the unit."}]
+    trigger = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1,
+                                             temperature=0).choices[0].message.content
+    assert trigger, "the model's first token has no text of its own"
+    begin, end = trigger + "<set>", "</set>"
+    tag = {"structures": [{"begin": begin, "schema": TAG_SCHEMA, "end": end}], "triggers": [trigger]}
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0,
+                                       extra_body={"structured_outputs": {"structural_tag": tag}})
+    text = r.choices[0].message.content
+    assert text.startswith(begin), text  # the trigger came first: the tag began at once
+    pattern = re.escape(begin) + "(.*?)" + re.escape(end)
+    bodies = re.findall(pattern, text, flags=re.S)
+    assert bodies, text
+    for body in bodies:
+        jsonschema.validate(json.loads(body), TAG_SCHEMA)
+    # Outside the tags the text is free, but every trigger in it opened a tag: only a tag cut
+    # short by max_tokens may be left over, at the very end.
+    rest = re.sub(pattern, "", text, flags=re.S)
+    cut = rest.find(trigger)
+    assert cut < 0 or (text.endswith(rest[cut:]) and r.choices[0].finish_reason == "length"
+                       and (rest[cut:].startswith(begin) or begin.startswith(rest[cut:]))), text
+    # The tag as a JSON string (vLLM takes both) is the same constraint.
+    again = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0,
+                                           extra_body={"structured_outputs": {"structural_tag": json.dumps(tag)}})
+    assert again.choices[0].message.content == text
+
+    good = {"begin": "<a>", "schema": {"type": "object"}, "end": "</a>"}
+    bad = [
+        ("not json", "not valid JSON"),
+        ({"structures": [good]}, "triggers"),
+        ({"structures": [{"end": "</a>"}], "triggers": ["<a"]}, "begin"),
+        ({"structures": [{"begin": "<a>"}], "triggers": ["<a"]}, "end"),
+        ({"structures": [], "triggers": []}, "non-empty"),
+        ({"structures": {"begin": "<a>", "end": "</a>"}, "triggers": ["<a"]}, "structures"),
+        ({"structures": [good], "triggers": "<a"}, "triggers"),
+        ({"structures": [good], "triggers": [1]}, "triggers"),
+        ({"structures": [good], "triggers": ["<b"]}, "no trigger is a prefix"),
+        ({"structures": [{**good, "schema": {"type": "no-such-type"}}], "triggers": ["<a"]}, "no-such-type"),
+        ({"structures": [{**good, "schema": 5}], "triggers": ["<a"]}, "schema"),
+        (5, "structural_tag"),  # neither a string nor an object: the request model refuses it
+    ]
+    for value, reason in bad:
+        res = httpx.post(f"{srv.url}/v1/chat/completions", timeout=30, json={
+            "model": MODEL, "messages": msgs, "max_tokens": 4, "structured_outputs": {"structural_tag": value}})
+        assert res.status_code == 400, (value, res.status_code, res.text)
+        err = res.json()["error"]
+        assert err["param"].startswith("structured_outputs"), (value, err)
+        assert "structural_tag" in err["message"] and reason in err["message"], (value, err)
+    ok = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2)
+    assert ok.choices[0].finish_reason == "length"
+    srv.wait_idle()  # every KV block back in the pool
+
+
+def test_a_grammar_over_the_compile_time_limit_is_400(srv, client, monkeypatch):
+    """A constraint whose grammar does not compile within the limit is refused with a 400 naming
+    the field and the limit; nothing was admitted (no KV block held), and while that compile still
+    runs the server answers a plain request and another constrained one. Its compile is held by a
+    stand-in backend until the test lets it go, and the limit is cut to a fraction of a second."""
+    import functools
+    import threading
+
+    import jaxllm.structured as structured
+    from jaxllm.sampling_params import StructuredOutputsParams
+
+    limit = 0.3
+    compiler = srv.run(srv.engine.call(lambda e: structured.compiler_for(e.tokenizer)))
+    slow_regex = "held-[0-9]{3}"  # this test's own: its compile waits for `release`
+    release, started = threading.Event(), threading.Event()
+    real_compile = compiler.backend.compile
+
+    def held(params):
+        if params.regex == slow_regex:
+            started.set()
+            release.wait(30)
+        return real_compile(params)
+
+    monkeypatch.setattr(compiler.backend, "compile", held)
+    monkeypatch.setattr(structured, "validate", functools.partial(structured.validate, timeout_s=limit))
+    total = srv.wait_idle()["num_total_blocks"]
+    try:
+        r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": ASK, "max_tokens": 8, "structured_outputs": {"regex": slow_regex}})
+        assert started.is_set()
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "structured_outputs", err
+        assert "regex" in err["message"] and f"exceeded the {limit:g} s limit" in err["message"], err
+        st = srv.engine.stats()
+        assert st["num_waiting"] == 0 and st["num_running"] == 0 and st["num_free_blocks"] == total
+        # The held compile occupies one compile thread; the server keeps answering meanwhile.
+        plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3)
+        assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 3
+        other = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8,
+                                               extra_body={"guided_choice": ["quick", "fast"]})
+        assert other.choices[0].message.content in ("quick", "fast")
+        assert srv.wait_idle()["num_free_blocks"] == total
+    finally:
+        release.set()
+    # Once compiled (and cached), the same constraint is served.
+    compiler.submit(StructuredOutputsParams(regex=slow_regex)).result(30)
+    again = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12,
+                                           extra_body={"structured_outputs": {"regex": slow_regex}})
+    assert re.fullmatch(slow_regex, again.choices[0].message.content), again.choices[0].message.content
+    assert srv.wait_idle()["num_free_blocks"] == total
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}[{{ t.function.name }}: {{ t.function.description or '' }} "
+    "{{ t.function.parameters | tojson }}]{% endfor %}</tools>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_tools_reach_the_chat_template(srv, client, monkeypatch):
+    """`tools` are handed to the chat template (apply_chat_template(tools=...)): under a template
+    that prints them, each tool's name, description and parameter schema are in the prompt the
+    engine receives; without tools the template prints none."""
+    monkeypatch.setattr(srv.engine.tokenizer, "chat_template", TOOLS_TEMPLATE)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    with canned(srv, '{"city": "Oslo"}') as seen:
+        r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=named)
+    assert r.choices[0].message.tool_calls[0].function.name == "get_weather"
+    prompt = srv.engine.tokenizer.decode(seen["prompt_ids"], skip_special_tokens=False)
+    params = json.dumps(WEATHER["function"]["parameters"], ensure_ascii=False)
+    assert f"[get_weather: Weather in a city {params}]" in prompt, prompt
+    assert "[get_time: " in prompt and prompt.index("get_weather") < prompt.index("get_time"), prompt
+    assert prompt.endswith("<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n"), prompt
+    with canned(srv, "hi") as seen:
+        client.chat.completions.create(model=MODEL, messages=ASK)
+    prompt = srv.engine.tokenizer.decode(seen["prompt_ids"], skip_special_tokens=False)
+    assert "<tools>" not in prompt and prompt.startswith("<|im_start|>user\n"), prompt

@@ -66,27 +66,37 @@ def test_json_schema_n8_validates_and_survives_preemption(llm) -> None:
     _clean(llm)
 
 
-def test_json_streamed_through_the_async_engine(llm) -> None:
+@pytest.mark.parametrize("n", [1, 8])
+def test_json_streamed_through_the_async_engine(llm, n) -> None:
+    """Streamed deltas of every one of the n samples reassemble to JSON that validates; with
+    n = 8 the small KV pool also preempts some of them mid-stream."""
     from jaxllm.engine.async_engine import AsyncLLM
+
+    before = llm.stats()["num_preemptions"]
 
     async def run() -> list[str]:
         engine = AsyncLLM(llm.engine)
         try:
-            sp = SamplingParams(temperature=1.0, seed=5, max_tokens=160,
+            sp = SamplingParams(n=n, temperature=1.0, seed=5, max_tokens=160,
                                 structured_outputs=S(json=SCHEMA, disable_any_whitespace=True))
             ids = llm.engine.tokenize(PROMPT)[1]
-            texts, reasons = [""], [None]
+            texts, reasons, chunks = [""] * n, [None] * n, [0] * n
             async for o in engine.generate(ids, sp, delta=True):
                 for c in o.outputs:
                     texts[c.index] += c.text
+                    chunks[c.index] += bool(c.text)
                     reasons[c.index] = c.finish_reason or reasons[c.index]
-            assert reasons == ["stop"]
+            assert reasons == ["stop"] * n
+            assert all(k > 1 for k in chunks)  # streamed in pieces, not one final text
             return texts
         finally:
             await engine.shutdown()
 
-    for text in asyncio.run(run()):
+    texts = asyncio.run(run())
+    for text in texts:
         jsonschema.validate(json.loads(text), SCHEMA)
+    assert n == 1 or len(set(texts)) > 1  # n independent samples, not one stream copied
+    assert n == 1 or llm.stats()["num_preemptions"] > before
     _clean(llm)
 
 

@@ -49,6 +49,15 @@ def test_valid_constraints_compile(tok, params) -> None:
     (S(json={"type": "foo"}), "Invalid type"), (S(json="{bad"), "JSON"),
     (S(regex="a[b"), "unclosed character class"), (S(grammar="start: foo"), "unknown name"),
     (S(structural_tag="{}"), "structures"),
+    # malformed structural tags are ValueErrors (a 400), never the lowering's KeyError / TypeError /
+    # AssertionError (a 500)
+    (S(structural_tag='{"structures": [{"end": "</a>"}], "triggers": ["<a"]}'), "begin"),
+    (S(structural_tag='{"structures": [{"begin": "<a>"}], "triggers": ["<a"]}'), "end"),
+    (S(structural_tag='{"structures": [], "triggers": ["<a"]}'), "structures must be a non-empty list"),
+    (S(structural_tag='{"structures": [{"begin": "<a>", "end": "</a>"}], "triggers": [1]}'), "triggers"),
+    (S(structural_tag='{"structures": [{"begin": "<a>", "end": "</a>"}], "triggers": "<a"}'), "triggers"),
+    (S(structural_tag='{"structures": [{"begin": "<a>", "end": "</a>", "schema": []}], "triggers": ["<a"]}'),
+     "schema"),
 ])
 def test_invalid_constraints_give_the_reason(tok, params, reason) -> None:
     with pytest.raises(ValueError, match=reason):

@@ -18,18 +18,36 @@ MAX_GRAMMAR_SIZE = 200_000
 
 
 def _lark_of_structural_tag(text: str) -> str:
-    """vLLM's structural tag JSON -> a Lark grammar (llguidance's ``StructTag`` lowering)."""
+    """vLLM's structural tag JSON -> a Lark grammar (llguidance's ``StructTag`` lowering).
+
+    The shape is ``{"structures": [{"begin": str, "schema": {...}, "end": str}, ...],
+    "triggers": [str, ...]}``. Anything else is a ValueError saying what is wrong, never the
+    KeyError, TypeError or AssertionError the lowering would raise (the server's up-front check
+    turns only ValueError into a 400; the others were 500s).
+    """
+    where = "structured_outputs.structural_tag"
     try:
         spec = json.loads(text)
-        structures, triggers = spec["structures"], spec["triggers"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"structured_outputs.structural_tag is not valid: {exc!r}") from exc
+    except ValueError as exc:
+        raise ValueError(f"{where} is not valid JSON: {exc}") from None
+    if not isinstance(spec, dict) or "structures" not in spec or "triggers" not in spec:
+        raise ValueError(f'{where} must be an object {{"structures": [...], "triggers": [...]}}')
+    structures, triggers = spec["structures"], spec["triggers"]
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError(f"{where}.triggers must be a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError(f"{where}.structures must be a non-empty list")
     tags = []
-    for s in structures:
+    for i, s in enumerate(structures):
+        if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(s.get("end"), str):
+            raise ValueError(f'{where}.structures[{i}] must be an object with "begin" and "end" strings')
+        schema = s.get("schema", {})
+        if not isinstance(schema, dict):
+            raise ValueError(f"{where}.structures[{i}].schema must be a JSON schema object")
         trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
         if trigger is None:
-            raise ValueError(f"structured_outputs.structural_tag: no trigger is a prefix of {s['begin']!r}")
-        tags.append(llg.StructTag(trigger=trigger, begin=s["begin"], grammar=s.get("schema", {}), end=s["end"]))
+            raise ValueError(f"{where}: no trigger is a prefix of {s['begin']!r}")
+        tags.append(llg.StructTag(trigger=trigger, begin=s["begin"], grammar=schema, end=s["end"]))
     return llg.StructTag.to_grammar(tags)
 
 
