@@ -5,7 +5,8 @@ buckets, KV pool sizing) and max_model_len large enough for the longest prompt:
   - TTFT of one prompt of each --ttft-lens (max_tokens 1, median of --reps after one warm
     call) against its FLOP floor (prompt FLOPs / the matmul rate measured in this process);
   - prefill throughput, --prefill-batch prompts of --prefill-len tokens, max_tokens 1, with
-    the FLOPs achieved as a fraction of the measured matmul rate (MFU) and of the card's spec;
+    the FLOPs achieved as a fraction of the measured matmul rate (MFU) and of the card's spec
+    (mixture-of-experts shapes: FLOPs of the active parameters, `roofline.ModelCost`);
   - a mixed random workload (vLLM's random dataset flags) against its roofline
     (`jaxllm/benchmarks/roofline.py`, engine steps recorded).
 `--peer hf` runs the same TTFT and prefill calls through HF transformers (sdpa attention,
@@ -101,7 +102,8 @@ def run_jax(args) -> dict:
         flops = B * prompt_flops(cost, n)
         return {"batch": B, "len": n, "elapsed_s": best, "tokens_per_s": B * n / best,
                 "tflops": flops / best / 1e12, "mfu_measured": flops / best / F,
-                "mfu_spec": flops / best / (args.spec_tflops * 1e12)}
+                "mfu_spec": flops / best / (args.spec_tflops * 1e12),
+                "flops_basis": "active parameters" if eng.model_cfg.moe is not None else "all parameters"}
 
     def mixed() -> dict:
         samples = random_dataset(args.num_prompts, args.random_input_len, args.random_output_len,
@@ -182,17 +184,17 @@ def run_hf(args) -> dict:
     import torch
     import transformers as tf
 
+    from jaxllm.benchmarks.hf_peer import hf_config, select_experts
     from jaxllm.models.shapes import get_shape
 
     cfg = get_shape(args.random_shape)
-    kind = {"llama": tf.LlamaConfig, "mistral": tf.MistralConfig, "qwen2": tf.Qwen2Config,
-            "qwen3": tf.Qwen3Config}[cfg.pop("model_type")]
     t0 = time.perf_counter()
     with torch.device("cuda"):
-        model = tf.AutoModelForCausalLM.from_config(kind(**cfg), attn_implementation="sdpa",
+        model = tf.AutoModelForCausalLM.from_config(hf_config(cfg), attn_implementation="sdpa",
                                                     dtype=torch.bfloat16).eval()
     res: dict = {"engine": "hf-transformers (sdpa)", "init_s": time.perf_counter() - t0,
-                 "torch": torch.__version__, "transformers": tf.__version__}
+                 "torch": torch.__version__, "transformers": tf.__version__,
+                 "experts": select_experts(model, "grouped_mm")}  # MoE: grouped_mm where it runs
     vocab = cfg["vocab_size"]
     g = torch.Generator(device="cpu").manual_seed(0)
     kw = dict(max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)

@@ -1,10 +1,13 @@
-"""MoE on one GPU: the grouped matmul of one layer, and the decode step, against touched bytes.
+"""MoE on one GPU: the grouped matmul of one layer, the decode step against touched bytes, and
+prefill against the matmul rate (MFU on the active parameters).
 
-    python scripts/bench_moe.py gmm    --tokens 1 64 512 8192 --output-json out.json
-    python scripts/bench_moe.py decode --random-shape qwen3-30b-a3b --batch-size 1 64
+    python scripts/bench_moe.py gmm     --tokens 1 64 512 8192 --output-json out.json
+    python scripts/bench_moe.py decode  --random-shape qwen3-30b-a3b --batch-size 1 64
+    python scripts/bench_moe.py prefill --random-shape qwen3-30b-a3b --prefill-batch 8 --prefill-len 2048
 
-gmm: one Qwen3-30B-A3B layer's expert matmuls (E=128, top-8, hidden 2048, expert
-intermediate 768, bf16, gate/up fused [E, H, 2F]) on rows already sorted by
+gmm: one layer's expert matmuls of --random-shape (default Qwen3-30B-A3B: E=128, top-8,
+hidden 2048, expert intermediate 768; `--random-shape tiny-moe` checks the wiring on a
+CPU), bf16, gate/up fused [E, H, 2F]) on rows already sorted by
 expert, random routing. Variants: XLA `jax.lax.ragged_dot`, JAX's bundled Mosaic
 GPU `ragged_dot_mgpu` (a few tilings), jaxllm's decode kernel (`kernels/moe_gmm.py`,
 `decode_*` tilings, up to 1024 rows), a gather of each row's expert
@@ -15,7 +18,15 @@ copy bandwidth measured in the same run; TFLOP/s for the large batches.
 
 decode: the engine's decode step at context 2048 against (non-expert weights +
 the distinct experts the batch's tokens touched, read from the step's own
-per-expert loads + K/V) / copy bandwidth; prints the touched-expert count.
+per-expert loads + K/V) / copy bandwidth (`roofline.step_cost` with the measured
+count); prints the touched-expert count and the uniform-routing expectation
+E * (1 - (1 - k/E)^batch) per layer beside it.
+
+prefill: --prefill-batch prompts of --prefill-len tokens (max_tokens 1, prefix cache
+reset, best of --reps after one warm call); MFU = achieved FLOP/s / the dense bf16
+matmul rate measured in this process, with the FLOPs of the steps the engine ran
+from the ACTIVE parameters (`roofline.ModelCost`: attention, router, top_k experts,
+shared expert, dense layers; causal attention pairs; the LM head per sampled row).
 """
 
 from __future__ import annotations
@@ -83,7 +94,8 @@ def gmm_bench(args) -> dict:
     E, k, H, F = args.experts, args.top_k, args.hidden, args.inter
     C = copy_bandwidth(args.copy_gib)
     expert_bytes = (H * 2 * F + F * H) * 2
-    res = {"C_bytes_per_s": C, "shape": dict(E=E, k=k, H=H, F=F), "rotations": args.rotations, "rows": []}
+    res = {"C_bytes_per_s": C, "shape": dict(E=E, k=k, H=H, F=F), "random_shape": args.random_shape,
+           "rotations": args.rotations, "rows": []}
     key = jax.random.key(0)
     w_gu = (jax.random.normal(key, (E, H, 2 * F), jnp.float32) / np.sqrt(H)).astype(jnp.bfloat16)
     w_d = (jax.random.normal(jax.random.key(1), (E, F, H), jnp.float32) / np.sqrt(F)).astype(jnp.bfloat16)
@@ -220,6 +232,7 @@ def decode_bench(args) -> dict:
 
     from bench_latency import copy_bandwidth, decode_steps, fill_random
     from jaxllm import LLM
+    from jaxllm.benchmarks.roofline import ModelCost, step_cost
     from jaxllm.models import moe_model
 
     init = moe_model.MoeLlama.__init__
@@ -237,16 +250,12 @@ def decode_bench(args) -> dict:
     loads: list = []
     runner._after_step = lambda aux: loads.append(aux[0]) if aux else None
     fill_random(runner)
-    m = runner.model_cfg
-    moe = m.moe
-    expert_bytes = 3 * m.hidden_size * moe.moe_intermediate_size * 2
-    all_expert_bytes = len(moe.moe_layers) * moe.num_experts * expert_bytes
-    other_bytes = runner.weight_bytes - all_expert_bytes
-    kv_per_token = m.num_layers * 2 * m.num_kv_heads * m.head_dim * runner.kv_pages.dtype.itemsize
+    moe = runner.model_cfg.moe
+    cost = ModelCost.of_runner(runner)  # experts as held; touched ones counted per step below
     rng = np.random.default_rng(0)
     chooser = getattr(runner, "gmm_chooser", None)
     res = {"C_bytes_per_s": C, "shape": args.random_shape, "weight_bytes": runner.weight_bytes,
-           "expert_bytes_all": all_expert_bytes, "rows": [],
+           "expert_bytes_all": cost.all_expert_bytes, "expert_bytes_one": cost.expert_bytes, "rows": [],
            "gmm_choice": chooser.choice if chooser else None,
            "gmm_timings": chooser.timings if chooser else None}
     print("engine grouped matmul by measurement (rows -> impl):", res["gmm_choice"], flush=True)
@@ -255,37 +264,111 @@ def decode_bench(args) -> dict:
         r = decode_steps(llm, b, args.input_len, args.num_iters, rng)
         touched = [int(np.count_nonzero(np.asarray(jax.device_get(lo)))) for lo in loads[2:args.num_iters]]
         t_mean = float(np.mean(touched)) if touched else float("nan")
-        floor = (other_bytes + t_mean * expert_bytes + b * args.input_len * kv_per_token) / C
+        step = (b, [(1, args.input_len, True)] * b)  # one new token per row at context input_len
+        floor = step_cost(cost, step, touched=t_mean)[0] / C
+        uniform = step_cost(cost, step)[0] / C
         row = {"batch": b, "ctx": args.input_len, "step_s": r["median_s"], "touched_experts": t_mean,
-               "touched_of": len(moe.moe_layers) * moe.num_experts, "floor_s": floor,
-               "x_floor": r["median_s"] / floor}
+               "touched_uniform": cost.touched(b), "touched_of": len(moe.moe_layers) * moe.num_experts,
+               "floor_s": floor, "x_floor": r["median_s"] / floor, "floor_uniform_s": uniform}
         res["rows"].append(row)
         print(f"decode b={b} ctx={args.input_len}: {r['median_s'] * 1e3:.2f} ms, floor {floor * 1e3:.2f} ms "
-              f"({row['x_floor']:.2f}x), touched experts {t_mean:.0f} of {row['touched_of']}", flush=True)
+              f"({row['x_floor']:.2f}x), touched experts {t_mean:.0f} of {row['touched_of']} "
+              f"(uniform routing: {row['touched_uniform']:.0f}, floor {uniform * 1e3:.2f} ms)", flush=True)
         save(res, args.output_json)
     res["compiles_after_warmup"] = llm.stats()["compiles_after_warmup"]
     return res
 
 
+def prefill_bench(args) -> dict:
+    from jaxllm import LLM, SamplingParams
+    from jaxllm.benchmarks.roofline import ModelCost, StepRecorder, measure_rates, param_counts, run_floor
+
+    rates = measure_rates(args.copy_gib)  # before the engine takes the memory
+    F = rates["matmul_flops_per_s"]
+    B, n = args.prefill_batch, args.prefill_len
+    T = args.max_num_batched_tokens or min(B * n, 8192)
+    rows = max(8, B)
+    llm = LLM(random_shape=args.random_shape, dtype="bfloat16", max_model_len=n + 16, max_num_seqs=B,
+              max_num_batched_tokens=T, token_buckets=(T,), seq_buckets=(rows,),
+              num_gpu_blocks_override=B * -(-(n + 16) // 16) + 16)
+    eng = llm.engine
+    m = eng.model_cfg
+    cost = ModelCost.of_runner(eng.runner)
+    counts = param_counts(m)
+    vocab = m.vocab_size
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(100, vocab - 100, size=n).tolist()} for _ in range(B)]
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    rec = StepRecorder(eng)
+    times, steps = [], None
+    for i in range(args.reps + 1):  # the first call is the warm one
+        eng.kv.reset_prefix_cache()
+        rec.clear()
+        t = time.perf_counter()
+        outs = llm.generate(prompts, one, use_tqdm=False)
+        dt = time.perf_counter() - t
+        assert all(len(o.outputs[0].token_ids) == 1 for o in outs)
+        if i:
+            times.append(dt)
+            steps = rec.steps
+    best = min(times)
+    roof = run_floor(cost, steps, rates["copy_bytes_per_s"], F)
+    flops = roof["flops"]  # the steps as the engine ran them: active params, attention pairs, LM head
+    res = {"shape": args.random_shape, "batch": B, "len": n, "max_num_batched_tokens": T,
+           "steps": len(steps), "tokens": sum(t for t, _ in steps), "elapsed_s": best, "all_s": times,
+           "tokens_per_s": B * n / best, "flops": flops, "tflops": flops / best / 1e12,
+           "mfu": flops / best / F, "mfu_spec": flops / best / (args.spec_tflops * 1e12),
+           "floor_s": roof["floor_s"], "x_floor": best / roof["floor_s"], "rates": rates,
+           "params_total": counts["total"], "params_active": counts["active"],
+           "matmul_params_active": cost.matmul_params,
+           "flops_basis": "active parameters" if m.moe is not None else "all parameters (dense)",
+           "gmm_choice": eng.runner.gmm_chooser.choice if getattr(eng.runner, "gmm_chooser", None) else None,
+           "compiles_after_warmup": llm.stats()["compiles_after_warmup"]}
+    print(f"prefill {B} x {n} ({args.random_shape}, {res['steps']} steps of <= {T} tokens): "
+          f"{best * 1e3:.1f} ms, {res['tokens_per_s']:.0f} tok/s, {res['tflops']:.1f} TFLOP/s on "
+          f"{counts['active'] / 1e9:.3g}B active of {counts['total'] / 1e9:.3g}B params; matmul rate "
+          f"{F / 1e12:.1f} TFLOP/s measured -> MFU {res['mfu']:.3f} ({res['mfu_spec']:.3f} of the "
+          f"{args.spec_tflops:.0f} TFLOP/s spec)", flush=True)
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["gmm", "decode"])
+    p.add_argument("what", choices=["gmm", "decode", "prefill"])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 512, 8192])
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--inter", type=int, default=768)
-    p.add_argument("--random-shape", default="qwen3-30b-a3b")
+    p.add_argument("--random-shape", default="qwen3-30b-a3b",
+                   help="the model shape (gmm: its layer's experts, unless given below)")
+    p.add_argument("--experts", type=int, default=None, help="gmm: default the shape's")
+    p.add_argument("--top-k", type=int, default=None, help="gmm: default the shape's")
+    p.add_argument("--hidden", type=int, default=None, help="gmm: default the shape's")
+    p.add_argument("--inter", type=int, default=None, help="gmm: default the shape's expert intermediate size")
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 64])
     p.add_argument("--input-len", type=int, default=2048)
     p.add_argument("--num-iters", type=int, default=20)
+    p.add_argument("--prefill-batch", type=int, default=8)
+    p.add_argument("--prefill-len", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="prefill: tokens per step (default: batch x len, at most 8192)")
+    p.add_argument("--reps", type=int, default=3, help="prefill: timed calls after the warm one (best)")
+    p.add_argument("--spec-tflops", type=float, default=989.4, help="the card's dense bf16 peak (H200)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--copy-gib", type=float, default=4.0, help="size of the copy-bandwidth pass")
     p.add_argument("--rotations", type=int, default=16,
                    help="gmm: routings timed in turn (<= 512 tokens), so experts come from HBM")
     args = p.parse_args()
+    if args.what == "gmm":
+        from jaxllm.models import registry
+        from jaxllm.models.shapes import get_shape
+
+        m = registry.config_from_hf(get_shape(args.random_shape))
+        if m.moe is None:
+            p.error(f"--random-shape {args.random_shape} is a dense model")
+        for name, v in (("experts", m.moe.num_experts), ("top_k", m.moe.top_k), ("hidden", m.hidden_size),
+                        ("inter", m.moe.moe_intermediate_size)):
+            if getattr(args, name) is None:
+                setattr(args, name, v)
     try:
-        res = gmm_bench(args) if args.what == "gmm" else decode_bench(args)
+        res = {"gmm": gmm_bench, "decode": decode_bench, "prefill": prefill_bench}[args.what](args)
     except Exception:
         traceback.print_exc()
         raise

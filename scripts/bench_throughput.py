@@ -10,6 +10,17 @@ larger of bytes / copy bandwidth and FLOPs / matmul rate, both measured in this 
 with the fraction achieved. With --hf (fixed lengths only), HF transformers' batched greedy
 `generate` runs the same prompts in the same process, and the ratio is printed.
 
+Mixture-of-experts shapes (`--random-shape qwen3-30b-a3b`, `tiny-moe`, ...): the roofline's
+FLOPs are the active parameters' and a step's bytes the experts its tokens touch
+(`roofline.ModelCost`); the HF peer runs the experts implementation of `--hf-experts`
+(default grouped_mm for prefill and decode, eager where grouped_mm cannot run; see
+`jaxllm/benchmarks/hf_peer.py`) and the JSON records what was asked, what was configured
+and what a short probe generate saw each phase run (`hf.experts`). When the model does not
+fit twice on the device, run the peer in its own process first and hand its figures over:
+
+    python scripts/bench_throughput.py --random-shape qwen3-30b-a3b ... --hf --hf-only --output-json hf.json
+    python scripts/bench_throughput.py --random-shape qwen3-30b-a3b ... --hf-result hf.json --output-json out.json
+
     python scripts/bench_throughput.py --num-prompts 64 --input-len 128 --output-len 64 --hf
     python scripts/bench_throughput.py --random-shape llama3-8b --dataset-name random \
         --random-input-len 544 --random-output-len 288 --random-range-ratio 0.88 --num-prompts 1000
@@ -90,17 +101,25 @@ def run_jaxllm(args, llm, init_s, samples, rates):
 
 
 def _hf_model(args):
-    """(model, device): the embedded SmolLM2 on CPU, or a random-weight shape on the GPU."""
+    """(model, device): the embedded SmolLM2 on CPU, or a random-weight shape: on the GPU, or
+    on the CPU where the jaxllm run is on the CPU too (tiny shapes: the wiring's smoke test)."""
     import torch
     import transformers as tf
 
     if args.random_shape:
-        if not torch.cuda.is_available():
-            raise SystemExit("--hf with --random-shape runs on a CUDA GPU (the peer of the device run)")
-        from shapes import SHAPES
-        cfg = tf.LlamaConfig(**{k: v for k, v in SHAPES[args.random_shape].items() if k != "model_type"})
-        with torch.device("cuda"):
-            return tf.LlamaForCausalLM(cfg).to(torch.bfloat16).eval(), "cuda"
+        from jaxllm.benchmarks.hf_peer import hf_config
+        from shapes import get_shape
+        if torch.cuda.is_available():
+            device, dtype = "cuda", torch.bfloat16
+        else:
+            import jax
+            if jax.default_backend() != "cpu":
+                raise SystemExit("--hf with --random-shape runs on a CUDA GPU (the peer of the device run)")
+            device, dtype = "cpu", torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+        torch.manual_seed(args.seed)
+        with torch.device(device):
+            model = tf.AutoModelForCausalLM.from_config(hf_config(get_shape(args.random_shape)), dtype=dtype)
+        return model.eval(), device
     if args.model is not None:
         raise SystemExit("--hf compares against the embedded model or a --random-shape only")
     from jaxllm.models.loader import embedded_model_path
@@ -116,21 +135,39 @@ def run_hf(args, prompts):
     """HF transformers batched greedy `generate`, --hf-batch prompts at a time.
 
     On the GPU with a static cache, which transformers runs through torch.compile;
-    the first chunk's time (compilation) is reported apart and left out of the rate.
+    the first chunk's time (compilation) is reported apart and left out of the rate
+    (if that compiled run fails, the dynamic cache runs instead, and the JSON says so).
+    A MoE model runs the experts implementation of --hf-experts (`hf_peer.select_experts`),
+    checked by a short untimed probe generate (`hf_peer.probe_experts`).
     """
     import torch
+    import transformers as tf
 
+    from jaxllm.benchmarks import hf_peer
+
+    t0 = time.perf_counter()
     model, device = _hf_model(args)
+    experts = hf_peer.select_experts(model, args.hf_experts)
+    experts["probe"] = hf_peer.probe_experts(model)
+    init_s = time.perf_counter() - t0
+    print(f"HF experts implementation: {json.dumps(experts)}", flush=True)
     kw = dict(do_sample=False, max_new_tokens=args.output_len, min_new_tokens=args.output_len, pad_token_id=0)
+    cache = "dynamic"
     if device == "cuda":
-        kw["cache_implementation"] = "static"
+        kw["cache_implementation"] = cache = "static"
     ids = torch.tensor(prompts, device=device)
     chunks = [ids[i:i + args.hf_batch] for i in range(0, len(prompts), args.hf_batch)]
     warm_s = 0.0
     with torch.no_grad():
         if device == "cuda":  # compile on the first chunk's shape, untimed
             t0 = time.perf_counter()
-            model.generate(chunks[0], attention_mask=torch.ones_like(chunks[0]), **kw)
+            try:
+                model.generate(chunks[0], attention_mask=torch.ones_like(chunks[0]), **kw)
+            except Exception as e:  # the compiled static-cache path failed: the dynamic cache
+                import traceback
+                traceback.print_exc()
+                kw.pop("cache_implementation")
+                cache = f"dynamic (static failed: {type(e).__name__}: {str(e)[:200]})"
             torch.cuda.synchronize()
             warm_s = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -142,8 +179,14 @@ def run_hf(args, prompts):
     n_out = len(prompts) * args.output_len
     assert out.shape[1] == args.input_len + args.output_len
     return {"engine": "hf-transformers", "elapsed_s": dt, "requests_per_s": len(prompts) / dt,
-            "output_tokens_per_s": n_out / dt, "warmup_s": warm_s,
-            "total_tokens_per_s": (n_out + sum(map(len, prompts))) / dt, "batch": args.hf_batch}
+            "output_tokens_per_s": n_out / dt, "warmup_s": warm_s, "init_s": init_s,
+            "total_tokens_per_s": (n_out + sum(map(len, prompts))) / dt, "batch": args.hf_batch,
+            "device": device, "dtype": str(next(model.parameters()).dtype), "cache": cache,
+            "experts": experts, "torch": torch.__version__, "transformers": tf.__version__}
+
+
+# The workload fields an --hf-result file must share with this run.
+WORKLOAD = ("random_shape", "model", "num_prompts", "random_input_len", "random_output_len", "seed", "dtype")
 
 
 def main() -> None:
@@ -166,6 +209,14 @@ def main() -> None:
     p.add_argument("--no-roofline", action="store_true", help="skip measuring copy bandwidth / matmul rate")
     p.add_argument("--hf", action="store_true", help="also run HF transformers generate (peer; fixed lengths)")
     p.add_argument("--hf-batch", type=int, default=64)
+    from jaxllm.benchmarks.hf_peer import EXPERTS_CHOICES
+    p.add_argument("--hf-experts", default="grouped_mm", choices=EXPERTS_CHOICES,
+                   help="HF MoE experts implementation (grouped_mm: prefill and decode, eager where it "
+                        "cannot run; hf-default: transformers' choice, batched_mm in decode off the CPU)")
+    p.add_argument("--hf-only", action="store_true",
+                   help="run only the HF peer (its own process, the whole device); see --hf-result")
+    p.add_argument("--hf-result", default=None,
+                   help="the JSON of an --hf-only run of the same workload: its figures are the peer's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
@@ -173,8 +224,35 @@ def main() -> None:
         max_in, max_out = max_lengths(args)
     except ValueError as e:
         p.error(str(e))
-    if args.hf and (args.dataset_name != "random" or args.random_range_ratio):
+    if (args.hf or args.hf_only) and (args.dataset_name != "random" or args.random_range_ratio):
         p.error("--hf runs batched generate: it needs --dataset-name random with --random-range-ratio 0")
+    if args.hf_result and (args.hf or args.hf_only):
+        p.error("--hf-result takes the peer's figures from a file: drop --hf / --hf-only")
+    if args.hf_only:
+        if not args.random_shape:
+            p.error("--hf-only needs --random-shape (the jaxllm run builds the same shape)")
+        from jaxllm.benchmarks.datasets import load_dataset as _load
+        from shapes import get_shape
+        samples = _load(args, get_shape(args.random_shape)["vocab_size"])
+        args.input_len, args.output_len = args.random_input_len, args.random_output_len
+        results = {"args": vars(args), "machine": f"{platform.node()} {platform.processor()} "
+                   f"{os.cpu_count()} cpus", "date": time.strftime("%Y-%m-%d"),
+                   "hf": run_hf(args, [s.prompt for s in samples])}
+        print(json.dumps(results, indent=2))
+        hf = results["hf"]
+        print(f"hf-transformers ({hf['experts'].get('prefill')} / {hf['experts'].get('decode')} experts, "
+              f"{hf['cache']} cache): {hf['output_tokens_per_s']:.1f} out tok/s, {hf['elapsed_s']:.2f} s")
+        if args.output_json:
+            with open(args.output_json, "w") as f:
+                json.dump(results, f, indent=2)
+        return
+    peer = None
+    if args.hf_result:
+        with open(args.hf_result) as f:
+            peer = json.load(f)
+        diff = {k: (peer["args"].get(k), getattr(args, k)) for k in WORKLOAD if peer["args"].get(k) != getattr(args, k)}
+        if diff:
+            p.error(f"--hf-result {args.hf_result} ran another workload: {diff}")
 
     rates = None
     if not args.no_roofline:
@@ -198,10 +276,13 @@ def main() -> None:
         gc.collect()
         args.input_len, args.output_len = args.random_input_len, args.random_output_len
         results["hf"] = run_hf(args, [s.prompt for s in samples])
+    elif peer is not None:
+        results["hf"] = dict(peer["hf"], from_file=args.hf_result)
+    if "hf" in results:
         results["ratio_output_tokens_per_s"] = (jax_res["output_tokens_per_s"]
                                                 / results["hf"]["output_tokens_per_s"])
     print(json.dumps(results, indent=2))
-    rows = runs + ([results["hf"]] if args.hf else [])
+    rows = runs + ([results["hf"]] if "hf" in results else [])
     print(f"\n{'engine':<20}{'req/s':>10}{'out tok/s':>12}{'total tok/s':>13}{'elapsed s':>11}")
     for r in rows:
         print(f"{r['engine']:<20}{r['requests_per_s']:>10.2f}{r['output_tokens_per_s']:>12.1f}"
@@ -217,9 +298,11 @@ def main() -> None:
                   f"memory-bound) at C={ro['copy_bytes_per_s'] / 1e9:.0f} GB/s, "
                   f"{ro['matmul_flops_per_s'] / 1e12:.2f} TFLOP/s -> {ro['output_tokens_per_s']:.1f} out tok/s; "
                   f"achieved {ro['fraction']:.2f} of it")
-    if args.hf:
+    if "hf" in results:
+        ex = results["hf"].get("experts") or {}
         print(f"jaxllm ({args.async_scheduling[0]}) / HF output tokens/s: "
-              f"{results['ratio_output_tokens_per_s']:.2f}x")
+              f"{results['ratio_output_tokens_per_s']:.2f}x (HF experts: prefill {ex.get('prefill')}, "
+              f"decode {ex.get('decode')}; probe {ex.get('probe')})")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(results, f, indent=2)

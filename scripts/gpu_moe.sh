@@ -1,29 +1,71 @@
 #!/usr/bin/env bash
-# MoE on one H200 (< 8 minutes): (1) the grouped matmul of one Qwen3-30B-A3B layer (128 experts,
-# top-8, hidden 2048, expert intermediate 768, bf16) at 1, 64, 512, 8192 tokens: XLA ragged_dot,
-# JAX's bundled ragged_dot_mgpu (3 tilings), jaxllm's decode kernels (up to 512 tokens): the
-# Triton one (kernels/moe_gmm.py, 4 tilings `decode_*`) and its Mosaic GPU twin
-# (kernels/moe_gmm_mosaic.py, 3 tilings `mosaic_*`), a gather of each row's expert, torch _grouped_mm
-# (eager and CUDA graph), each checked against ragged_dot first (a wrong variant is reported,
-# not timed), then timed over 16 routings in turn (experts from HBM, not L2) against the
-# touched-bytes floor from the copy bandwidth measured in the same process; (2) the engine's decode step, Qwen3-30B-A3B shape (random bf16 weights drawn
-# on the device), context 2048, batch 1 and 64, against (non-expert weights + distinct experts
-# touched + K/V) / copy bandwidth, printing the touched-expert count and the grouped-matmul
-# implementation the engine picked by measurement. Results: $OUT/moe_gmm.json, $OUT/moe_decode.json
-# and $OUT/moe.txt; whole logs
-# (nothing filtered) in $OUT/moe_gmm.log and moe_decode.log.
-set -o pipefail
+# MoE on one H200, issue 15's benchmarks in one call (< 9 minutes): each part has its own limit,
+# T1..T5 seconds (default 110/110/70/140/110 = 540 s), so one failure or hang costs only its part.
+# Shape: $SHAPE (qwen3-30b-a3b), random bf16 weights drawn on the device. Results in $OUT (./out):
+# one JSON and one whole log (nothing filtered) per part, the summary lines in $OUT/moe.txt.
+#  1. gmm (moe_gmm.json): the grouped matmul of one layer alone (128 experts, top-8, hidden
+#     2048, expert intermediate 768, gate/up fused) at 1, 64 and 8,192 tokens: XLA ragged_dot,
+#     JAX's bundled ragged_dot_mgpu (3 tilings), jaxllm's decode kernels up to 1,024 rows (the
+#     Triton one, kernels/moe_gmm.py, `decode_*`, and its Mosaic GPU twin, `mosaic_*`), a gather
+#     of each row's expert, and the peer torch `_grouped_mm` (eager and CUDA graph) in the same
+#     process; each checked against ragged_dot first (a wrong variant is reported, not timed),
+#     timed over 16 routings in turn (experts from HBM, not L2) against the touched-bytes floor
+#     (distinct experts x expert bytes + activations) / copy bandwidth measured in the run;
+#     TFLOP/s at 8,192 (target: 1 token <= 2x, 64 <= 1.2x floor; 8,192 >= 1.2x torch).
+#  2. decode (moe_decode.json): the engine's decode step at context 2,048, batch 1 and 64,
+#     against (non-expert weights + the distinct experts the step's tokens touched, counted on
+#     the device + K/V) / copy bandwidth; prints the touched count beside the uniform-routing
+#     expectation E * (1 - (1 - k/E)^batch) per layer and the grouped-matmul implementation
+#     the engine picked by measurement (target: batch 1 <= 1.5x, batch 64 <= 1.3x).
+#  3. prefill (moe_prefill.json): 8 prompts x 2,048 tokens, max_tokens 1, steps of 8,192
+#     tokens; MFU = FLOPs of the ACTIVE parameters (roofline.ModelCost: attention, router,
+#     top-8 experts; attention pairs; LM head) / time / the bf16 matmul rate measured in the
+#     same process (target >= 0.5).
+#  4-5. offline throughput (moe_tput.json), 512 x (512 -> 256), ignore EOS: HF transformers
+#     first, in its own process with the whole GPU (the model does not fit twice: 61 GB), with
+#     --hf-experts grouped_mm (prefill and decode; eager only if grouped_mm cannot run; the JSON's
+#     hf.experts says what was asked, configured, and what a probe generate saw each phase run),
+#     static cache + torch.compile, batches of 256 (moe_tput_hf.json); then jaxllm, the peer's
+#     figures read back from that file, ratio in moe_tput.json (target >= 3x).
+# Wiring check without a GPU (tiny shape on the CPU, minutes): SMOKE=1 PY=.venv/bin/python bash scripts/gpu_moe.sh
+set -u -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
+PY=${PY:-python3}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
+if [ -n "${SMOKE:-}" ]; then  # every part, tiny sizes, on whatever device is there
+  SHAPE=${SHAPE:-tiny-moe}; TOKENS="1 64 512"; CTX=64; ITERS=6; PB=2; PL=64; NP=8; IN=16; ON=4; HFB=4
+  TPUT_FLAGS="--max-num-seqs 8 --max-num-batched-tokens 64 --token-buckets 8 64 --seq-buckets 8"
+  GMM_FLAGS="--copy-gib 0.02 --rotations 2"
+else
+  SHAPE=${SHAPE:-qwen3-30b-a3b}; TOKENS="1 64 8192"; CTX=2048; ITERS=20; PB=8; PL=2048; NP=512; IN=512; ON=256
+  HFB=${HFB:-256}
+  TPUT_FLAGS="--max-num-seqs 256 --max-num-batched-tokens 2048 --token-buckets 256 2048 --seq-buckets 256"
+  GMM_FLAGS=""
+fi
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
+WORK="--random-shape $SHAPE --dtype bfloat16 --num-prompts $NP --input-len $IN --output-len $ON"
 {
-  echo "== grouped matmul, one Qwen3-30B-A3B layer"
-  timeout ${T1:-200} python3 scripts/bench_moe.py gmm --tokens 1 64 512 8192 \
+  echo "== 1. grouped matmul alone, one $SHAPE layer, tokens $TOKENS"
+  timeout ${T1:-110} $PY scripts/bench_moe.py gmm --random-shape "$SHAPE" --tokens $TOKENS $GMM_FLAGS \
     --output-json "$OUT/moe_gmm.json" > "$OUT/moe_gmm.log" 2>&1 || echo "gmm: failed or timed out ($?)"
-  tail -12 "$OUT/moe_gmm.log"
-  echo "== decode step, qwen3-30b-a3b shape, ctx 2048"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${T2:-240} python3 scripts/bench_moe.py decode \
-    --random-shape qwen3-30b-a3b --batch-size 1 64 --input-len 2048 --num-iters 20 \
+  grep "^T=" "$OUT/moe_gmm.log" | cut -c1-900
+  echo "== 2. decode step, $SHAPE, context $CTX, batch 1 and 64"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${T2:-110} $PY scripts/bench_moe.py decode \
+    --random-shape "$SHAPE" --batch-size 1 64 --input-len $CTX --num-iters $ITERS \
     --output-json "$OUT/moe_decode.json" > "$OUT/moe_decode.log" 2>&1 || echo "decode: failed or timed out ($?)"
-  tail -8 "$OUT/moe_decode.log"
+  grep -E "^decode|^engine grouped" "$OUT/moe_decode.log"
+  echo "== 3. prefill $PB x $PL, MFU on active parameters"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${T3:-70} $PY scripts/bench_moe.py prefill \
+    --random-shape "$SHAPE" --prefill-batch $PB --prefill-len $PL \
+    --output-json "$OUT/moe_prefill.json" > "$OUT/moe_prefill.log" 2>&1 || echo "prefill: failed or timed out ($?)"
+  grep "^prefill" "$OUT/moe_prefill.log"
+  echo "== 4. offline throughput $NP x ($IN -> $ON): HF transformers peer (own process, experts grouped_mm)"
+  timeout ${T4:-140} $PY scripts/bench_throughput.py $WORK --hf-only --hf-batch $HFB --hf-experts grouped_mm \
+    --output-json "$OUT/moe_tput_hf.json" > "$OUT/moe_tput_hf.log" 2>&1 || echo "hf peer: failed or timed out ($?)"
+  grep -E "^HF experts|^hf-transformers" "$OUT/moe_tput_hf.log"
+  echo "== 5. offline throughput $NP x ($IN -> $ON): jaxllm, ratio to the peer's file"
+  PEER=""; [ -s "$OUT/moe_tput_hf.json" ] && PEER="--hf-result $OUT/moe_tput_hf.json"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${T5:-110} $PY scripts/bench_throughput.py $WORK $TPUT_FLAGS \
+    $PEER --output-json "$OUT/moe_tput.json" > "$OUT/moe_tput.log" 2>&1 || echo "jaxllm throughput: failed or timed out ($?)"
+  grep -E "^(engine|jaxllm|hf-transformers) |roofline:|HF output tokens" "$OUT/moe_tput.log"
 } | tee "$OUT/moe.txt"

@@ -2,6 +2,7 @@
 
     python tests/moe_worker.py ep     tp / ep layouts on 4 devices vs one device
     python tests/moe_worker.py eplb   a biased router, rebalanced: load and outputs
+    python tests/moe_worker.py dummy  random_shape="tiny-moe" dummy weights, one device vs tp 4 + EP
 
 JSON on the last line of stdout.
 """
@@ -120,7 +121,36 @@ def run_eplb() -> dict:
     return out
 
 
+def run_dummy() -> dict:
+    """LLM(random_shape="tiny-moe", load_format="dummy"): weights drawn on the device(s) from the
+    seed, so one device and tensor parallel 4 with whole experts per device (EP) hold the same
+    model; greedy ids, the EP layout and the per-device roofline cost (benchmarks/roofline.py)."""
+    import jax.numpy as jnp
+
+    from jaxllm import LLM, SamplingParams
+    from jaxllm.benchmarks.roofline import ModelCost
+
+    greedy = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    prompts = _prompts(512)
+    kw = dict(random_shape="tiny-moe", load_format="dummy", max_model_len=64, max_num_seqs=4,
+              max_num_batched_tokens=32, token_buckets=(32,), seq_buckets=(4,), skip_warmup=True)
+    out = {}
+    for name, extra in (("tp1", {}), ("tp4_ep", dict(tensor_parallel_size=4, enable_expert_parallel=True))):
+        llm = LLM(**kw, **extra)
+        runner = llm.engine.runner
+        c = ModelCost.of_runner(runner)
+        out[name] = {"tokens": [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)],
+                     "devices": len(runner.tp.mesh.devices.flat) if runner.tp else 1,
+                     "cost": {k: getattr(c, k) for k in ("weight_bytes", "matmul_params", "moe_layers",
+                                                         "local_experts", "expert_bytes", "all_expert_bytes")},
+                     "device_weight_bytes": runner.device_bytes["weight_bytes"],
+                     "itemsize": jnp.dtype(runner.dtype).itemsize}
+        if runner.tp:
+            out[name]["experts"] = _expert_shards(runner)
+    return out
+
+
 if __name__ == "__main__":
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
-    res = {"ep": run_ep, "eplb": run_eplb}[sys.argv[1]]()
+    res = {"ep": run_ep, "eplb": run_eplb, "dummy": run_dummy}[sys.argv[1]]()
     print(json.dumps(res))

@@ -73,6 +73,29 @@ def test_no_compiles_after_warmup_ep(ep):
     assert ep["qwen2_moe_tp4_ep"]["stats"]["compiles_after_warmup"] == 0
 
 
+# -- random_shape="tiny-moe", load_format="dummy" -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dummy() -> dict:
+    return _worker("dummy")
+
+
+def test_dummy_tiny_moe_expert_parallel_greedy_ids(dummy):
+    """Dummy weights are drawn from the seed whatever the layout: tensor parallel 4 with whole
+    experts per device gives the one-device greedy ids; the roofline's cost is per device."""
+    one, ep = dummy["tp1"], dummy["tp4_ep"]
+    assert [len(t) for t in one["tokens"]] == [8] * 4 and len({tuple(t) for t in one["tokens"]}) == 4
+    assert (one["devices"], ep["devices"]) == (1, 4)
+    assert ep["tokens"] == one["tokens"]
+    for name in ("e_gate", "e_up", "e_down"):  # 8 experts, 2 whole ones per device
+        assert ep["experts"][name]["shard"][1] * 4 == ep["experts"][name]["global"][1] == 8
+    expert = 3 * 64 * 32 * one["itemsize"]  # tiny-moe: hidden 64, expert intermediate 32
+    assert (one["cost"]["local_experts"], ep["cost"]["local_experts"]) == (8, 2)
+    assert one["cost"]["expert_bytes"] == ep["cost"]["expert_bytes"] == expert
+    assert ep["cost"]["all_expert_bytes"] * 4 == one["cost"]["all_expert_bytes"] == 2 * 8 * expert
+    assert ep["cost"]["weight_bytes"] == ep["device_weight_bytes"] < one["cost"]["weight_bytes"] / 3
+
+
 # -- errors (one device, no subprocess) ------------------------------------------------------------
 
 def _tiny(arch="qwen3_moe"):
