@@ -100,3 +100,20 @@ def test_tp2_equals_tp1_on_quantized_pages():
         assert out[f"{name}_tp2"]["tokens"] == out[f"{name}_tp1"]["tokens"], name
         shards = out[f"{name}_tp2"]["kv_shards"]
         assert len(shards) == 2 and shards[0][2] * 2 == out[f"{name}_tp1"]["kv_shape"][2]
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "int8", "int4"])
+def test_copy_on_write_keeps_the_scales(tiny, prompts, kv_dtype):
+    """n = 2 greedy siblings share the prompt's partly filled last block; their first decode
+    step copies it (copy-on-write). With the scales in the page rows the copy must carry them:
+    each sibling's output is the single request's."""
+    llm = make_llm(tiny, kv_cache_dtype=kv_dtype, enable_prefix_caching=False)
+    few = [p for p in prompts if len(p) % 16][:4]  # last blocks partly filled: shared, then copied
+    want = tokens(llm.generate(few, GREEDY, use_tqdm=False))
+    before = llm.stats()["num_cow_copies"]
+    pair = SamplingParams(n=2, temperature=0, max_tokens=10, ignore_eos=True)
+    got = [[c.token_ids for c in o.outputs] for o in llm.generate(few, pair, use_tqdm=False)]
+    assert got == [[w, w] for w in want]
+    st = llm.stats()
+    assert st["num_cow_copies"] - before >= len(few)
+    assert st["num_free_blocks"] == st["num_total_blocks"] and st["compiles_after_warmup"] == 0
