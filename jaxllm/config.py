@@ -47,6 +47,9 @@ class EngineConfig:
     usage_context: str = "engine"
     # KV pages: "auto" (model dtype), "fp8"/"fp8_e4m3"/"fp8_e5m2", "int8", "int4" (kernels/kv_quant.py)
     kv_cache_dtype: str = "auto"
+    # fp8 KV pages: set each layer's K and V scale from the first batch's amax / fp8 max
+    # (vLLM's option; replaces checkpoint scales). Other KV dtypes ignore it.
+    calculate_kv_scales: bool = False
     # Weights: None, "fp8" (W8A8 dynamic), "int8" (W8A16), "int4" (W4A16 g128); see quantization/
     quantization: str | None = None
     attention_backend: str | None = None  # None: by platform; "reference", "pallas", "mosaic"

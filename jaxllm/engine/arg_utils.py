@@ -49,6 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="KV page storage: auto, fp8, fp8_e4m3, fp8_e5m2, int8, int4")
+    p.add_argument("--calculate-kv-scales", action="store_true", default=None,
+                   help="fp8 KV cache: per-layer K/V scales from the first batch's amax (default: "
+                        "the checkpoint's k_scale/v_scale, else 1.0)")
     p.add_argument("--quantization", "-q", default=None,
                    help="weight quantization: fp8 (W8A8), int8 (W8A16), int4 (W4A16, group 128), gguf (keep "
                         "a GGUF's Q8_0/Q4_0/Q4_1/Q4_K blocks); HF FP8 checkpoints load as stored")

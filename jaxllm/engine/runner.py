@@ -36,7 +36,7 @@ from jaxllm.quantization.methods import ONLINE_METHODS, check_weights_device
 from jaxllm.quantization.quantize import quantize_state
 from jaxllm.models.config import ModelConfig
 from jaxllm.models import registry
-from jaxllm.models.llama import load_state
+from jaxllm.models.llama import load_state, value
 
 log = logging.getLogger("jaxllm")
 
@@ -188,10 +188,20 @@ class ModelRunner:
             from jaxllm.models.moe import experts
             self.gmm_chooser = Chooser()
             hooks["experts_fn"] = functools.partial(experts, gmm=self.gmm_chooser)
+        # fp8 pages + calculate_kv_scales: the model calibrates layers whose kv_scale is 0 on
+        # the first step with a real token and the step returns the scales it used (`Llama.calibrate_kv`).
+        kv_dtype, _ = kv_quant.page_layout(cfg.kv_cache_dtype, self.dtype, model_cfg.head_dim)
+        self.calibrate_kv = bool(cfg.calculate_kv_scales) and kv_quant.page_format(
+            kv_dtype, model_cfg.head_dim, model_cfg.head_dim) == "fp8"
+        if cfg.calculate_kv_scales and not self.calibrate_kv:
+            log.info("calculate_kv_scales: ignored for kv_cache_dtype %s (per-tensor scales are fp8's)",
+                     cfg.kv_cache_dtype)
+
         def make(c=model_cfg):
             m = model_cls(c, self.dtype, rngs=nnx.Rngs(cfg.seed), attention_fn=attn, embed_fn=embed_fn, **hooks)
             if capture:
                 m.capture = capture
+            m.calibrate_kv = self.calibrate_kv
             return m
         if self.tp is not None:
             self.graphdef, self.params = self.tp.build_params(make, lambda: make(ckpt_cfg), state)
@@ -221,6 +231,17 @@ class ModelRunner:
         # nnx State (0.1 ms for 300 arrays on the CPU VM; the 4-8 ms host span of the jitted
         # call on an H200 is XLA launching the step's kernels, which this does not change).
         self.flat_params, self._params_def = jax.tree.flatten(self.step_params)
+        # The flat entry of the model's fp8 KV scales [L, 2] (`kv_scales`); calibration starts
+        # them at 0 ("not yet") and each step's returned scales replace them.
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(self.step_params)[0]]
+        self._kv_scale_index = next((i for i, p in enumerate(paths) if "'kv_scale'" in p), None)
+        if self.calibrate_kv:
+            leaf = self.flat_params[self._kv_scale_index]
+            # Placed as the leaf was: one device, uncommitted (a committed input would commit the
+            # step's outputs, and the sampler would compile again for committed logits).
+            zeros = jnp.zeros(leaf.shape, leaf.dtype)
+            self.flat_params[self._kv_scale_index] = (
+                jax.device_put(zeros, leaf.sharding) if leaf.committed else zeros)
         self.no_ids = jnp.zeros(self.max_rows, jnp.int32)  # `prev_ids` when every token is known
         self.max_num_tokens = max_num_tokens or max(512, cfg.max_num_seqs)
         # Overlapped speculative steps (host-side proposers, one process): each row carries the
@@ -257,7 +278,8 @@ class ModelRunner:
         if self.tp is None:
             return jax.jit(self._step_flat, donate_argnums=(1,), compiler_options=options or None)
         return self.tp.jit_step(self._step_flat, self.flat_params, compiler_options=options or None,
-                                num_aux=(1 if self.eplb else 0) + (1 if self.capture else 0))
+                                num_aux=(1 if self.eplb else 0) + (1 if self.capture else 0)
+                                + (1 if self.calibrate_kv else 0))
 
     def _compile_probe(self, num_blocks: int, options: dict):
         """The largest (tokens, rows) step compiled, not run, against a pool of `num_blocks`."""
@@ -350,6 +372,8 @@ class ModelRunner:
             # logits) or adds two gathers for a per-shard argmax.
             logits = jax.lax.with_sharding_constraint(logits, self.tp.vocab_sharded)
             logits = jax.lax.with_sharding_constraint(logits, self.tp.replicated)
+        if self.calibrate_kv:  # the fp8 KV scales this step used (calibrated if they were 0), last
+            aux = [*aux, value(model.kv_scale)]
         # Greedy ids come out of the same program: a greedy batch needs no second dispatch.
         # aux: the model's extra outputs (MoE with EPLB: rows per expert), for `after_step`.
         return kv_pages, logits, pad_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32), self.max_rows), *aux
@@ -380,6 +404,7 @@ class ModelRunner:
         if self.tp is None:
             self.kv_pages, logits, ids, *aux = step(self.flat_params, self.kv_pages,
                                                     Batch.from_host(hb, None, self.spec_width), prev_ids)
+            self._take_kv_scales(aux)
             if self.capture:
                 self.last_hidden = aux.pop()
             self._after_step(aux)
@@ -387,12 +412,25 @@ class ModelRunner:
         batch = Batch.from_host(hb, self.tp.replicated, self.spec_width)
         prev_ids = jax.device_put(prev_ids, self.tp.replicated)  # a no-op for the step's own ids
         self.kv_pages, logits, ids, *aux = step(self.flat_params, self.kv_pages, batch, prev_ids)
+        self._take_kv_scales(aux)
         if self.capture:  # replicated, as the residual stream is: the head reads it in place
             self.last_hidden = aux.pop()
         self._after_step(aux)
         # One process: the ids stay replicated, so the next step takes them as they are.
         # Several: only this process's copy can be read on the host.
         return self.tp.local_logits(logits), self.tp.local_logits(ids) if self.tp.multi_process else ids
+
+    def _take_kv_scales(self, aux: list) -> None:
+        """Calibration: the scales the step used become the next step's (no host sync)."""
+        if self.calibrate_kv:
+            self.flat_params[self._kv_scale_index] = aux.pop()
+
+    @property
+    def kv_scales(self) -> np.ndarray | None:
+        """Each layer's (k_scale, v_scale) of fp8 KV pages, float32 [L, 2] (0: not calibrated yet)."""
+        if self._kv_scale_index is None:
+            return None
+        return np.asarray(jax.device_get(self.flat_params[self._kv_scale_index]))
 
     def _after_step(self, aux: list) -> None:
         if self.eplb is not None:

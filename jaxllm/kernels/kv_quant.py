@@ -8,9 +8,15 @@ swap, copy-on-write, prefix caching, tensor parallelism (split on K) and the poo
 count carry the scales with the pages without knowing about them.
 
     auto       W = D, the model dtype
-    fp8/_e4m3  W = D, float8_e4m3fn; fp8_e5m2: float8_e5m2. One scale per tensor, as vLLM,
-               and that scale is 1.0 (vLLM's default when a checkpoint ships no k/v scales;
-               no calibration pass): values are clipped to the format's range and cast.
+    fp8/_e4m3  W = D, float8_e4m3fn; fp8_e5m2: float8_e5m2. One scale per layer for K and
+               one for V (per tensor, as vLLM): the model stores k / k_scale, clipped to the
+               format's range and cast, and never hands the scales to a kernel: attention reads
+               the pages as they are with q * k_scale and multiplies its output by v_scale
+               (softmax(q . s k) = softmax((s q) . k); sum p s v = s sum p v), see
+               `models/llama.py` `_attention`. The scales are the model's `kv_scale` param
+               [L, 2] (data to the jitted step): 1.0 by default, read from a checkpoint's
+               k_scale / v_scale tensors, or calibrated on the first batch
+               (`calculate_kv_scales`: amax / fp8 max, `calibrated_scales`).
     int8       W = D + 2 bytes (uint8): D int8 values, then the row's scale as bfloat16 bytes
                (little-endian). Symmetric, per token and KV head: s = amax / 127.
     int4       W = D / 2 + 4 bytes: byte d holds element d (low nibble) and d + D/2 (high
@@ -138,3 +144,31 @@ def decode(rows: jax.Array, head_dim: int, out_dtype=jnp.float32) -> jax.Array:
     s, m = row_scale(rows, fmt)
     out = vals * s[..., None]
     return (out if m is None else out + m[..., None]).astype(out_dtype)
+
+
+KV_SCALE_FLOOR = 1e-6  # calibrated fp8 K/V scales never go below this (an all-zero layer)
+
+
+def fp8_max(dtype) -> float:
+    """The largest finite value of an fp8 page dtype (448 for e4m3fn, 57344 for e5m2)."""
+    return float(jnp.finfo(dtype).max)
+
+
+def calibrated_scales(scale: jax.Array, k: jax.Array, v: jax.Array, real: jax.Array,
+                      dtype) -> jax.Array:
+    """One layer's (k_scale, v_scale) [2] float32 under calibration (`calculate_kv_scales`).
+
+    `scale` > 0 is already set and kept; 0 means not calibrated yet: amax over the real tokens
+    (`real` [T]) of k / v [T, K, D], divided by the page dtype's fp8 max and at least
+    KV_SCALE_FLOOR, when the step has a real token, else still 0 (padding-only steps).
+    """
+    def amax(x):
+        return jnp.max(jnp.where(real[:, None, None], jnp.abs(x.astype(jnp.float32)), 0.0))
+
+    new = jnp.maximum(jnp.stack([amax(k), amax(v)]) / fp8_max(dtype), KV_SCALE_FLOOR)
+    return jnp.where(scale > 0, scale, jnp.where(jnp.any(real), new, 0.0)).astype(jnp.float32)
+
+
+def unscale(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """x / scale in float32 (the value an fp8 page stores); a 0 scale (not calibrated) divides by 1."""
+    return x.astype(jnp.float32) / jnp.where(scale > 0, scale, 1.0)

@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.kernels.metadata import AttentionMetadata
+from jaxllm.kernels import kv_quant
 from jaxllm.kernels.ref import write_kv
 from jaxllm.models.config import ModelConfig
 
@@ -119,10 +120,34 @@ class Llama(nnx.Module):
         self.norm = _param((cfg.hidden_size,), dtype, rngs, None)
         if not cfg.tie_word_embeddings:
             self.lm_head = _param((cfg.hidden_size, cfg.vocab_size), dtype, rngs)
+        # Per-layer (k_scale, v_scale) of fp8 KV pages (kernels/kv_quant.py), float32 [L, 2]:
+        # params, so the step reads them as data. 1.0 unless a checkpoint ships k_scale /
+        # v_scale (`hf_to_state`) or `calculate_kv_scales` calibrates them; other page
+        # formats never read them.
+        self.kv_scale = nnx.Param(jnp.ones((cfg.num_layers, 2), jnp.float32))
+
+    # Calibration (`calculate_kv_scales`, set by the runner): layers whose kv_scale is 0 take
+    # amax / fp8 max of the step's real K/V (`kv_quant.calibrated_scales`), and `_layers`
+    # writes the scales used back into `kv_scale`, which the runner returns from the step.
+    calibrate_kv: bool = False
+
+    def _with_kv_scale(self, w: dict[str, jax.Array], scales: jax.Array) -> dict[str, jax.Array]:
+        return w | {"kv_scale": scales}
+
+    def _set_kv_scale(self, used: jax.Array) -> None:
+        if self.calibrate_kv:
+            if hasattr(self.kv_scale, "set_value"):
+                self.kv_scale.set_value(used)
+            else:
+                self.kv_scale.value = used
 
     def _attention(self, x: jax.Array, w: dict[str, jax.Array], kv_pages: jax.Array,
                    layer: jax.Array, md: AttentionMetadata, inv_freq: np.ndarray):
-        """x + self-attention(x): the first half of a decoder layer."""
+        """(x + self-attention(x), kv_pages, this layer's (k_scale, v_scale) [2] as used).
+
+        fp8 pages hold k / k_scale and v / v_scale; the attention kernel is not told: it gets
+        q * k_scale and its output is multiplied by v_scale (exact for per-tensor scales).
+        """
         cfg = self.cfg
         T = x.shape[0]
         H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -143,12 +168,21 @@ class Llama(nnx.Module):
             k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
         q = apply_rope(q, md.positions, inv_freq)
         k = apply_rope(k, md.positions, inv_freq)
+        scale = w.get("kv_scale", jnp.ones((2,), jnp.float32))
+        fp8 = kv_quant.page_format(kv_pages.dtype, kv_pages.shape[-1], D) == "fp8"
+        if fp8:
+            if self.calibrate_kv:
+                scale = kv_quant.calibrated_scales(scale, k, v, md.slot_mapping >= 0, kv_pages.dtype)
+            k, v = kv_quant.unscale(k, scale[0]), kv_quant.unscale(v, scale[1])
+            q = (q.astype(jnp.float32) * scale[0]).astype(q.dtype)
         kv_pages = write_kv(kv_pages, layer, k, v, md.slot_mapping)
         attn = self.attention_fn(q, kv_pages, layer, md, sm_scale=cfg.sm_scale)
+        if fp8:
+            attn = (attn.astype(jnp.float32) * scale[1]).astype(attn.dtype)
         o = attn.reshape(T, H * D) @ w["wo"]
         if cfg.o_bias:
             o = o + w["bo"]
-        return x + o, kv_pages
+        return x + o, kv_pages, scale
 
     def _mlp(self, h: jax.Array, w: dict[str, jax.Array], md: AttentionMetadata) -> jax.Array:
         if "w_gu" in w:  # fused gate/up [E, S, 2, F/S]: one matmul
@@ -159,9 +193,9 @@ class Llama(nnx.Module):
 
     def _layer(self, x: jax.Array, w: dict[str, jax.Array], kv_pages: jax.Array,
                layer: jax.Array, md: AttentionMetadata, inv_freq: np.ndarray):
-        x, kv_pages = self._attention(x, w, kv_pages, layer, md, inv_freq)
+        x, kv_pages, scale = self._attention(x, w, kv_pages, layer, md, inv_freq)
         h = rms_norm(x, w["ln_mlp"], self.cfg.rms_norm_eps)
-        return x + self._mlp(h, w, md), kv_pages
+        return x + self._mlp(h, w, md), kv_pages, scale
 
     # Hidden states the step also returns, [T, n * E] (EAGLE heads, jaxllm/spec/eagle.py): the
     # input of each listed layer, or the final normed hidden state for -1. Set on an instance.
@@ -176,20 +210,26 @@ class Llama(nnx.Module):
             x, kv, caught = carry
             w, layer = xs
             caught = tuple(jnp.where(layer == i, x, c) for i, c in zip(ids, caught))
-            x, kv = self._layer(x, w, kv, layer, md, inv_freq)
-            return (x, kv, caught), None
+            x, kv, scale = self._layer(x, w, kv, layer, md, inv_freq)
+            return (x, kv, caught), scale
 
         caught = tuple(jnp.zeros_like(x) for _ in ids)
+        kv_scale = value(self.kv_scale)
         if layer_weights is not None:
             layer_fn = per_layer(self._layer, inv_freq)
-            caught = list(caught)
+            caught, used = list(caught), []
             for i, w in enumerate(layer_weights):
                 for j in (j for j, c in enumerate(ids) if c == i):  # (a layer may be listed twice)
                     caught[j] = x
-                x, kv_pages = layer_fn(x, w, kv_pages, jnp.int32(i), md)
+                x, kv_pages, scale = layer_fn(x, self._with_kv_scale(w, kv_scale[i]), kv_pages,
+                                              jnp.int32(i), md)
+                used.append(scale)
+            used = jnp.stack(used)
         else:
-            xs = (self.layers.weights(), jnp.arange(self.cfg.num_layers, dtype=jnp.int32))
-            (x, kv_pages, caught), _ = jax.lax.scan(body, (x, kv_pages, caught), xs)
+            xs = (self._with_kv_scale(self.layers.weights(), kv_scale),
+                  jnp.arange(self.cfg.num_layers, dtype=jnp.int32))
+            (x, kv_pages, caught), used = jax.lax.scan(body, (x, kv_pages, caught), xs)
+        self._set_kv_scale(used)
         if not self.capture:
             return x, kv_pages
         caught = iter(caught)
@@ -329,14 +369,54 @@ def hf_to_state(cfg: ModelConfig, weights: dict[str, np.ndarray], dtype,
         layers["k_norm"] = stack("self_attn.k_norm.weight", False)
     take = weights.pop if consume else weights.__getitem__
     state = {"embed": np.asarray(take("model.embed_tokens.weight"), dtype),
-             "norm": np.asarray(take("model.norm.weight"), dtype), "layers": layers}
+             "norm": np.asarray(take("model.norm.weight"), dtype), "layers": layers,
+             "kv_scale": checkpoint_kv_scales(weights, L, take)}
     if not cfg.tie_word_embeddings:
         state["lm_head"] = np.ascontiguousarray(take("lm_head.weight").T, dtype)
     return state
 
 
+# Where checkpoints keep layer i's per-tensor fp8 KV scales ({} = k or v): HF / compressed-tensors
+# and ModelOpt (`self_attn.k_scale`), vLLM's own naming (`self_attn.attn.k_scale`) and the older
+# per-projection spelling (`self_attn.k_proj.k_scale`).
+KV_SCALE_NAMES = ("self_attn.{0}_scale", "self_attn.attn.{0}_scale", "self_attn.{0}_proj.{0}_scale")
+
+
+def checkpoint_kv_scales(weights, num_layers: int, take=None) -> np.ndarray:
+    """float32 [L, 2]: each layer's (k_scale, v_scale) from the checkpoint, 1.0 where it has none.
+
+    A layer with one of the two but not the other is an error naming the missing tensor.
+    """
+    take = take or weights.__getitem__
+    out = np.ones((num_layers, 2), np.float32)
+    for i in range(num_layers):
+        found = {}
+        for j, kind in enumerate("kv"):
+            for pattern in KV_SCALE_NAMES:
+                name = f"model.layers.{i}.{pattern.format(kind)}"
+                if name in weights:
+                    found[kind] = name
+                    arr = np.asarray(take(name), np.float32).reshape(-1)
+                    if arr.size != 1 or not np.isfinite(arr[0]) or arr[0] <= 0:
+                        raise ValueError(f"checkpoint tensor {name}: expected one positive per-tensor "
+                                         f"KV scale, got shape {np.shape(arr)} values {arr[:4]}")
+                    out[i, j] = arr[0]
+                    break
+        if len(found) == 1:
+            have, missing = ("k", "v") if "k" in found else ("v", "k")
+            raise ValueError(f"checkpoint has {found[have]} but no {missing} scale for layer {i} "
+                             f"(expected model.layers.{i}.{KV_SCALE_NAMES[0].format(missing)} or "
+                             f"...{KV_SCALE_NAMES[1].format(missing)})")
+    return out
+
+
 def load_state(model: Llama, state: dict) -> None:
-    """Copy a nested dict of arrays (from hf_to_state) into the module's params."""
+    """Copy a nested dict of arrays (from hf_to_state) into the module's params.
+
+    A state without `kv_scale` (built by hand) leaves the fp8 KV scales at 1.0.
+    """
+    if "kv_scale" not in state and hasattr(model, "kv_scale"):
+        state = {**state, "kv_scale": np.ones(value(model.kv_scale).shape, np.float32)}
     def assign(mod: nnx.Module, tree: dict) -> None:
         for name, val in tree.items():
             if isinstance(val, dict):

@@ -118,32 +118,38 @@ class MoeLlama(Llama):
         return y, load
 
     def _layer(self, x, w, kv_pages, layer, md, inv_freq):
-        """One decoder layer: (x, kv_pages, expert load [E] or None for a dense layer)."""
-        x, kv_pages = self._attention(x, w, kv_pages, layer, md, inv_freq)
+        """One decoder layer: (x, kv_pages, expert load [E] or None for a dense layer, the
+        layer's (k_scale, v_scale) as used)."""
+        x, kv_pages, scale = self._attention(x, w, kv_pages, layer, md, inv_freq)
         h = rms_norm(x, w["ln_mlp"], self.cfg.rms_norm_eps)
         if "router" not in w:
-            return x + self._mlp(h, w, md), kv_pages, None
+            return x + self._mlp(h, w, md), kv_pages, None, scale
         y, load = self._moe(h, w, md)
-        return x + y, kv_pages, load
+        return x + y, kv_pages, load, scale
 
     def _layers(self, x, kv_pages, md, inv_freq, layer_weights):
-        loads = []
+        loads, used = [], []
+        kv_scale = llama.value(self.kv_scale)
         if layer_weights is not None:
             layer_fn = llama.per_layer(self._layer, inv_freq)
             for i, w in enumerate(layer_weights):
-                x, kv_pages, load = layer_fn(x, w, kv_pages, jnp.int32(i), md)
+                x, kv_pages, load, scale = layer_fn(x, self._with_kv_scale(w, kv_scale[i]), kv_pages,
+                                                    jnp.int32(i), md)
+                used.append(scale[None])
                 if load is not None:
                     loads.append(load[None])
+            self._set_kv_scale(jnp.concatenate(used))
             return (x, kv_pages, jnp.concatenate(loads)) if self.count_loads else (x, kv_pages)
-        attn, experts = self.layers.weights(), self.experts.weights()
+        attn = self._with_kv_scale(self.layers.weights(), kv_scale)
+        experts = self.experts.weights()
         dense = {k: attn.pop(k) for k in ("w_gate", "w_up", "w_down") if k in attn}
         L = self.cfg.num_layers
 
         def body(carry, xs):
             x, kv = carry
             w, layer = xs
-            x, kv, load = self._layer(x, w, kv, layer, md, inv_freq)
-            return (x, kv), load
+            x, kv, load, scale = self._layer(x, w, kv, layer, md, inv_freq)
+            return (x, kv), (load, scale)
 
         def part(tree: dict, start: int, n: int, total: int) -> dict:
             if start == 0 and n == total:
@@ -155,9 +161,11 @@ class MoeLlama(Llama):
             total = len(self.cfg.moe.moe_layers) if is_moe else L - len(self.cfg.moe.moe_layers)
             w = part(attn, first, n, L) | part(mlp, j, n, total)
             layer_ids = jnp.arange(first, first + n, dtype=jnp.int32)
-            (x, kv_pages), load = jax.lax.scan(body, (x, kv_pages), (w, layer_ids))
+            (x, kv_pages), (load, scale) = jax.lax.scan(body, (x, kv_pages), (w, layer_ids))
+            used.append(scale)
             if is_moe:
                 loads.append(load)
+        self._set_kv_scale(jnp.concatenate(used))
         return (x, kv_pages, jnp.concatenate(loads)) if self.count_loads else (x, kv_pages)
 
 

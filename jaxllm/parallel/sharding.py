@@ -87,6 +87,8 @@ def place_state(abstract_state: nnx.State, state: dict, mesh: Mesh, layout: Head
     """Put a nested dict of host arrays (from `hf_to_state`) straight into per-device shards."""
     shardings = state_shardings(abstract_state, mesh, axes)
     expected = nnx.to_pure_dict(abstract_state)
+    if "kv_scale" in expected and "kv_scale" not in state:  # a hand-built state: fp8 KV scales 1.0
+        state = {**state, "kv_scale": np.ones(expected["kv_scale"].shape, np.float32)}
 
     def place(tree: dict, shard_tree: dict, want: dict, prefix: str = "") -> dict:
         out = {}

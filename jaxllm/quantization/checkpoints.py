@@ -61,8 +61,9 @@ def hf_fp8_weights(tensors: dict[str, np.ndarray]) -> dict:
     """HF-named tensors of an FP8 checkpoint -> linears as QArrays, the rest float32."""
     out = {}
     for name, arr in tensors.items():
-        if name.endswith((".weight_scale_inv", ".weight_scale", ".input_scale", ".k_scale",
-                          ".v_scale")):
+        # k_scale / v_scale (per-tensor fp8 KV scales) pass through as float32: `hf_to_state`
+        # reads them into the model's kv_scale.
+        if name.endswith((".weight_scale_inv", ".weight_scale", ".input_scale")):
             continue
         if is_linear(name) and arr.dtype == ml_dtypes.float8_e4m3fn:
             stem = name[: -len(".weight")]
