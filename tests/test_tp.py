@@ -211,15 +211,9 @@ def _json_out(stdout: str):
     return json.loads("\n".join(lines[lines.index("["):])) if "[" in lines else None
 
 
-@pytest.mark.slow
-def test_two_processes_expert_parallel_match_one():
-    """Expert parallelism across processes (issue 15): a tiny MoE (dummy weights drawn on the
-    devices) with --enable-expert-parallel over 2 processes x 2 devices, experts split over all
-    four, gives the one-process 4-device ids."""
-    common = ["-m", "jaxllm.cli", "generate", "The capital of France is", "--random-shape", "tiny-moe",
-              "--load-format", "dummy", "--json", "--max-tokens", "8", "--dtype", "float32",
-              "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
-              "--tensor-parallel-size", "4", "--enable-expert-parallel", "--temperature", "0"]
+def _two_processes_and_one(common: list[str]) -> tuple:
+    """`jaxllm generate` args run as 2 processes x 2 CPU devices and as 1 process x 4 devices:
+    (leader's --json, follower's (None: followers only run steps), the single process's)."""
     port = _free_port()
     dist = ["--distributed-coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
     procs = [subprocess.Popen([PY, *common, *dist, "--process-id", str(i)], env=_env(2), cwd=ROOT,
@@ -234,7 +228,19 @@ def test_two_processes_expert_parallel_match_one():
             p.kill() if p.poll() is None else None
     for p, (out, err) in zip((*procs, single), outs):
         assert p.returncode == 0, err[-4000:]
-    leader, follower, ref = (_json_out(o) for o, _ in outs)
+    return tuple(_json_out(o) for o, _ in outs)
+
+
+@pytest.mark.slow
+def test_two_processes_expert_parallel_match_one():
+    """Expert parallelism across processes (issue 15): a tiny MoE (dummy weights drawn on the
+    devices) with --enable-expert-parallel over 2 processes x 2 devices, experts split over all
+    four, gives the one-process 4-device ids."""
+    leader, follower, ref = _two_processes_and_one(
+        ["-m", "jaxllm.cli", "generate", "The capital of France is", "--random-shape", "tiny-moe",
+         "--load-format", "dummy", "--json", "--max-tokens", "8", "--dtype", "float32",
+         "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+         "--tensor-parallel-size", "4", "--enable-expert-parallel", "--temperature", "0"])
     assert follower is None
     assert [r["token_ids"] for r in leader] == [r["token_ids"] for r in ref]
     assert len(ref[0]["token_ids"]) == 8 and np.unique(ref[0]["token_ids"]).size > 2
@@ -244,25 +250,11 @@ def test_two_processes_match_one(tiny_model_dir):
     """Seeded sampling with n=2: the siblings share the prompt's partly filled last block, so
     their first decode step copies it (copy-on-write), on every process's KV heads."""
     prompts = ["The capital of France is", "Once upon a time, in a land far"]
-    common = ["-m", "jaxllm.cli", "generate", *prompts, "--model", tiny_model_dir, "--json",
-              "--max-tokens", "8", "--dtype", "float32", "--max-model-len", "128",
-              "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--tensor-parallel-size", "4",
-              "--n", "2", "--temperature", "0.8", "--sample-seed", "7"]
-    port = _free_port()
-    dist = ["--distributed-coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
-    procs = [subprocess.Popen([PY, *common, *dist, "--process-id", str(i)], env=_env(2), cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    single = subprocess.Popen([PY, *common], env=_env(4), cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-    try:
-        outs = [p.communicate(timeout=TIMEOUT) for p in (*procs, single)]
-    finally:
-        for p in (*procs, single):
-            p.kill() if p.poll() is None else None
-    for p, (out, err) in zip((*procs, single), outs):
-        assert p.returncode == 0, err[-4000:]
-    leader, follower, ref = (_json_out(o) for o, _ in outs)
+    leader, follower, ref = _two_processes_and_one(
+        ["-m", "jaxllm.cli", "generate", *prompts, "--model", tiny_model_dir, "--json",
+         "--max-tokens", "8", "--dtype", "float32", "--max-model-len", "128",
+         "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--tensor-parallel-size", "4",
+         "--n", "2", "--temperature", "0.8", "--sample-seed", "7"])
     assert follower is None  # followers print no results: they only run steps
     assert [r["all_token_ids"] for r in leader] == [r["all_token_ids"] for r in ref]
     assert all(len(ids) == 8 for r in ref for ids in r["all_token_ids"])
