@@ -222,9 +222,7 @@ class SpecDecoder:
         if not ready and not ahead and not takes_requests:  # (an EAGLE head writes its entries anyway)
             self._guess = {}
             return
-        # Drafts each request has room for (max_tokens, the context), counting its tokens in flight
-        room = [max(0, min(self.k, r.stop.max_tokens - len(r.output_token_ids) - r.num_pending - 1,
-                           max_model_len - r.num_tokens_scheduled - 1)) for r in ready]
+        room = [self._room(r, max_model_len) for r in ready]
         if takes_requests:  # a draft model or EAGLE head: it reads its own KV
             drafts = self.proposer.propose(ready, np.array(room, np.int64))
             for r, d in zip(ready, drafts):
@@ -238,8 +236,7 @@ class SpecDecoder:
             valid = not flying or (was is not None and known[was[0]:] == was[1])
             bases.append((len(known), list(flying) if valid else []))
             histories.append(known + bases[-1][1])
-            room.append(1 + max(0, min(self.k, r.stop.max_tokens - len(r.output_token_ids) - r.num_pending - 1,
-                                       max_model_len - r.num_tokens_scheduled - 1)))
+            room.append(1 + self._room(r, max_model_len))  # + the predicted token in flight
         drafts = self.proposer.propose(histories, np.array(room, np.int64))
         guess = {}
         for r, d in zip(ready, drafts):
@@ -251,6 +248,11 @@ class SpecDecoder:
             if d[1:]:
                 guess[r.request_id] = (n, assumed + d[:1])
         self._guess = guess
+
+    def _room(self, r: Request, max_model_len: int) -> int:
+        """Drafts `r` has room for (k, max_tokens, the context), counting its tokens in flight."""
+        return max(0, min(self.k, r.stop.max_tokens - len(r.output_token_ids) - r.num_pending - 1,
+                          max_model_len - r.num_tokens_scheduled - 1))
 
     def log_line(self) -> str:
         m = self.metrics
