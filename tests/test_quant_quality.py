@@ -1,8 +1,8 @@
 """Quality of each quantization mode on the embedded SmolLM2 (scripts/eval_quant.py; the full
 run and the per-layer measurements are in docs/benchmarks.md), on the 769-token fixed text:
 perplexity within 2% of the float model for fp8 / int8 KV and int8 weights (the issue's 8-bit
-target), and the measured figure plus a margin where a target is missed, with KL bounds that
-catch a regression the noisier perplexity would not.
+target) and within 10% for int4 KV (its 4-bit target), and the measured figure plus a margin
+where a target is missed, with KL bounds that catch a regression the noisier perplexity would not.
 """
 
 from __future__ import annotations
@@ -17,16 +17,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from eval_quant import MODES, TEXT, evaluate  # noqa: E402
 
-# (max ppl ratio, max KL). Targets met: kv_fp8 1.006, kv_int8 1.001, w_int8 1.001 (2% target).
+# (max ppl ratio, max KL). Targets met: kv_fp8 1.006, kv_int8 1.001, w_int8 1.001 (2% target);
+# kv_int4 1.025, KL 0.045 (10% target), since its rows are rotated (kv_quant.rotation): before,
+# 1.158 / 0.12 with asymmetric per-row int4 keys.
 # Missed, held at the measured figure (why: docs/benchmarks.md):
-#   w_fp8   1.030-1.038, KL 0.023-0.024 (two runs): e4m3's 3-bit mantissa on the activations
+#   w_fp8   1.030-1.038, KL 0.023-0.024 (three runs): e4m3's 3-bit mantissa on the activations
 #           (per token); the weights alone (searched scales) cost +1.2%. Neither per-token-group activation scales nor
 #           leaving any one linear in float moves it under 2%.
-#   w_int4  1.468, KL 0.35: SmolLM2 ships as Q4_1 (4-bit, groups of 32): re-quantizing onto a
+#   w_int4  1.298, KL 0.249 (1.468 / 0.35 in session 5): SmolLM2 ships as Q4_1 (4-bit, groups of 32): re-quantizing onto a
 #           grid of 64 / 128 rounds a second time; group 32 reproduces the file exactly (below).
-#   kv_int4 1.158, KL 0.12: asymmetric per-row int4 keys (+4.7% on the first paragraph alone).
 LIMIT = {"kv_fp8": (1.02, 0.009), "kv_int8": (1.02, 0.0012), "w_int8": (1.02, 0.005),
-         "kv_int4": (1.18, 0.14), "w_fp8": (1.045, 0.03), "w_int4": (1.55, 0.40)}
+         "kv_int4": (1.10, 0.06), "w_fp8": (1.045, 0.03), "w_int4": (1.35, 0.28)}
 
 
 @pytest.fixture(scope="module")

@@ -22,9 +22,17 @@ count carry the scales with the pages without knowing about them.
     int4       W = D / 2 + 4 bytes: byte d holds element d (low nibble) and d + D/2 (high
                nibble), q in [0, 15]; then the bfloat16 scale s = (max - min) / 15 and the
                bfloat16 minimum m, per token and KV head: x = q * s + m. Asymmetric because
-               a symmetric per-row scale cost SmolLM2 57% perplexity, this one 6%
+               a symmetric per-row scale cost SmolLM2 57% perplexity, this one 16%
                (docs/benchmarks.md). Splitting halves (not neighbours) lets a kernel run
-               two D/2-wide dots instead of interleaving nibbles.
+               two D/2-wide dots instead of interleaving nibbles. The rows hold K and V
+               rotated along D (`rotation`), which brings that 16% to 4-7%.
+
+Rotated int4 rows. Keys have a few channels much larger than the rest, and a per-row range
+set by them leaves 4 bits too coarse for the others. An orthonormal R [D, D] spreads every
+channel over all of them (QuaRot's observation): the pages hold k R and v R, attention gets
+q R (scores are unchanged: q R (k R)^T = q k^T) and its output is multiplied by R^T
+(sum p v R = (sum p v) R). So the kernels never know, as for fp8's scales; the model does it
+(`models/llama.py` `_attention`) in float32 around the kernel call.
 
 The bfloat16 scale is read back with integer ops and one same-width bitcast
 (`(b0 << 16 | b1 << 24)` viewed as float32), which every lowering (XLA, Triton) has.
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxllm.quantization.methods import check_kv_cache_dtype, check_fp8_device
@@ -144,6 +153,36 @@ def decode(rows: jax.Array, head_dim: int, out_dtype=jnp.float32) -> jax.Array:
     s, m = row_scale(rows, fmt)
     out = vals * s[..., None]
     return (out if m is None else out + m[..., None]).astype(out_dtype)
+
+
+ROTATED_FORMATS = ("int4",)  # page formats whose rows hold K and V rotated by `rotation`
+
+
+def rotation(head_dim: int, seed: int = 0) -> np.ndarray:
+    """A fixed orthonormal R [D, D] float32: a Hadamard matrix with random column signs (scaled by
+    D^-1/2) when D is a power of two, else the Q of a random Gaussian matrix's QR. Fixed by the
+    seed, so every engine that reads a page (swap, offload, transfer) rotates alike."""
+    rng = np.random.default_rng(seed)
+    if head_dim & (head_dim - 1) == 0:
+        h = np.ones((1, 1))
+        while h.shape[0] < head_dim:
+            h = np.block([[h, h], [h, -h]])
+        return (h * rng.choice([-1.0, 1.0], head_dim) / np.sqrt(head_dim)).astype(np.float32)
+    q, r = np.linalg.qr(rng.standard_normal((head_dim, head_dim)))
+    return (q * np.sign(np.diag(r))).astype(np.float32)
+
+
+def page_rotation(kv_pages: jax.Array, head_dim: int) -> np.ndarray | None:
+    """`rotation(head_dim)` when the page array's rows are stored rotated, else None."""
+    fmt = page_format(kv_pages.dtype, kv_pages.shape[-1], head_dim)
+    return rotation(head_dim) if fmt in ROTATED_FORMATS else None
+
+
+def rotate(x: jax.Array, r: np.ndarray, transpose: bool = False) -> jax.Array:
+    """x [..., D] @ R (or R^T) in float32, back in x's dtype."""
+    rr = jnp.asarray(r.T if transpose else r)
+    return jnp.einsum("...d,de->...e", x.astype(jnp.float32), rr,
+                      precision=lax.Precision.HIGHEST).astype(x.dtype)
 
 
 KV_SCALE_FLOOR = 1e-6  # calibrated fp8 K/V scales never go below this (an all-zero layer)

@@ -147,6 +147,8 @@ class Llama(nnx.Module):
 
         fp8 pages hold k / k_scale and v / v_scale; the attention kernel is not told: it gets
         q * k_scale and its output is multiplied by v_scale (exact for per-tensor scales).
+        int4 pages hold k R and v R (`kv_quant.rotation`): the kernel gets q R, and its output
+        is multiplied by R^T (exact for an orthonormal R).
         """
         cfg = self.cfg
         T = x.shape[0]
@@ -175,10 +177,15 @@ class Llama(nnx.Module):
                 scale = kv_quant.calibrated_scales(scale, k, v, md.slot_mapping >= 0, kv_pages.dtype)
             k, v = kv_quant.unscale(k, scale[0]), kv_quant.unscale(v, scale[1])
             q = (q.astype(jnp.float32) * scale[0]).astype(q.dtype)
+        rot = kv_quant.page_rotation(kv_pages, D)
+        if rot is not None:
+            q, k, v = (kv_quant.rotate(a, rot) for a in (q, k, v))
         kv_pages = write_kv(kv_pages, layer, k, v, md.slot_mapping)
         attn = self.attention_fn(q, kv_pages, layer, md, sm_scale=cfg.sm_scale)
         if fp8:
             attn = (attn.astype(jnp.float32) * scale[1]).astype(attn.dtype)
+        if rot is not None:
+            attn = kv_quant.rotate(attn, rot, transpose=True)
         o = attn.reshape(T, H * D) @ w["wo"]
         if cfg.o_bias:
             o = o + w["bo"]
