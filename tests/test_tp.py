@@ -8,6 +8,7 @@ device count is fixed when jax starts, so this interpreter stays at one device.
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import socket
@@ -211,9 +212,10 @@ def _json_out(stdout: str):
     return json.loads("\n".join(lines[lines.index("["):])) if "[" in lines else None
 
 
-def _two_processes_and_one(common: list[str]) -> tuple:
+def _two_processes_and_one(common: list[str], stderr: list | None = None) -> tuple:
     """`jaxllm generate` args run as 2 processes x 2 CPU devices and as 1 process x 4 devices:
-    (leader's --json, follower's (None: followers only run steps), the single process's)."""
+    (leader's --json, follower's (None: followers only run steps), the single process's).
+    `stderr`, when given, receives the three processes' stderr in the same order."""
     port = _free_port()
     dist = ["--distributed-coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
     procs = [subprocess.Popen([PY, *common, *dist, "--process-id", str(i)], env=_env(2), cwd=ROOT,
@@ -228,6 +230,8 @@ def _two_processes_and_one(common: list[str]) -> tuple:
             p.kill() if p.poll() is None else None
     for p, (out, err) in zip((*procs, single), outs):
         assert p.returncode == 0, err[-4000:]
+    if stderr is not None:
+        stderr.extend(e for _, e in outs)
     return tuple(_json_out(o) for o, _ in outs)
 
 
@@ -244,6 +248,38 @@ def test_two_processes_expert_parallel_match_one():
     assert follower is None
     assert [r["token_ids"] for r in leader] == [r["token_ids"] for r in ref]
     assert len(ref[0]["token_ids"]) == 8 and np.unique(ref[0]["token_ids"]).size > 2
+
+
+# `jaxllm generate` with INFO logs (the CLI sets up none; the EPLB test reads them).
+LOGGED_CLI = ["-c", "import logging, sys; logging.basicConfig(level=logging.INFO); "
+              "from jaxllm.cli import main; sys.exit(main())"]
+EPLB_LOG = re.compile(r"EPLB: rebalanced (\d+) MoE layers over 4 devices .*load max/mean "
+                      r"([\d.]+) -> ([\d.]+)")
+
+
+@pytest.mark.slow
+def test_two_processes_eplb_match_one():
+    """EPLB across processes (issue 15): tiny-moe with expert parallelism over 2 processes x 2
+    devices and 4 redundant slots rebalances every 3 steps, moving experts between the
+    processes' devices, and keeps the one-process ids; every rebalance lowers the imbalance."""
+    logs: list[str] = []
+    leader, follower, ref = _two_processes_and_one(
+        [*LOGGED_CLI, "generate", "The capital of France is", "Once upon a time",
+         "--random-shape", "tiny-moe", "--load-format", "dummy", "--json", "--max-tokens", "12",
+         "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
+         "--max-num-batched-tokens", "32", "--tensor-parallel-size", "4", "--enable-expert-parallel",
+         "--enable-eplb", "--eplb-config",
+         '{"window_size": 4, "step_interval": 3, "num_redundant_experts": 4}', "--temperature", "0"],
+        stderr=logs)
+    assert follower is None
+    assert [r["token_ids"] for r in leader] == [r["token_ids"] for r in ref]
+    assert all(len(r["token_ids"]) == 12 for r in ref)
+    for err in (logs[0], logs[2]):  # the leader's and the single process's
+        found = [(float(b), float(a)) for _, b, a in EPLB_LOG.findall(err)]
+        assert len(found) >= 3, err[-3000:]
+        assert "(0 routed rows)" not in err  # warm-up steps route nothing: no rebalance
+        assert all(a <= b + 1e-9 for b, a in found) and any(a < b for b, a in found), found
+    assert not EPLB_LOG.search(logs[1])  # followers rebalance alike but only the leader logs
 
 
 def test_two_processes_match_one(tiny_model_dir):

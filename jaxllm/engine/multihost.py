@@ -16,6 +16,8 @@ during warm-up, as the step does. Copy-on-write page copies (n > 1, beam search)
 travel the same way before the step that needs them (header, then a fixed
 [2, max_copies] payload): every process holds some KV heads of every page.
 Swap preemption is refused with several processes (its host pool is per process).
+EPLB's warm-up (its collectives and compiles, `eplb/balancer.py`) is announced by a header
+of its own, so every process runs it at the same point.
 
 `jax.distributed` start-up itself is collective plumbing and lives in
 `jaxllm.parallel.multihost.init_distributed`.
@@ -34,7 +36,7 @@ from jaxllm.engine.batch import HostBatch
 
 log = logging.getLogger("jaxllm")
 
-_STOP, _STEP, _COPY = 0, 1, 2
+_STOP, _STEP, _COPY, _EPLB_WARMUP = 0, 1, 2, 3
 
 
 def _field_shapes(T: int, R: int, B: int) -> dict[str, tuple[int, ...]]:
@@ -73,12 +75,19 @@ class StepChannel:
             payload[:, :len(pairs)] = np.asarray(pairs, np.int32).T
         multihost_utils.broadcast_one_to_all(payload)
 
-    def receive(self) -> HostBatch | list[tuple[int, int]] | None:
-        """Block until the leader's next batch (or block copies); None once it sends stop."""
+    def send_eplb_warmup(self) -> None:
+        """Leader: every process warms up its expert balancer now (`follow` runs it)."""
+        self._header((_EPLB_WARMUP, 0, 0, 0))
+
+    def receive(self) -> HostBatch | list[tuple[int, int]] | str | None:
+        """Block until the leader's next batch (or block copies, or "eplb_warmup"); None once it
+        sends stop."""
         cmd, T, R, rows = (int(v) for v in self._header())
         if cmd == _STOP:
             self.closed = True
             return None
+        if cmd == _EPLB_WARMUP:
+            return "eplb_warmup"
         if cmd == _COPY:
             payload = np.asarray(multihost_utils.broadcast_one_to_all(
                 np.zeros((2, self.max_copies), np.int32)))
@@ -116,6 +125,9 @@ def follow(runner, kv_ops) -> int:
     while (msg := runner.channel.receive()) is not None:
         if isinstance(msg, list):
             runner.kv_pages = kv_ops.copy(runner.kv_pages, msg)
+            continue
+        if msg == "eplb_warmup":
+            runner.eplb.warmup(runner)
             continue
         runner.run_step(msg)
         steps += 1

@@ -163,8 +163,6 @@ class ModelRunner:
         self.eplb = None  # jaxllm.eplb.balancer.ExpertBalancer when enable_eplb
         if cfg.enable_eplb:
             from jaxllm.eplb.balancer import ExpertBalancer
-            if jax.process_count() > 1:
-                raise ValueError("enable_eplb with several processes is not implemented")
             self.eplb = ExpertBalancer(model_cfg.moe, cfg.eplb_config, cfg.tensor_parallel_size)
             state = self.eplb.expand_state(state) if state is not None else None
         if cfg.tensor_parallel_size > 1 or jax.process_count() > 1:
@@ -487,5 +485,7 @@ class ModelRunner:
         for T, R in pairs:
             jax.block_until_ready(self.execute(self._empty_batch(T, R)))
         if self.eplb is not None:
+            if self.channel is not None:
+                self.channel.send_eplb_warmup()
             self.eplb.warmup(self)
         return time.perf_counter() - t0

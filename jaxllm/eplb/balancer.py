@@ -16,6 +16,13 @@ arrays have the old shapes and shardings, so the step is never recompiled. The
 gather and the ring update are compiled during warm-up. The new arrays replace
 entries of the runner's `flat_params` (what the step takes); `runner.params`
 keeps the start-up placement's arrays.
+
+Several processes: every process runs every step (`engine/multihost.py`), so each
+one's balancer counts the same steps and rebalances at the same one. The window
+is read with an all-gather (a collective every process joins there), the
+placement is computed alike from the same loads, and host arrays are placed with
+`device_put` onto the global shardings, which takes the same value on every
+process; only process 0 logs.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.tree_util import DictKey, SequenceKey
 
 from jaxllm.eplb import placement
@@ -63,6 +71,7 @@ class ExpertBalancer:
         self._take_stacked = jax.jit(lambda w, p: w[jnp.arange(w.shape[0])[:, None], p])
         self._take_layer = jax.jit(lambda w, p: w[p])
         self.steps = 0
+        self._loads_sharding = None  # the step's loads output, known at the first step
         self.history: list[dict] = []  # one entry per rebalance (tests, logs)
 
     # -- start-up -------------------------------------------------------------------------------
@@ -81,7 +90,11 @@ class ExpertBalancer:
 
     # -- per step -------------------------------------------------------------------------------
     def record(self, loads: jax.Array) -> None:
-        self._loads_sharding = loads.sharding
+        if self._loads_sharding is None:  # the first step: the ring moves to the loads' devices
+            self._loads_sharding = loads.sharding
+            rep = _replicated(loads)
+            self.window = jax.device_put(np.zeros(self.window.shape, np.int32), rep)
+            self.cursor = jax.device_put(np.zeros((), np.int32), rep)
         self.window, self.cursor = self._record(self.window, self.cursor, loads)
 
     def after_step(self, runner) -> None:
@@ -97,8 +110,10 @@ class ExpertBalancer:
         self.steps = 0
 
     def loads(self) -> np.ndarray:
-        """Rows per logical expert over the window, [Lm, E]."""
-        return np.asarray(jax.device_get(self.window)).sum(0)
+        """Rows per logical expert over the window, [Lm, E] (a collective with several processes)."""
+        if self.window.is_fully_addressable:
+            return np.asarray(jax.device_get(self.window)).sum(0)
+        return np.asarray(multihost_utils.process_allgather(self.window, tiled=True)).sum(0)
 
     def num_compiles(self) -> int:
         return sum(f._cache_size() for f in (self._record, self._take_stacked, self._take_layer))
@@ -108,6 +123,8 @@ class ExpertBalancer:
         """Place by the window's load (or `new` [Lm, S]) and move the weights; returns the log entry."""
         t0 = time.perf_counter()
         load = self.loads()
+        if new is None and not load.any():  # warm-up's padding-only steps: nothing measured
+            return {"step": self.steps, "skipped": "no routed rows in the window"}
         if new is None:
             new = np.stack([placement.rebalance(lo, self.num_slots, self.num_devices) for lo in load])
         before = placement.imbalance(load, self.phys_to_log, self.num_devices)
@@ -116,10 +133,11 @@ class ExpertBalancer:
         entry = {"step": self.steps, "before": before, "after": after, "tokens": int(load.sum()),
                  "seconds": time.perf_counter() - t0}
         self.history.append(entry)
-        log.info("EPLB: rebalanced %d MoE layers over %d devices (%d slots for %d experts): per-device "
+        if jax.process_index() == 0:
+            log.info("EPLB: rebalanced %d MoE layers over %d devices (%d slots for %d experts): per-device "
                  "load max/mean %.3f -> %.3f over the last %d steps (%d routed rows), %.2fs",
-                 self.num_layers, self.num_devices, self.num_slots, self.num_experts, before, after,
-                 min(self.steps, self.cfg.window_size), entry["tokens"], entry["seconds"])
+                     self.num_layers, self.num_devices, self.num_slots, self.num_experts, before, after,
+                     min(self.steps, self.cfg.window_size), entry["tokens"], entry["seconds"])
         return entry
 
     def _source_slots(self, new: np.ndarray) -> np.ndarray:
@@ -154,7 +172,7 @@ class ExpertBalancer:
             if name in EXPERT_ARRAYS:
                 new_leaf = take(leaf, jax.device_put(per, _replicated(leaf)))
             else:
-                new_leaf = jnp.asarray(value[name])
+                new_leaf = np.asarray(value[name], np.int32)
             runner.flat_params[idx] = jax.device_put(new_leaf, leaf.sharding)
         self.phys_to_log = new
 
