@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 
@@ -38,6 +39,18 @@ def _convert(args: argparse.Namespace) -> int:
     convert(args.src, args.dst)
     print(f"converted {args.src} -> {args.dst}")
     return 0
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def setup_logging() -> None:
+    """Start-up and engine logs on stderr, at JAXLLM_LOGGING_LEVEL (default INFO, as vLLM's
+    VLLM_LOGGING_LEVEL); a no-op when the caller configured logging already."""
+    from jaxllm.envs import env_choice
+
+    level = env_choice("JAXLLM_LOGGING_LEVEL", "INFO", ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
+    logging.basicConfig(level=getattr(logging, level), format=LOG_FORMAT)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         x.set_defaults(fn=lambda a: sys.exit("jaxllm proxy needs: pip install 'jaxllm[serve]'"))
 
     args = parser.parse_args(argv)
+    try:
+        setup_logging()
+    except ValueError as e:
+        parser.error(str(e))
     if getattr(args, "num_processes", 1) > 1 and args.process_id != 0:
         # A follower: same engine, no scheduler/server; runs process 0's steps until it stops.
         from jaxllm.engine.multihost import run_follower

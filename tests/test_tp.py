@@ -250,9 +250,6 @@ def test_two_processes_expert_parallel_match_one():
     assert len(ref[0]["token_ids"]) == 8 and np.unique(ref[0]["token_ids"]).size > 2
 
 
-# `jaxllm generate` with INFO logs (the CLI sets up none; the EPLB test reads them).
-LOGGED_CLI = ["-c", "import logging, sys; logging.basicConfig(level=logging.INFO); "
-              "from jaxllm.cli import main; sys.exit(main())"]
 EPLB_LOG = re.compile(r"EPLB: rebalanced (\d+) MoE layers over 4 devices .*load max/mean "
                       r"([\d.]+) -> ([\d.]+)")
 
@@ -264,7 +261,7 @@ def test_two_processes_eplb_match_one():
     processes' devices, and keeps the one-process ids; every rebalance lowers the imbalance."""
     logs: list[str] = []
     leader, follower, ref = _two_processes_and_one(
-        [*LOGGED_CLI, "generate", "The capital of France is", "Once upon a time",
+        ["-m", "jaxllm.cli", "generate", "The capital of France is", "Once upon a time",
          "--random-shape", "tiny-moe", "--load-format", "dummy", "--json", "--max-tokens", "12",
          "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
          "--max-num-batched-tokens", "32", "--tensor-parallel-size", "4", "--enable-expert-parallel",

@@ -86,7 +86,7 @@ def set_switch_interval() -> None:
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # no-op under the CLI
     set_switch_interval()
     app = build_server_app(args)
     logging.getLogger("jaxllm").info("serving %s on http://%s:%d", served_names(args)[0], args.host, args.port)
