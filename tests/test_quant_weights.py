@@ -173,9 +173,33 @@ def test_gguf_q4_k_blocks_match_gguf_dequantize():
     assert rel(got, want) < 1e-6
 
 
+@pytest.mark.parametrize("qtype,size,group", [("Q6_K", 210, 16), ("Q5_K", 176, 32)])
+def test_gguf_k_quant_mixes_kept_as_int8_match_gguf_dequantize(qtype, size, group):
+    """Q4_K_M / Q5_K_M files hold Q6_K (and Q5_K) linears beside Q4_K ones: kept as int8 values
+    with float32 scales (and offsets) per sub-block, exactly gguf's dequantization."""
+    rng = np.random.default_rng(5)
+    rows, nb = 24, 2  # in = 512: two 256-value super-blocks per row
+    raw = rng.integers(0, 256, (rows, nb, size), dtype=np.uint8)
+    if qtype == "Q6_K":
+        raw[..., 208:210] = np.array([0.003], np.float16).view(np.uint8)  # d: finite
+    else:
+        raw[..., 0:2] = np.array([0.01], np.float16).view(np.uint8)
+        raw[..., 2:4] = np.array([0.02], np.float16).view(np.uint8)
+    raw = raw.reshape(rows, -1)
+    qa = checkpoints.gguf_linear(raw, qtype, "blk.0.ffn_down.weight")
+    assert qa.kind == "int8" and qa.values.dtype == np.int8 and qa.shape == (512, rows)
+    assert qa.group == group and (qa.offset is None) == (qtype == "Q6_K")
+    want_w = gguf_dequantize(raw, GT[qtype])  # [out, in]
+    np.testing.assert_array_equal(qa.dequantize().T, want_w)
+    assert len(np.unique(qa.values)) > 30  # the high bits are used: 6- / 5-bit values
+    x = rng.standard_normal((3, 512)).astype(np.float32)
+    got = jax.jit(lambda x, q: x @ q)(x, jax.tree.map(jnp.asarray, qa))
+    assert rel(got, x @ want_w.T) < 1e-6
+
+
 def test_gguf_type_without_kernel_is_named():
-    with pytest.raises(ValueError, match="Q6_K"):
-        checkpoints.gguf_linear(np.zeros((4, 210), np.uint8), "Q6_K", "blk.0.ffn_down.weight")
+    with pytest.raises(ValueError, match="Q3_K"):
+        checkpoints.gguf_linear(np.zeros((4, 110), np.uint8), "Q3_K", "blk.0.ffn_down.weight")
 
 
 def test_bad_methods_are_named(tmp_path):

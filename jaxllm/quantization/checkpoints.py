@@ -1,4 +1,5 @@
-"""Pre-quantized checkpoints loaded as stored: HF FP8 folders and GGUF Q8_0 / Q4_0 / Q4_1.
+"""Pre-quantized checkpoints loaded as stored: HF FP8 folders and GGUF Q8_0 / Q4_0 / Q4_1 / Q4_K /
+Q5_K / Q6_K.
 
 `load_prequantized(model, method)` is the engine's hook before the usual (float) loader:
 it returns `(hf_config, weights, tokenizer)` with the decoder linears as `QArray`s, or
@@ -15,7 +16,11 @@ for block-scaled weights: W8A16). Other `quant_method`s (awq, gptq, ...) are ref
 GGUF with `quantization="gguf"` (vLLM's name): Q8_0 -> int8 groups of 32, Q4_0 / Q4_1 ->
 int4 groups of 32 (w = d * (q - 8), w = d * q + m); their nibble order is QArray's. Q4_K ->
 int4 with float32 scale / offset per 32 (d * sc, -dmin * m) and nibble runs of 64.
-Any other type on a linear (Q5_K, Q6_K, ...) is refused, naming it. Without
+Q6_K (6-bit, int8 scale per 16) -> int8 values q - 32 with a float32 scale per 16; Q5_K (5-bit,
+6-bit scales and mins per 32) -> int8 values with float32 scale / offset per 32: both exact, at
+8 bits a value (the files' 6.56 / 5.5), so the K-quant mixes (Q4_K_M and Q5_K_M: Q4_K or Q5_K
+linears with some Q6_K ones) load kept quantized. Any other type on a linear (Q2_K, Q3_K,
+Q5_0, IQ*, ...) is refused, naming it. Without
 `quantization="gguf"` GGUF files load dequantized to float (the default path).
 """
 
@@ -32,7 +37,7 @@ from jaxllm.quantization.methods import check_checkpoint_method
 from jaxllm.quantization.qarray import QArray
 from jaxllm.quantization.quantize import is_linear
 
-GGUF_KEPT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+GGUF_KEPT = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 _ST_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
               "BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
               "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
@@ -124,9 +129,44 @@ def gguf_linear(data: np.ndarray, qtype_name: str, name: str) -> QArray:
         qs = blocks[..., 16:].reshape(rows, -1)  # [out, in/2]: 32-byte runs of rows j, j + 32
         return QArray(np.ascontiguousarray(qs.T), np.ascontiguousarray(scale.T),
                       np.ascontiguousarray(offset.T), kind="int4", pack=64)
+    if qtype_name in ("Q6_K", "Q5_K"):
+        q, scale, offset = _k_quant_ints(data, qtype_name)
+        return QArray(np.ascontiguousarray(q.T), np.ascontiguousarray(scale.T),
+                      None if offset is None else np.ascontiguousarray(offset.T), kind="int8")
     raise ValueError(f"GGUF tensor {name} is {qtype_name}: no quantized kernel for it "
                      f"(kept quantized: {GGUF_KEPT}); load without quantization='gguf' to "
                      f"dequantize it to float")
+
+
+def _k_quant_ints(data: np.ndarray, qtype_name: str):
+    """Q6_K / Q5_K rows uint8 [out, bytes] -> (q int8 [out, in], scale float32 [out, in/g],
+    offset float32 [out, in/g] or None), w = q * scale + offset exactly (g = 16 for Q6_K's
+    int8 sub-block scales, 32 for Q5_K's 6-bit ones). Bit layouts as llama.cpp's (and gguf-py's
+    dequantizers): 256-value super-blocks, 4 low bits in nibble runs of 64 (Q6_K) or 32 (Q5_K)
+    values, the high bits in a separate plane."""
+    rows = data.shape[0]
+    if qtype_name == "Q6_K":  # ql[128] qh[64] scales int8[16] d f16: w = d * sc * (q - 32)
+        b = data.reshape(rows, -1, 210)
+        nb = b.shape[1]
+        ql = (b[..., :128].reshape(rows, nb, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]) & 15
+        qh = (b[..., 128:192].reshape(rows, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3
+        q = (ql.reshape(rows, nb, 8, 32) | (qh.reshape(rows, nb, 8, 32) << 4)).astype(np.int16) - 32
+        sc = b[..., 192:208].copy().view(np.int8).astype(np.float32)  # [out, nb, 16]
+        d = b[..., 208:210].copy().view(np.float16).astype(np.float32)  # [out, nb, 1]
+        return q.reshape(rows, -1).astype(np.int8), (d * sc).reshape(rows, nb * 16), None
+    # Q5_K: d f16, dmin f16, 12 bytes of 6-bit scales/mins, qh[32], qs[128]: w = d*sc*q - dmin*m
+    from gguf.quants import Q4_K
+    b = data.reshape(rows, -1, 176)
+    nb = b.shape[1]
+    d = b[..., 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = b[..., 2:4].copy().view(np.float16).astype(np.float32)
+    sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(b[..., 4:16]).reshape(-1, 12))
+    qh = (b[..., 16:48].reshape(rows, nb, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1
+    ql = (b[..., 48:176].reshape(rows, nb, 4, 1, 32) >> np.array([0, 4], np.uint8)[:, None]) & 15
+    q = ql.reshape(rows, nb, 8, 32) | (qh << 4)
+    scale = (d * sc.reshape(rows, nb, 8).astype(np.float32)).reshape(rows, nb * 8)
+    offset = -(dmin * mn.reshape(rows, nb, 8).astype(np.float32)).reshape(rows, nb * 8)
+    return q.reshape(rows, -1).astype(np.int8), scale, offset
 
 
 def load_prequantized(model: str | None, method: str | None):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 # --quantization: quantize a float checkpoint at load (vLLM's online "fp8"; int8/int4 weight-only).
-# "gguf": keep a GGUF file's Q8_0 / Q4_0 / Q4_1 linears as stored (vLLM's name for GGUF).
+# "gguf": keep a GGUF file's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K linears quantized (vLLM's name).
 METHODS = ("fp8", "int8", "int4", "gguf")
 ONLINE_METHODS = ("fp8", "int8", "int4")
 # Checkpoint formats loaded as stored (quantization_config.quant_method / GGUF tensor types).
