@@ -147,18 +147,44 @@ def test_hopper_kernel_lowers_for_cuda_on_cpu(group, page_size, block_keys):
     assert exported.mlir_module().count("@mosaic_gpu_v2") == 1
 
 
-def test_auto_choice_keeps_pallas_below_the_token_threshold(monkeypatch):
-    """"auto" on Hopper: steps under JAXLLM_MOSAIC_MIN_TOKENS tokens keep the Pallas kernel
-    (their Mosaic compiles would cost more start-up than the kernel saves), larger ones take
-    the Mosaic kernel once its probe passed; a bad threshold is refused by name."""
+def test_auto_choice_by_measurement(monkeypatch, caplog):
+    """"auto" on Hopper: each token bucket from JAXLLM_MOSAIC_MIN_TOKENS up is measured once and
+    takes the Mosaic kernel only where it is at least MOSAIC_MIN_SPEEDUP faster; smaller steps
+    keep the Pallas kernel unmeasured; a failed measurement falls back to the size rule; a bad
+    threshold is refused by name."""
+    import logging
     from jaxllm.kernels import prefill_choice
     monkeypatch.setattr(prefill_choice, "mosaic_prefill_ok", lambda *key: (True, "probe ok"))
     monkeypatch.setenv("JAXLLM_PREFILL_KERNEL", "auto")
+    monkeypatch.delenv("JAXLLM_MOSAIC_MIN_TOKENS", raising=False)
+    # Fake kernels' times per T (ms): Mosaic 1.13x at 2048 (under the margin), 2x at 8192.
+    table = {1024: {"pallas": 1.0, "mosaic": 1.0}, 2048: {"pallas": 1.13, "mosaic": 1.0},
+             8192: {"pallas": 2.0, "mosaic": 1.0}, 16384: {"mosaic": 1.0}}
+    calls = []
+
+    def fake_measure(T, *key):
+        calls.append(T)
+        if T == 4096:
+            raise RuntimeError("no kernel image")
+        return table[T]
+
+    monkeypatch.setattr(prefill_choice, "_measure", fake_measure)
+    prefill_choice.measured_choice.cache_clear()
     kv = jnp.zeros((1, 2, 2, 4, 16, 64), jnp.bfloat16)
     q = lambda T: jax.ShapeDtypeStruct((T, 8, 64), jnp.bfloat16)
-    assert prefill_choice.prefill_kernel(q(2048), kv) == "pallas"
-    assert prefill_choice.prefill_kernel(q(4096), kv) == "mosaic"
+    with caplog.at_level(logging.INFO, logger="jaxllm.kernels.prefill_choice"):
+        assert prefill_choice.prefill_kernel(q(512), kv) == "pallas"  # under 1024: not measured
+        assert prefill_choice.prefill_kernel(q(1024), kv) == "pallas"
+        assert prefill_choice.prefill_kernel(q(2048), kv) == "pallas"
+        assert prefill_choice.prefill_kernel(q(8192), kv) == "mosaic"
+        assert prefill_choice.prefill_kernel(q(8192), kv) == "mosaic"  # cached: measured once
+        assert prefill_choice.prefill_kernel(q(4096), kv) == "mosaic"  # failed: the size rule
+        assert prefill_choice.prefill_kernel(q(16384), kv) == "mosaic"  # Pallas gave a wrong result
+    assert calls == [1024, 2048, 8192, 4096, 16384]
+    assert "2.00x; Mosaic from 1.15x" in caplog.text and "1.13x" in caplog.text
+    assert "measurement failed (RuntimeError: no kernel image)" in caplog.text
     monkeypatch.setenv("JAXLLM_MOSAIC_MIN_TOKENS", "256")
+    table[256] = {"pallas": 3.0, "mosaic": 1.0}
     assert prefill_choice.prefill_kernel(q(256), kv) == "mosaic"
     assert prefill_choice.prefill_kernel(q(255), kv) == "pallas"
     monkeypatch.setenv("JAXLLM_PREFILL_KERNEL", "mosaic")  # forced: every prefill step
@@ -167,6 +193,23 @@ def test_auto_choice_keeps_pallas_below_the_token_threshold(monkeypatch):
     monkeypatch.setenv("JAXLLM_MOSAIC_MIN_TOKENS", "many")
     with pytest.raises(ValueError, match="JAXLLM_MOSAIC_MIN_TOKENS"):
         prefill_choice.prefill_kernel(q(4096), kv)
+    prefill_choice.measured_choice.cache_clear()
+
+
+def test_time_kernels_checks_before_timing(caplog):
+    """The measurement's own loop, on CPU kernels: the Pallas twin (interpret mode) is timed
+    against the reference on one prompt; a kernel with a wrong answer is never timed."""
+    import logging
+    from jaxllm.kernels import pallas_ragged, prefill_choice
+    q, kv, md = prefill_choice.prompt_case(64, 4, 2, 32, 16, jnp.float32)
+    fns = {"reference": lambda q, kv, md: ref.ragged_paged_attention(q, kv, jnp.int32(0), md, sm_scale=0.2),
+           "pallas": lambda q, kv, md: pallas_ragged.ragged_paged_attention(
+               q, kv, jnp.int32(0), md, sm_scale=0.2, interpret=True),
+           "wrong": lambda q, kv, md: ref.ragged_paged_attention(q, kv, jnp.int32(0), md, sm_scale=0.3)}
+    with caplog.at_level(logging.WARNING, logger="jaxllm.kernels.prefill_choice"):
+        times = prefill_choice.time_kernels(fns, q, kv, md, reps=2)
+    assert set(times) == {"reference", "pallas"} and all(t > 0 for t in times.values())
+    assert "prefill kernel wrong: wrong result at T=64" in caplog.text
 
 
 @pytest.mark.parametrize("reqs,page_size,num_kv_heads,group,rows", CASES)

@@ -1,4 +1,4 @@
-"""Which kernel runs prefill/mixed steps on a GPU, decided once per head shape by a probe.
+"""Which kernel runs prefill/mixed steps on a GPU: a probe per head shape, a measurement per bucket.
 
 Hopper: the Mosaic prefill kernel (`mosaic_prefill.py`) when its shape rules hold and a
 probe passes: the first time a step is traced for a (H, K, D, S, dtype), the kernel is
@@ -8,11 +8,16 @@ logs why and falls back to the portable Pallas kernel (`pallas_ragged.py`, Trito
 is also what non-Hopper GPUs use. The probe runs during start-up compilation (warm-up),
 so no compile happens after it.
 
-Steps of fewer than JAXLLM_MOSAIC_MIN_TOKENS tokens (default 4096) keep the Pallas kernel in
-"auto" mode: each layer's Mosaic call compiles on its own (about 1.4 s per call site on an H200
-host, 32 per step shape for an 8B model), and below 4,096 tokens attention is a small part of
-the step and the kernels are close (1x2048: Mosaic 176 TFLOP/s, Pallas 156; 1x8192: 494 vs 250;
-docs/benchmarks.md), so the start-up compiles only the large buckets' Mosaic kernels.
+"auto" then chooses per token bucket by measurement (`measured_choice`): the first time a step
+of T tokens is traced, both kernels run on one T-token prompt of this head shape (checked
+against each other, then timed, median of a few runs, one measurement at a time); the Mosaic
+kernel is kept where it is at least MOSAIC_MIN_SPEEDUP (1.15x) faster. The margin pays for
+its compiles: each layer's Mosaic call compiles on its own (about 1.4 s per call site on an
+H200 host, 32 per step shape for an 8B model), while one Triton kernel serves every layer
+(1x2048 measured 176 vs 156 TFLOP/s, 1.13x: Pallas; 1x8192 494 vs 250: Mosaic;
+docs/benchmarks.md). Buckets under JAXLLM_MOSAIC_MIN_TOKENS tokens (default 1024), where
+attention is a small part of the step, keep the Pallas kernel unmeasured. A measurement that
+fails falls back to the size rule that preceded it (Mosaic from 4,096 tokens).
 
 JAXLLM_PREFILL_KERNEL: "auto" (the probe; the default), "mosaic" or "pallas" (forced).
 "auto" became the default once the kernel passed `scripts/gpu_kernel.sh` on an H200
@@ -26,6 +31,9 @@ import concurrent.futures
 import functools
 import logging
 import os
+import statistics
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +45,9 @@ from jaxllm.kernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
 DEFAULT_MODE = "auto"  # the probe picks the Mosaic kernel on Hopper (validated on an H200)
-MOSAIC_MIN_TOKENS = 4096  # "auto": smaller steps keep the Pallas kernel (module docstring)
+MOSAIC_MIN_TOKENS = 1024  # "auto": smaller steps keep the Pallas kernel unmeasured (docstring)
+MOSAIC_MIN_SPEEDUP = 1.15  # "auto": the Mosaic kernel where measured at least this much faster
+FALLBACK_MIN_TOKENS = 4096  # "auto" when a measurement fails: Mosaic from this many tokens
 
 
 def mosaic_min_tokens() -> int:
@@ -128,13 +138,94 @@ def mosaic_prefill_ok(num_heads: int, num_kv_heads: int, head_dim: int, page_siz
     return run_probe(num_heads, num_kv_heads, head_dim, page_size, dtype_name)
 
 
+def prompt_case(T: int, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype):
+    """One T-token prompt from scratch (a prefill bucket's typical step), pages shuffled."""
+    rng = np.random.default_rng(T)
+    pages = -(-T // page_size)
+    md = AttentionMetadata(
+        positions=jnp.arange(T, dtype=jnp.int32), token_req=jnp.zeros((T,), jnp.int32),
+        slot_mapping=jnp.full((T,), -1, jnp.int32),
+        block_tables=jnp.asarray(rng.permutation(pages)[None, :], jnp.int32),
+        seq_lens=jnp.asarray([T], jnp.int32), query_start_loc=jnp.asarray([0, T], jnp.int32),
+        num_seqs=jnp.asarray([1], jnp.int32))
+    q = jnp.asarray(rng.standard_normal((T, num_heads, head_dim)), dtype)
+    kv = jnp.asarray(rng.standard_normal((1, 2, num_kv_heads, pages, page_size, head_dim)), dtype)
+    return q, kv, md
+
+
+def time_kernels(fns: dict, q, kv, md, reps: int = 5) -> dict[str, float]:
+    """Median seconds per call of each fn(q, kv, md) after one checked run: every output must
+    be finite and within 2e-2 (relative) of the first fn's, else that fn is left out."""
+    first, times = None, {}
+    for name, fn in fns.items():
+        f = jax.jit(fn)
+        out = np.asarray(jax.block_until_ready(f(q, kv, md)), np.float32)
+        if first is None:
+            first = out
+        err = float(np.linalg.norm(out - first) / max(np.linalg.norm(first), 1e-30))
+        if not np.isfinite(out).all() or err > 2e-2:
+            log.warning("prefill kernel %s: wrong result at T=%d (rel err %.3g), not timed",
+                        name, q.shape[0], err)
+            continue
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(q, kv, md))
+            ts.append(time.perf_counter() - t0)
+        times[name] = statistics.median(ts)
+    return times
+
+
+_measure_lock = threading.Lock()  # warm-up traces buckets on a thread pool: time one at a time
+
+
+def _measure(T: int, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+             dtype_name: str) -> dict[str, float]:
+    from jaxllm.kernels import mosaic_prefill, pallas_ragged
+
+    scale = head_dim ** -0.5
+    fns = {"pallas": lambda q, kv, md: pallas_ragged.ragged_paged_attention(
+               q, kv, jnp.int32(0), md, sm_scale=scale),
+           "mosaic": lambda q, kv, md: mosaic_prefill.ragged_prefill_attention(
+               q, kv, jnp.int32(0), md, sm_scale=scale)}
+
+    def body():
+        with _measure_lock:
+            case = prompt_case(T, num_heads, num_kv_heads, head_dim, page_size, jnp.dtype(dtype_name))
+            return time_kernels(fns, *case)
+
+    # A thread of its own, as the probe's: reached while a step is traced (`run_probe`).
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(body).result()
+
+
+@functools.lru_cache(maxsize=None)
+def measured_choice(T: int, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                    dtype_name: str) -> tuple[str, str]:
+    """("mosaic" or "pallas", why) for steps of T tokens, by measurement (module docstring)."""
+    try:
+        times = _measure(T, num_heads, num_kv_heads, head_dim, page_size, dtype_name)
+    except Exception as e:  # noqa: BLE001 - no figure: the size rule
+        pick = "mosaic" if T >= FALLBACK_MIN_TOKENS else "pallas"
+        return pick, (f"measurement failed ({type(e).__name__}: {str(e)[:200]}); "
+                      f"size rule: Mosaic from {FALLBACK_MIN_TOKENS} tokens")
+    if "pallas" not in times or "mosaic" not in times:
+        pick = "pallas" if "pallas" in times or "mosaic" not in times else "mosaic"
+        return pick, f"measured {sorted(times)} only (the other gave a wrong result)"
+    speedup = times["pallas"] / times["mosaic"]
+    pick = "mosaic" if speedup >= MOSAIC_MIN_SPEEDUP else "pallas"
+    return pick, (f"measured Mosaic {times['mosaic'] * 1e3:.3f} ms, Pallas {times['pallas'] * 1e3:.3f} ms "
+                  f"({speedup:.2f}x; Mosaic from {MOSAIC_MIN_SPEEDUP}x)")
+
+
 def prefill_kernel(q: jax.Array, kv_pages: jax.Array) -> str:
     """"mosaic" or "pallas" for a prefill/mixed step of these shapes (static under jit)."""
     mode = os.environ.get("JAXLLM_PREFILL_KERNEL", DEFAULT_MODE)
     if mode not in ("auto", "mosaic", "pallas"):
         raise ValueError(f"JAXLLM_PREFILL_KERNEL must be auto, mosaic or pallas, got {mode!r}")
     key = (q.shape[1], kv_pages.shape[2], q.shape[2], kv_pages.shape[4], jnp.dtype(q.dtype).name)
-    if mode == "auto" and q.shape[0] < mosaic_min_tokens():
+    T = q.shape[0]
+    if mode == "auto" and T < mosaic_min_tokens():
         if (key, "small") not in _logged:
             _logged.add((key, "small"))
             log.info("prefill/mixed attention for H=%d K=%d D=%d S=%d %s, steps under %d tokens: "
@@ -142,13 +233,17 @@ def prefill_kernel(q: jax.Array, kv_pages: jax.Array) -> str:
         return "pallas"
     if mode == "auto":
         ok, why = mosaic_prefill_ok(*key)
-        why += f"; steps under {mosaic_min_tokens()} tokens: the Pallas kernel" if ok else ""
+        if ok:
+            pick, how = measured_choice(T, *key)
+            ok, why = pick == "mosaic", f"{why}; {T}-token steps: {how}"
+        log_key = (key, T)
     else:
         explicit = "JAXLLM_PREFILL_KERNEL" in os.environ
         ok = mode == "mosaic"
         why = f"JAXLLM_PREFILL_KERNEL={mode}" + ("" if explicit else " (default)")
-    if key not in _logged:
-        _logged.add(key)
+        log_key = key
+    if log_key not in _logged:
+        _logged.add(log_key)
         log.info("prefill/mixed attention for H=%d K=%d D=%d S=%d %s: %s (%s)", *key,
                  "Mosaic GPU prefill kernel" if ok else "portable Pallas kernel (Triton)", why)
     return "mosaic" if ok else "pallas"
