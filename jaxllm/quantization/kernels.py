@@ -7,9 +7,14 @@ Paths:
         and fp8 blocks; int4's group dequant is not fused and writes a copy of W).
   mgpu  int8 weight-only through JAX's bundled Hopper mixed-type Mosaic GPU kernel
         (`hopper_mixed_type_matmul_mgpu`, int8 LHS x bf16 RHS: computed as (W^T x^T)^T).
+  pallas  int8 / int4 weight-only, decode-sized steps (<= 64 rows), through jaxllm's own
+        kernel (`kernels/qmatmul.py`, Triton): the stored integers are read once, converted in
+        registers, and each scale group's scale applied to its partial product; larger steps
+        and layouts it does not take go to "xla". Its tiling: `pallas_tiling`.
 
 `TUNING` names the path per (mode, platform); "xla" everywhere until the H200 run
-(scripts/gpu_quant.sh) measures the alternatives. The CPU always takes "xla".
+(scripts/gpu_quant.sh: `bench_quant.py matmul` times every path side by side) measures the
+alternatives. The CPU always takes "xla" unless a path is asked for (tests).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxllm.kernels import qmatmul
 from jaxllm.quantization.qarray import FP8_MAX, QArray
 
 # (mode, platform) -> path; fill from scripts/gpu_quant.sh's matmul table.
@@ -40,9 +46,24 @@ def matmul(x: jax.Array, w: QArray, path: str | None = None) -> jax.Array:
         path = "xla" if platform == "cpu" else TUNING.get((mode_of(w), "gpu"), "xla")
     if path == "mgpu":
         return int8_mgpu(x, w)
+    if path == "pallas":
+        tiling = pallas_tiling(x.shape, w)
+        if tiling is not None:
+            return qmatmul.qmatmul(x, w, tiling)
     if w.kind == "fp8" and w.act == "fp8":
         return fp8_w8a8(x, w, upcast=platform == "cpu")
     return jnp.matmul(x, w.dequantize(x.dtype))
+
+
+def pallas_tiling(x_shape: tuple[int, ...], w: QArray, min_ctas: int = 256):
+    """The first `qmatmul` tiling (in TILINGS order: fewest K splits) that fits and gives at
+    least `min_ctas` CTAs (about two per H200 SM), else the fitting one with the most; None
+    when none fits."""
+    fits = [t for t in qmatmul.TILINGS if qmatmul.unsupported(x_shape, w, t) is None]
+    if not fits:
+        return None
+    ctas = {t: w.shape[-1] // t.block_n * t.k_splits for t in fits}
+    return next((t for t in fits if ctas[t] >= min_ctas), max(fits, key=ctas.get))
 
 
 def quantize_rows_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,169 @@
+"""Decode-sized matmul on quantized weights, the weights read once as stored.
+
+`qmatmul(x [..., K], w: QArray int4 | int8 [K, N]) -> [..., N]` for up to MAX_ROWS rows (decode
+steps). Per scale group of g rows along K the weight is w = q * s + o, so a group's share of
+the product needs no dequantized weight at all:
+
+    x_g . w_g = (x_g . q_g) * s_g + (sum x_g) * o_g
+
+The kernel loads the stored integers ([p/2, BN] bytes of two nibbles for int4, [c, BN] int8),
+converts them to the dot's dtype in registers, runs the dot on the tensor cores (float32
+accumulation) and applies the group's scale row (and offset times the row sums of x) to the
+[M, BN] partial. int4 bytes hold rows j (low nibble) and j + p/2 (high) of each run of p rows
+(`QArray.pack`, p = g, or 64 for GGUF Q4_K), so a run is two dots: the low nibbles against x's
+first p/2 columns of the run, the high against the next p/2; each half lies in one scale group
+(p = g: the same one; p = 2g: consecutive ones). int8 runs are groups of g rows (per-channel
+weights: chunks of BLOCK_K rows under the one scale).
+
+Grid (N / BN column strips, K splits): at decode the work is streaming W, so a matrix is cut
+into strips x `k_splits` row ranges, one CTA each, enough to cover the SMs; with k_splits > 1
+each split stores a float32 partial [k_splits, M, N] that one XLA sum combines (M x N x 4
+bytes per split: small at decode). Rows of x are padded to a power of two >= 16 (the
+tensor-core minimum). A `pallas_call`: Triton on the GPU, Pallas' interpreter on the CPU
+(tests/test_qmatmul.py checks it against `QArray.dequantize` there). Which path the engine
+uses per mode is `quantization/kernels.py`'s measured table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from jaxllm.quantization.qarray import QArray
+
+MAX_ROWS = 64  # decode-sized steps; larger ones are compute-bound: the XLA path
+BLOCK_K = 256  # int8 per-channel: rows per dot
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    block_n: int = 128  # weight columns per CTA
+    k_splits: int = 1  # CTAs along K per strip (float32 partials summed by XLA)
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @property
+    def name(self) -> str:
+        return f"q_{self.block_n}k{self.k_splits}"
+
+
+TILINGS = (Tiling(128, 1), Tiling(64, 4), Tiling(128, 4), Tiling(64, 8))
+
+
+def run_rows(w: QArray, k_splits: int = 1) -> int:
+    """Rows of K per run of the kernel's loop: an int4 nibble run p, an int8 group, or for
+    per-channel int8 the largest power of two <= BLOCK_K that tiles each K split."""
+    K = w.shape[-2]
+    if w.kind == "int4":
+        return w.pack or w.group
+    if w.group != K:
+        return w.group
+    r = BLOCK_K
+    while r > 16 and K % (r * k_splits):
+        r //= 2
+    return r
+
+
+def unsupported(x_shape: tuple[int, ...], w: QArray, t: Tiling) -> str | None:
+    """Why this kernel cannot take (x, w, t), or None when it can."""
+    if w.kind not in ("int4", "int8") or len(w.values.shape) != 2:
+        return f"{w.kind} weights of {len(w.values.shape)} dims (takes 2-D int4 / int8)"
+    K, N = w.shape
+    rows = 1
+    for d in x_shape[:-1]:
+        rows *= d
+    if rows > MAX_ROWS:
+        return f"{rows} rows (decode-sized steps only, <= {MAX_ROWS})"
+    if N % t.block_n:
+        return f"N={N} is not a multiple of block_n={t.block_n}"
+    r, g = run_rows(w, t.k_splits), w.group
+    half = r // 2 if w.kind == "int4" else r
+    if half < 16 or half & (half - 1):
+        return f"runs of {half} rows (the dot needs a power of two >= 16)"
+    if w.kind == "int4" and r not in (g, 2 * g):
+        return f"int4 nibble runs of {r} rows over scale groups of {g} (takes p = g or 2g)"
+    if w.kind == "int8" and g != K and g % r:
+        return f"int8 groups of {g} rows"
+    if K % (r * t.k_splits):
+        return f"K={K} is not a multiple of {r} x k_splits={t.k_splits}"
+    return None
+
+
+def _kernel(x_ref, v_ref, s_ref, *refs, kind: str, run: int, group: int, runs: int, t: Tiling):
+    """One CTA: column strip j, K split ks; refs = (offset,) when the weight has one, then out."""
+    o_ref, out_ref = (refs[0], refs[1]) if len(refs) == 2 else (None, refs[0])
+    j, ks = pl.program_id(0), pl.program_id(1)
+    cols = pl.ds(j * t.block_n, t.block_n)
+    half = run // 2 if kind == "int4" else run
+
+    def part(xs, q, row):
+        """(xs . q) * s[row] + sum(xs) * o[row]: one scale group's share, float32 [M, BN]."""
+        acc = plt.dot(xs, q.astype(xs.dtype)).astype(jnp.float32) * s_ref[pl.ds(row, 1), cols]
+        if o_ref is not None:
+            acc += jnp.sum(xs.astype(jnp.float32), axis=1, keepdims=True) * o_ref[pl.ds(row, 1), cols]
+        return acc
+
+    def step(i, acc):
+        u = ks * runs + i  # run index along K
+        k0 = u * run
+        if kind == "int4":
+            packed = v_ref[pl.ds(u * half, half), cols]  # uint8 [p/2, BN]
+            acc += part(x_ref[:, pl.ds(k0, half)], packed & 15, k0 // group)
+            acc += part(x_ref[:, pl.ds(k0 + half, half)], packed >> 4, (k0 + half) // group)
+        else:
+            acc += part(x_ref[:, pl.ds(k0, run)], v_ref[pl.ds(k0, run), cols], k0 // group)
+        return acc
+
+    M = x_ref.shape[0]
+    acc = jax.lax.fori_loop(0, runs, step, jnp.zeros((M, t.block_n), jnp.float32))
+    if t.k_splits > 1:
+        out_ref[ks, :, cols] = acc
+    else:
+        out_ref[:, cols] = acc.astype(out_ref.dtype)
+
+
+def qmatmul(x: jax.Array, w: QArray, tiling: Tiling = TILINGS[0],
+            interpret: bool | None = None) -> jax.Array:
+    """x [..., K] @ w (int4 / int8 QArray [K, N]) -> [..., N] in x's dtype."""
+    why = unsupported(x.shape, w, tiling)
+    if why is not None:
+        raise ValueError(f"qmatmul {tiling.name}: {why}")
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    K, N = w.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    Mp = max(16, 1 << (M - 1).bit_length())
+    x2 = jnp.pad(x2, ((0, Mp - M), (0, 0)))
+    run = run_rows(w, tiling.k_splits)
+    runs = K // (run * tiling.k_splits)
+    if tiling.k_splits > 1:
+        out_shape = jax.ShapeDtypeStruct((tiling.k_splits, Mp, N), jnp.float32)
+    else:
+        out_shape = jax.ShapeDtypeStruct((Mp, N), x.dtype)
+    parts = [x2, w.values, w.scale.astype(jnp.float32)]
+    if w.offset is not None:
+        parts.append(w.offset.astype(jnp.float32))
+    out = pl.pallas_call(
+        functools.partial(_kernel, kind=w.kind, run=run, group=w.group, runs=runs, t=tiling),
+        grid=(N // tiling.block_n, tiling.k_splits),
+        out_shape=out_shape,
+        compiler_params=plt.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),
+        interpret=interpret,
+        name="jaxllm_qmatmul",
+    )(*parts)
+    if tiling.k_splits > 1:
+        out = out.sum(axis=0)
+    return out[:M].astype(x.dtype).reshape(*lead, N)
+
+
+def reference(x: jax.Array, w: QArray) -> jax.Array:
+    """The plain-jnp definition: x @ the dequantized weight, in float32."""
+    return jnp.matmul(x.astype(jnp.float32), w.dequantize(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
