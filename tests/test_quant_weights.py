@@ -228,3 +228,22 @@ def test_fp8_needs_fp8_hardware():
     with pytest.raises(ValueError, match="fp8 support.*A100"):
         methods.check_fp8_device("quantization='fp8'", Ampere())
     methods.check_fp8_device("quantization='fp8'", Hopper())
+
+
+def test_int4_constant_groups_quantize_exactly_without_warnings():
+    """A group whose values are all equal (pruned or zero-padded weights) has a zero range: its
+    scale is floored at float16's smallest subnormal, not 0, so nothing divides by zero."""
+    import warnings
+    from jaxllm.quantization.quantize import quantize_int4
+
+    w = np.zeros((256, 8), np.float32)
+    w[:, 1] = 0.25
+    w[128:, 2] = np.linspace(-1, 1, 128)
+    for xp in (np, jnp):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            qa = quantize_int4(w, xp, group=128)
+        got = np.asarray(qa.dequantize())
+        assert np.isfinite(got).all()
+        np.testing.assert_array_equal(got[:, :2], w[:, :2])
+        np.testing.assert_allclose(got[:, 2], w[:, 2], atol=1 / 15 + 1e-3)

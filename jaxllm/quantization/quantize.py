@@ -89,7 +89,9 @@ def quantize_int4(w, xp=np, group: int | None = None, search: bool = True) -> QA
 
     def cand(lo, hi):
         # float16 scale / offset (half the bytes of float32); quantize by the stored values.
-        s = xp.maximum((hi - lo) / 15.0, 1e-8).astype(np.float16)
+        # floor: float16's smallest subnormal (1e-8 rounded to a 0 scale: a constant group
+        # divided by zero)
+        s = xp.maximum((hi - lo) / 15.0, 2.0 ** -24).astype(np.float16)
         o = lo.astype(np.float16)
         sf, of = s.astype(np.float32)[..., None, :], o.astype(np.float32)[..., None, :]
         q = xp.clip(xp.round((blocks - of) / sf), 0, 15)
