@@ -62,6 +62,10 @@ class EngineConfig:
     # MoE: whole experts per device (attention stays tensor-parallel); off: experts split by
     # their intermediate dimension. EPLB: redundant expert slots placed by measured load.
     enable_expert_parallel: bool = False
+    # Expert-parallel groups (SGLang's --ep-size); None: tensor_parallel_size. Smaller: experts go
+    # whole to `expert_parallel_size` groups of devices and are split by their intermediate
+    # dimension over the tensor_parallel_size / expert_parallel_size devices of each group.
+    expert_parallel_size: int | None = None
     enable_eplb: bool = False
     eplb_config: Any = None  # dict (JSON flag) -> jaxllm.eplb.config.EPLBConfig
     # Multi-host (jax.distributed): process 0 schedules and serves, the others follow its steps.
@@ -85,6 +89,16 @@ class EngineConfig:
         if self.enable_expert_parallel and self.tensor_parallel_size < 2:
             raise ValueError("enable_expert_parallel needs tensor_parallel_size > 1 (experts are "
                              f"spread over the tensor-parallel devices), got {self.tensor_parallel_size}")
+        ep = self.expert_parallel_size
+        if ep is not None:
+            if not self.enable_expert_parallel:
+                raise ValueError("expert_parallel_size needs enable_expert_parallel")
+            if not isinstance(ep, int) or ep < 2 or self.tensor_parallel_size % ep:
+                raise ValueError(f"expert_parallel_size must be an integer >= 2 dividing "
+                                 f"tensor_parallel_size={self.tensor_parallel_size}, got {ep!r}")
+            if self.enable_eplb and ep != self.tensor_parallel_size:
+                raise ValueError("enable_eplb with expert_parallel_size < tensor_parallel_size is not "
+                                 "supported (EPLB moves whole experts between devices)")
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("enable_eplb needs enable_expert_parallel (it balances experts over devices)")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

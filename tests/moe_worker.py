@@ -49,23 +49,28 @@ def run_ep() -> dict:
 
     greedy = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
     out = {}
-    for arch, layouts in (("qwen2_moe", [(1, False), (4, False), (4, True), (2, True)]),
-                          ("qwen3_moe_mixed", [(1, False), (4, True)])):
+    # (tp, ep): ep False (experts split by F), True (whole experts), or an expert_parallel_size
+    # (2: two groups of two devices, each expert split over its group's two)
+    for arch, layouts in (("qwen2_moe", [(1, False), (4, False), (4, True), (2, True), (4, 2)]),
+                          ("qwen3_moe_mixed", [(1, False), (4, True), (4, 2)])):
         _, cfg, sd = make(arch)
         prompts = _prompts(cfg["vocab_size"])
         for tp, ep in layouts:
-            warm = arch == "qwen2_moe" and tp == 4 and ep
-            llm = _llm(cfg, sd, tensor_parallel_size=tp, enable_expert_parallel=ep, skip_warmup=not warm)
+            warm = arch == "qwen2_moe" and tp == 4 and ep is True
+            kw = {"expert_parallel_size": ep} if ep not in (True, False) else {}
+            llm = _llm(cfg, sd, tensor_parallel_size=tp, enable_expert_parallel=bool(ep),
+                       skip_warmup=not warm, **kw)
             toks = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
             run = {"tokens": toks, "device_bytes": llm.engine.runner.device_bytes}
             if tp > 1:
                 run["experts"] = _expert_shards(llm.engine.runner)
             if warm:
                 run["stats"] = llm.stats()
-            if tp == 4 and arch == "qwen2_moe":
+            if tp == 4 and arch == "qwen2_moe" and ep in (True, False):
                 from tp_worker import collectives
                 run["collectives"] = collectives(llm.engine.runner, 32, 4)
-            out[f"{arch}_tp{tp}{'_ep' if ep else ''}"] = run
+            name = f"{arch}_tp{tp}{'_ep' if ep is True else f'_ep{ep}' if ep else ''}"
+            out[name] = run
     return out
 
 
@@ -135,7 +140,9 @@ def run_dummy() -> dict:
     kw = dict(random_shape="tiny-moe", load_format="dummy", max_model_len=64, max_num_seqs=4,
               max_num_batched_tokens=32, token_buckets=(32,), seq_buckets=(4,), skip_warmup=True)
     out = {}
-    for name, extra in (("tp1", {}), ("tp4_ep", dict(tensor_parallel_size=4, enable_expert_parallel=True))):
+    for name, extra in (("tp1", {}), ("tp4_ep", dict(tensor_parallel_size=4, enable_expert_parallel=True)),
+                        ("tp4_ep2", dict(tensor_parallel_size=4, enable_expert_parallel=True,
+                                         expert_parallel_size=2))):
         llm = LLM(**kw, **extra)
         runner = llm.engine.runner
         c = ModelCost.of_runner(runner)

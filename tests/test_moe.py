@@ -212,3 +212,24 @@ def test_registry_resolves_by_architecture_then_model_type():
     assert registry.resolve({"architectures": ["Qwen2ForCausalLM"]}).cls_name == "Llama"
     cfg = registry.config_from_hf(_hf(decoder_sparse_step=1, mlp_only_layers=[0]))
     assert isinstance(cfg.moe, MoEConfig) and cfg.moe.moe_layers == (1,)
+
+
+@pytest.mark.parametrize("name", ["e_gate", "e_down"])
+def test_split_experts_slot_layout(name):
+    """Expert x tensor parallel layout: slot (g * splits + t) * El + j holds expert g * El + j's
+    t-th slice of the intermediate dimension F (the axis each weight keeps F on)."""
+    from jaxllm.models.moe import split_experts
+
+    E, H, F, groups, splits = 8, 3, 6, 2, 3
+    shape = (2, E, H, F) if name == "e_gate" else (2, E, F, H)
+    w = np.arange(np.prod(shape)).reshape(shape)
+    out = split_experts(w, name, groups, splits, xp=np)
+    El, Fs = E // groups, F // splits
+    assert out.shape == ((2, E * splits, H, Fs) if name == "e_gate" else (2, E * splits, Fs, H))
+    for g in range(groups):
+        for t in range(splits):
+            for j in range(El):
+                slot, e = (g * splits + t) * El + j, g * El + j
+                want = w[:, e, :, t * Fs:(t + 1) * Fs] if name == "e_gate" else w[:, e, t * Fs:(t + 1) * Fs]
+                np.testing.assert_array_equal(out[:, slot], want)
+    np.testing.assert_array_equal(np.asarray(split_experts(jnp.asarray(w), name, groups, splits)), out)

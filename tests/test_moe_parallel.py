@@ -33,7 +33,8 @@ def ep() -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("run", ["qwen2_moe_tp4", "qwen2_moe_tp4_ep", "qwen2_moe_tp2_ep",
-                                 "qwen3_moe_mixed_tp4_ep"])
+                                 "qwen3_moe_mixed_tp4_ep", "qwen2_moe_tp4_ep2",
+                                 "qwen3_moe_mixed_tp4_ep2"])
 def test_greedy_ids_equal_one_device(ep, run):
     ref = ep[run.split("_tp")[0] + "_tp1"]["tokens"]
     assert len({tuple(t) for t in ref}) > 1
@@ -56,6 +57,21 @@ def test_expert_layouts(ep):
     assert ep["qwen2_moe_tp4_ep"]["device_bytes"]["weight_bytes"] < one / 3.5
     two = ep["qwen2_moe_tp2_ep"]["device_bytes"]["weight_bytes"]
     assert one / 2.1 < two < one / 1.9
+
+
+@pytest.mark.slow
+def test_expert_and_tensor_parallel_layout(ep):
+    """expert_parallel_size=2 with tensor_parallel_size=4: two groups of two devices, 4 whole
+    experts a group, each split by its intermediate dimension over the group's two devices
+    (`models.moe.split_experts`: 16 slots of half an expert); a quarter of the experts' bytes
+    a device, as with whole experts per device; the router replicated."""
+    ex = ep["qwen2_moe_tp4_ep2"]["experts"]
+    F = ep["qwen2_moe_tp4"]["experts"]["e_gate"]["global"][3]
+    for name, f_axis in (("e_gate", 3), ("e_up", 3), ("e_down", 2)):
+        g, s = ex[name]["global"], ex[name]["shard"]
+        assert g[1] == 16 and s[1] == 4 and g[f_axis] == s[f_axis] == F // 2, (name, g, s)
+    assert ex["router"]["shard"] == ex["router"]["global"]
+    assert ep["qwen2_moe_tp4_ep2"]["device_bytes"] == ep["qwen2_moe_tp4_ep"]["device_bytes"]
 
 
 @pytest.mark.slow
@@ -94,6 +110,10 @@ def test_dummy_tiny_moe_expert_parallel_greedy_ids(dummy):
     assert one["cost"]["expert_bytes"] == ep["cost"]["expert_bytes"] == expert
     assert ep["cost"]["all_expert_bytes"] * 4 == one["cost"]["all_expert_bytes"] == 2 * 8 * expert
     assert ep["cost"]["weight_bytes"] == ep["device_weight_bytes"] < one["cost"]["weight_bytes"] / 3
+    both = dummy["tp4_ep2"]  # expert_parallel_size 2: the same draw, split two ways
+    assert both["tokens"] == one["tokens"]
+    assert (both["cost"]["local_experts"], both["cost"]["expert_bytes"]) == (4, expert // 2)
+    assert both["cost"]["all_expert_bytes"] == ep["cost"]["all_expert_bytes"]
 
 
 # -- errors (one device, no subprocess) ------------------------------------------------------------
@@ -116,6 +136,14 @@ def test_expert_parallel_needs_several_devices():
         EngineConfig(eplb_config={"num_redundant_experts": -1})
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['window'\]"):
         EngineConfig(eplb_config={"window": 3})
+    with pytest.raises(ValueError, match="expert_parallel_size needs enable_expert_parallel"):
+        EngineConfig(tensor_parallel_size=4, expert_parallel_size=2)
+    with pytest.raises(ValueError, match="expert_parallel_size must be an integer >= 2 dividing "
+                                         "tensor_parallel_size=4, got 3"):
+        EngineConfig(tensor_parallel_size=4, enable_expert_parallel=True, expert_parallel_size=3)
+    with pytest.raises(ValueError, match="enable_eplb with expert_parallel_size < tensor_parallel_size"):
+        EngineConfig(tensor_parallel_size=4, enable_expert_parallel=True, expert_parallel_size=2,
+                     enable_eplb=True)
 
 
 def test_expert_layout_errors():
@@ -133,6 +161,12 @@ def test_expert_layout_errors():
         check_experts(mc, 4, True, num_slots=10)
     with pytest.raises(ValueError, match="moe_intermediate_size=32 is not divisible"):
         check_experts(mc, 3, False)
+    check_experts(mc, 4, True, ep=2)  # 2 groups of 4 experts, F = 32 split 2 ways
+    with pytest.raises(ValueError, match="expert_parallel_size=3 must divide num_experts=8"):
+        check_experts(mc, 6, True, ep=3)
+    with pytest.raises(ValueError, match=r"moe_intermediate_size=32 is not divisible by "
+                                         r"tensor_parallel_size / expert_parallel_size = 3"):
+        check_experts(mc, 6, True, ep=2)
     dense = registry.config_from_hf(tiny_model("llama", 8, 2)[0] | {"architectures": ["LlamaForCausalLM"]})
     with pytest.raises(ValueError, match="LlamaForCausalLM is a dense model"):
         check_experts(dense, 2, True)
@@ -153,6 +187,8 @@ def test_cli_flags():
     assert (cfg.eplb_config.window_size, cfg.eplb_config.step_interval,
             cfg.eplb_config.num_redundant_experts) == (8, 4, 4)
     assert "enable_expert_parallel" not in engine_kwargs(p.parse_args([]))
+    kw = engine_kwargs(p.parse_args(["-tp", "4", "--enable-expert-parallel", "--expert-parallel-size", "2"]))
+    assert EngineConfig(**kw).expert_parallel_size == 2
 
 
 # -- EPLB -----------------------------------------------------------------------------------------

@@ -117,6 +117,9 @@ class ModelCost:
             eplb = getattr(runner, "eplb", None)
             slots = eplb.num_slots if eplb is not None else m.moe.num_experts
             local = slots // tp if runner.tp is not None and runner.tp.expert_parallel else slots
+            split = getattr(runner.tp, "expert_split", None) if runner.tp is not None else None
+            if split is not None:  # E / groups experts here, each a 1 / splits slice of F
+                local = slots // split[0]
             held = _expert_bytes_on_device(runner.step_params)
             expert_bytes = held // (len(m.moe.moe_layers) * local)
         c = cls.of(m, runner.device_bytes["weight_bytes"], per_token, expert_bytes, local)

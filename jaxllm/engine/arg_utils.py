@@ -75,6 +75,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
     p.add_argument("--enable-expert-parallel", action="store_true", default=None,
                    help="MoE: place whole experts on the tensor-parallel devices (attention stays TP)")
+    p.add_argument("--expert-parallel-size", type=int, default=None, metavar="N",
+                   help="with --enable-expert-parallel: N groups of devices hold whole experts, each "
+                        "expert split over its group's tensor-parallel-size / N devices (default: N = "
+                        "tensor-parallel-size)")
     p.add_argument("--enable-eplb", action="store_true", default=None,
                    help="MoE + expert parallel: replicate hot experts into redundant slots by load")
     p.add_argument("--eplb-config", type=json_arg, default=None,

@@ -171,7 +171,8 @@ class ModelRunner:
             self.tp = TensorParallel(model_cfg, cfg.tensor_parallel_size,
                                      split_axes=self.model_entry.split_axes(cfg.enable_expert_parallel),
                                      expert_parallel=cfg.enable_expert_parallel,
-                                     num_expert_slots=self.eplb.num_slots if self.eplb else None)
+                                     num_expert_slots=self.eplb.num_slots if self.eplb else None,
+                                     expert_parallel_size=cfg.expert_parallel_size)
             attn = self.tp.attention(attn)
             if self.tp.multi_process:
                 self.channel = leader_channel(self.max_blocks, cfg.max_num_seqs)

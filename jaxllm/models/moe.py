@@ -102,6 +102,21 @@ def experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
     return jnp.einsum("tkh,tk->th", ys, wk)
 
 
+def split_experts(w, name: str, groups: int, splits: int, xp=jnp):
+    """Expert weights in the expert x tensor parallel layout: [..., E, H, F] (e_gate / e_up) or
+    [..., E, F, H] (e_down) -> [..., E * splits, H, F / splits] / [..., E * splits, F / splits, H],
+    slot (g * splits + t) * El + j holding expert g * El + j's t-th slice of F (El = E / groups).
+    Cut evenly along its slot axis over groups * splits devices, device g * splits + t holds
+    the t-th F slice of expert group g (parallel/experts.py)."""
+    *lead, E, a, b = w.shape
+    El = E // groups
+    if name == "e_down":  # F is the middle axis
+        x = w.reshape(*lead, groups, El, splits, a // splits, b)
+        return xp.moveaxis(x, -3, -4).reshape(*lead, E * splits, a // splits, b)
+    x = w.reshape(*lead, groups, El, a, splits, b // splits)
+    return xp.moveaxis(x, -2, -4).reshape(*lead, E * splits, a, b // splits)
+
+
 def expert_loads(ids: jax.Array, num_experts: int, valid: jax.Array | None = None) -> jax.Array:
     """Rows routed to each expert: ids [T, k] -> [num_experts] int32 (padding not counted)."""
     ones = jnp.ones(ids.shape, jnp.int32) if valid is None else \

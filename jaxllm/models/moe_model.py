@@ -27,7 +27,7 @@ from jaxllm.kernels.metadata import AttentionMetadata
 from jaxllm.models import llama
 from jaxllm.models.config import ModelConfig
 from jaxllm.models.llama import Llama, LayerStack, _param, rms_norm, value
-from jaxllm.models.moe import expert_loads, experts as moe_experts, route
+from jaxllm.models.moe import expert_loads, experts as moe_experts, route, split_experts
 from jaxllm.models.moe_config import MoEConfig
 
 EXPERT_WEIGHTS = ("e_gate", "e_up", "e_down")
@@ -60,7 +60,8 @@ class ExpertStack(nnx.Module):
     (eplb/balancer.py); random weights are drawn per expert and copied to its slots.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, placement: np.ndarray | None = None):
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs, placement: np.ndarray | None = None,
+                 expert_split: tuple[int, int] | None = None):
         m: MoEConfig = cfg.moe
         Lm, H, F, E = len(m.moe_layers), cfg.hidden_size, m.moe_intermediate_size, m.num_experts
         self.router = _param((Lm, H, E), dtype, rngs)
@@ -77,6 +78,10 @@ class ExpertStack(nnx.Module):
             l2p, cnt = maps(placement, E)
             self.log2phys = nnx.Variable(jnp.asarray(l2p))
             self.log_count = nnx.Variable(jnp.asarray(cnt))
+        if expert_split is not None:  # (groups, splits): the expert x tensor parallel layout
+            for name in ("e_gate", "e_up", "e_down"):
+                var = getattr(self, name)
+                var.set_value(split_experts(value(var), name, *expert_split))
         Fs = m.shared_expert_intermediate_size
         if Fs:
             self.s_gate = _param((Lm, H, Fs), dtype, rngs)
@@ -92,11 +97,12 @@ class MoeLlama(Llama):
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs,
                  attention_fn=None, embed_fn=None, experts_fn: Callable | None = None,
                  expert_map: Callable | None = None, num_slots: int | None = None,
-                 placement: np.ndarray | None = None, count_loads: bool = False):
+                 placement: np.ndarray | None = None, count_loads: bool = False,
+                 expert_split: tuple[int, int] | None = None):
         super().__init__(cfg, dtype, rngs=rngs, attention_fn=attention_fn, embed_fn=embed_fn)
         m: MoEConfig = cfg.moe
         self.layers = LayerStack(cfg, dtype, rngs, mlp_layers=cfg.num_layers - len(m.moe_layers))
-        self.experts = ExpertStack(cfg, dtype, rngs, placement)
+        self.experts = ExpertStack(cfg, dtype, rngs, placement, expert_split)
         self.experts_fn = experts_fn or moe_experts
         # expert_map(ids [T, k], layer weights, md) -> physical slot ids [T, k] (EPLB); None: identity
         self.expert_map = expert_map

@@ -11,6 +11,11 @@ knows every token's experts without communication. Two layouts:
 - tensor parallel (default, vLLM's too): every expert is split along its
   intermediate dimension (gate/up by columns, down by rows); every device
   computes every row on its slice.
+- both (`expert_parallel_size` = P < N, SGLang's --ep-size): P groups of N / P
+  devices; group g holds whole experts g*E/P .. (g+1)*E/P - 1, each split along its
+  intermediate dimension over the group's devices (`models.moe.split_experts` lays
+  the slots out so that one cut of the slot axis over the N devices gives this).
+  A device computes the rows routed to its group's experts on its slice.
 
 Expert parallel dispatches with all-to-all (`dispatch_all_to_all`): each device
 sends its share of the tokens' rows to the devices of their experts and gets the
@@ -18,7 +23,8 @@ outputs back, then an all-gather rebuilds the replicated output. Otherwise
 (tensor-parallel experts, or a token bucket the mesh does not divide) each device
 holds a partial sum of the block's output over the whole batch, and one psum
 combines it -- the collective the dense MLP ends in, and what vLLM's expert
-parallelism does when attention is not data-parallel.
+parallelism does when attention is not data-parallel. Both layouts at once combine
+by that psum (it sums the groups and the intermediate slices alike).
 """
 
 from __future__ import annotations
@@ -33,13 +39,21 @@ from jaxllm.parallel.mesh import AXIS
 
 
 def check_experts(model_cfg: ModelConfig, tp: int, expert_parallel: bool,
-                  num_slots: int | None = None) -> None:
-    """ValueError naming the field when the experts cannot be laid out over `tp` devices."""
+                  num_slots: int | None = None, ep: int | None = None) -> None:
+    """ValueError naming the field when the experts cannot be laid out over `tp` devices
+    (`ep`: expert-parallel groups, default tp)."""
     m = model_cfg.moe
     if m is None:
         if expert_parallel:
             raise ValueError(f"enable_expert_parallel: {model_cfg.architecture} is a dense model "
                              "(no experts to place); drop the flag")
+        return
+    if expert_parallel and ep not in (None, tp):
+        if m.num_experts % ep:
+            raise ValueError(f"expert_parallel_size={ep} must divide num_experts={m.num_experts}")
+        if m.moe_intermediate_size % (tp // ep):
+            raise ValueError(f"moe_intermediate_size={m.moe_intermediate_size} is not divisible by "
+                             f"tensor_parallel_size / expert_parallel_size = {tp // ep}")
         return
     if expert_parallel:
         slots = num_slots or m.num_experts
@@ -91,12 +105,13 @@ def dispatch_all_to_all(x, weights, ids, w_gate, w_up, w_down, valid, n: int):
     return jax.lax.all_gather(y, AXIS, axis=0, tiled=True)
 
 
-def shard_experts(mesh: Mesh, expert_parallel: bool, all_to_all: bool = True):
+def shard_experts(mesh: Mesh, expert_parallel: bool, all_to_all: bool = True, splits: int = 1):
     """`experts_fn(x, weights, ids, w_gate, w_up, w_down, valid)` over the mesh (see module doc).
 
     Expert parallel with `all_to_all` (and a token count the mesh divides) dispatches
     rows with all-to-all (`dispatch_all_to_all`); otherwise every device computes its
-    experts' rows of the whole batch and one psum combines.
+    experts' rows of the whole batch and one psum combines. `splits` > 1: each expert is
+    also split over `splits` devices (weights in `models.moe.split_experts`' layout).
     """
     n = mesh.shape[AXIS]
     if expert_parallel:
@@ -105,9 +120,10 @@ def shard_experts(mesh: Mesh, expert_parallel: bool, all_to_all: bool = True):
         w_specs = (P(None, None, AXIS), P(None, None, AXIS), P(None, AXIS, None))  # by F
 
     def local(x, weights, ids, w_gate, w_up, w_down, valid):
-        if expert_parallel and all_to_all and x.shape[0] % n == 0:
+        if expert_parallel and all_to_all and splits == 1 and x.shape[0] % n == 0:
             return dispatch_all_to_all(x, weights, ids, w_gate, w_up, w_down, valid, n)
-        first = jax.lax.axis_index(AXIS) * w_gate.shape[0] if expert_parallel else 0
+        group = jax.lax.axis_index(AXIS) // splits
+        first = group * w_gate.shape[0] if expert_parallel else 0
         part = experts(x, weights, ids, w_gate, w_up, w_down, valid, first_expert=first)
         return jax.lax.psum(part, AXIS)
 

@@ -37,10 +37,13 @@ class TensorParallel:
 
     def __init__(self, model_cfg: ModelConfig, tp: int, devices: list | None = None,
                  split_axes: dict[str, int] | None = None, expert_parallel: bool = False,
-                 num_expert_slots: int | None = None):
+                 num_expert_slots: int | None = None, expert_parallel_size: int | None = None):
         self.layout: HeadLayout = head_layout(model_cfg, tp)
         self.expert_parallel = expert_parallel
-        check_experts(model_cfg, tp, expert_parallel, num_expert_slots)
+        check_experts(model_cfg, tp, expert_parallel, num_expert_slots, expert_parallel_size)
+        # (groups, splits) when experts are both expert- and tensor-parallel, else None
+        ep = expert_parallel_size or tp
+        self.expert_split = (ep, tp // ep) if expert_parallel and ep != tp else None
         self.split_axes = split_axes or {}
         self.mesh = make_mesh(tp, devices)
         self.tp = tp
@@ -67,7 +70,10 @@ class TensorParallel:
         """Extra constructor arguments of the model class (MoE: the sharded experts)."""
         if self.checkpoint_cfg.moe is None:
             return {}
-        return {"experts_fn": shard_experts(self.mesh, self.expert_parallel)}
+        if self.expert_split is None:
+            return {"experts_fn": shard_experts(self.mesh, self.expert_parallel)}
+        return {"experts_fn": shard_experts(self.mesh, True, splits=self.expert_split[1]),
+                "expert_split": self.expert_split}
 
     def embedding(self) -> Callable[[jax.Array, jax.Array], jax.Array] | None:
         """The vocabulary-parallel lookup, or None where the table is replicated (V % N)."""
@@ -89,6 +95,11 @@ class TensorParallel:
             params = init_random_state(make_unsharded, abstract, self.mesh, self.layout, D,
                                        self.split_axes)
         else:
+            if self.expert_split is not None and "experts" in state:
+                from jaxllm.models.moe import split_experts
+                ex = state["experts"]
+                for name in ("e_gate", "e_up", "e_down"):
+                    ex[name] = np.ascontiguousarray(split_experts(ex[name], name, *self.expert_split, xp=np))
             params = place_state(abstract, state, self.mesh, self.layout, D, self.split_axes)
         return graphdef, params
 
