@@ -236,15 +236,17 @@ def _two_processes_and_one(common: list[str], stderr: list | None = None) -> tup
 
 
 @pytest.mark.slow
-def test_two_processes_expert_parallel_match_one():
+@pytest.mark.parametrize("groups", [[], ["--expert-parallel-size", "2"]], ids=["ep4", "ep2xtp2"])
+def test_two_processes_expert_parallel_match_one(groups):
     """Expert parallelism across processes (issue 15): a tiny MoE (dummy weights drawn on the
     devices) with --enable-expert-parallel over 2 processes x 2 devices, experts split over all
-    four, gives the one-process 4-device ids."""
+    four (or over two groups of two, each expert split by F within its group, one group a
+    process), gives the one-process 4-device ids."""
     leader, follower, ref = _two_processes_and_one(
         ["-m", "jaxllm.cli", "generate", "The capital of France is", "--random-shape", "tiny-moe",
          "--load-format", "dummy", "--json", "--max-tokens", "8", "--dtype", "float32",
          "--max-model-len", "128", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
-         "--tensor-parallel-size", "4", "--enable-expert-parallel", "--temperature", "0"])
+         "--tensor-parallel-size", "4", "--enable-expert-parallel", *groups, "--temperature", "0"])
     assert follower is None
     assert [r["token_ids"] for r in leader] == [r["token_ids"] for r in ref]
     assert len(ref[0]["token_ids"]) == 8 and np.unique(ref[0]["token_ids"]).size > 2
