@@ -183,6 +183,13 @@ def test_auto_choice_by_measurement(monkeypatch, caplog):
     assert calls == [1024, 2048, 8192, 4096, 16384]
     assert "2.00x; Mosaic from 1.15x" in caplog.text and "1.13x" in caplog.text
     assert "measurement failed (RuntimeError: no kernel image)" in caplog.text
+    prefill_choice.measured_choice.cache_clear()
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # several processes: the size rule
+    calls.clear()
+    assert prefill_choice.prefill_kernel(q(2048), kv) == "pallas"
+    assert prefill_choice.prefill_kernel(q(8192), kv) == "mosaic" and calls == []
+    monkeypatch.setattr(jax, "process_count", lambda: 1)
+    prefill_choice.measured_choice.cache_clear()
     monkeypatch.setenv("JAXLLM_MOSAIC_MIN_TOKENS", "256")
     table[256] = {"pallas": 3.0, "mosaic": 1.0}
     assert prefill_choice.prefill_kernel(q(256), kv) == "mosaic"

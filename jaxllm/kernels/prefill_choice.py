@@ -17,7 +17,8 @@ H200 host, 32 per step shape for an 8B model), while one Triton kernel serves ev
 (1x2048 measured 176 vs 156 TFLOP/s, 1.13x: Pallas; 1x8192 494 vs 250: Mosaic;
 docs/benchmarks.md). Buckets under JAXLLM_MOSAIC_MIN_TOKENS tokens (default 1024), where
 attention is a small part of the step, keep the Pallas kernel unmeasured. A measurement that
-fails falls back to the size rule that preceded it (Mosaic from 4,096 tokens).
+fails falls back to the size rule that preceded it (Mosaic from 4,096 tokens), and so do
+several processes (their programs must agree; timings need not).
 
 JAXLLM_PREFILL_KERNEL: "auto" (the probe; the default), "mosaic" or "pallas" (forced).
 "auto" became the default once the kernel passed `scripts/gpu_kernel.sh` on an H200
@@ -202,7 +203,13 @@ def _measure(T: int, num_heads: int, num_kv_heads: int, head_dim: int, page_size
 @functools.lru_cache(maxsize=None)
 def measured_choice(T: int, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                     dtype_name: str) -> tuple[str, str]:
-    """("mosaic" or "pallas", why) for steps of T tokens, by measurement (module docstring)."""
+    """("mosaic" or "pallas", why) for steps of T tokens, by measurement (module docstring).
+
+    Several processes take the size rule instead: each compiles the step on its own, and
+    timings near the margin could pick different kernels in different processes' programs."""
+    if jax.process_count() > 1:
+        return ("mosaic" if T >= FALLBACK_MIN_TOKENS else "pallas",
+                f"several processes: size rule, Mosaic from {FALLBACK_MIN_TOKENS} tokens")
     try:
         times = _measure(T, num_heads, num_kv_heads, head_dim, page_size, dtype_name)
     except Exception as e:  # noqa: BLE001 - no figure: the size rule
