@@ -71,6 +71,18 @@ def run_ep() -> dict:
                 run["collectives"] = collectives(llm.engine.runner, 32, 4)
             name = f"{arch}_tp{tp}{'_ep' if ep is True else f'_ep{ep}' if ep else ''}"
             out[name] = run
+    # The accelerator layout (one array per layer, unrolled) with experts split both ways.
+    from jaxllm.engine.runner import ModelRunner
+    init = ModelRunner.__init__
+    ModelRunner.__init__ = lambda self, *a, **k: init(self, *a, **{**k, "unroll_layers": True})
+    try:
+        _, cfg, sd = make("qwen2_moe")
+        llm = _llm(cfg, sd, tensor_parallel_size=4, enable_expert_parallel=True, expert_parallel_size=2)
+        assert llm.engine.runner.layer_params is not None
+        out["qwen2_moe_tp4_ep2_unrolled"] = {"tokens": [o.outputs[0].token_ids for o in llm.generate(
+            _prompts(cfg["vocab_size"]), greedy, use_tqdm=False)]}
+    finally:
+        ModelRunner.__init__ = init
     return out
 
 

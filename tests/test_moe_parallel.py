@@ -34,7 +34,7 @@ def ep() -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("run", ["qwen2_moe_tp4", "qwen2_moe_tp4_ep", "qwen2_moe_tp2_ep",
                                  "qwen3_moe_mixed_tp4_ep", "qwen2_moe_tp4_ep2",
-                                 "qwen3_moe_mixed_tp4_ep2"])
+                                 "qwen3_moe_mixed_tp4_ep2", "qwen2_moe_tp4_ep2_unrolled"])
 def test_greedy_ids_equal_one_device(ep, run):
     ref = ep[run.split("_tp")[0] + "_tp1"]["tokens"]
     assert len({tuple(t) for t in ref}) > 1
