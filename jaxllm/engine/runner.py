@@ -473,6 +473,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self.channel is not None and not self.channel.is_leader:
             return 0.0
+        if self.platform == "gpu" and self.tp is None:  # quantized linears: paths by measurement
+            from jaxllm.quantization import choice
+            weights = choice.quantized_leaves(self.params, self.layer_params)
+            if weights:
+                choice.measure(weights, list(token_buckets), self.dtype)
         if self.gmm_chooser is not None:
             m = self.model_cfg
             self.gmm_chooser.measure([T * m.moe.top_k for T in token_buckets], m.moe.num_experts,

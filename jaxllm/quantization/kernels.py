@@ -12,9 +12,10 @@ Paths:
         registers, and each scale group's scale applied to its partial product; larger steps
         and layouts it does not take go to "xla". Its tiling: `pallas_tiling`.
 
-`TUNING` names the path per (mode, platform); "xla" everywhere until the H200 run
-(scripts/gpu_quant.sh: `bench_quant.py matmul` times every path side by side) measures the
-alternatives. The CPU always takes "xla" unless a path is asked for (tests).
+On a GPU with one device the path of each decode-sized (layout, rows) is chosen by measurement
+at warm-up (`choice.py`); anything else takes `TUNING`, the path per (mode, platform): "xla"
+everywhere until the H200 run (scripts/gpu_quant.sh: `bench_quant.py matmul` times every path
+side by side) says otherwise. The CPU always takes "xla" unless a path is asked for (tests).
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ def mode_of(w: QArray) -> str:
 
 def matmul(x: jax.Array, w: QArray, path: str | None = None) -> jax.Array:
     platform = jax.default_backend()
-    if path is None:
-        path = "xla" if platform == "cpu" else TUNING.get((mode_of(w), "gpu"), "xla")
+    if path is None and platform != "cpu":
+        from jaxllm.quantization.choice import measured_path
+        path = measured_path(x.shape, w) or TUNING.get((mode_of(w), "gpu"), "xla")
+    path = path or "xla"
     if path == "mgpu":
         return int8_mgpu(x, w)
     if path == "pallas":

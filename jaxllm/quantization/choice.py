@@ -1,0 +1,126 @@
+"""The quantized-matmul path per weight layout and row count, chosen by measurement at warm-up.
+
+On a GPU, one device, the runner's warm-up calls `measure` with the model's quantized linears
+and its token buckets before any step is compiled; the decode-sized ones (up to qmatmul's
+MAX_ROWS) are measured. For each distinct layout
+(kind, activation mode, group, nibble run, K, N) and row count it runs every candidate path of
+`kernels.py` ("xla"; "pallas" where `qmatmul` takes the layout; "mgpu" for per-channel int8 on
+Hopper) on random rows, drops any whose output differs from "xla"'s by more than 2e-2
+(relative), times the rest (median of a few calls) and keeps the fastest. `kernels.matmul`
+then reads the choice at trace time (`measured_path`); a shape never measured (prefill-sized
+buckets, tensor parallelism, CPU) keeps the static `TUNING` table. The choices and the
+figures are logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.quantization.qarray import QArray
+
+log = logging.getLogger("jaxllm")
+_MEASURED: dict[tuple, str] = {}  # layout_key(...) -> path
+TIMINGS: dict[tuple, dict[str, float]] = {}  # the figures behind each choice (tests, logs)
+
+
+def layout_key(x_shape: tuple[int, ...], w: QArray) -> tuple:
+    rows = int(np.prod(x_shape[:-1]))
+    return (w.kind, w.act, w.group if w.kind != "fp8" else 0, w.pack, *w.shape[-2:], rows)
+
+
+def measured_path(x_shape: tuple[int, ...], w: QArray) -> str | None:
+    return _MEASURED.get(layout_key(x_shape, w))
+
+
+def clear() -> None:
+    _MEASURED.clear()
+    TIMINGS.clear()
+
+
+def two_d(w: QArray) -> QArray:
+    """One layer's slice of a stacked QArray ([L, ...] -> the matrix a step multiplies by)."""
+    while w.values.ndim > 2:
+        w = w[0]
+    return w
+
+
+def candidates(x_shape: tuple[int, ...], w: QArray) -> list[str]:
+    from jaxllm.kernels import prefill_choice
+    from jaxllm.quantization.kernels import pallas_tiling
+
+    out = ["xla"]
+    if w.kind in ("int4", "int8") and pallas_tiling(x_shape, w) is not None:
+        out.append("pallas")
+    if w.kind == "int8" and w.group == w.shape[-2] and prefill_choice.is_hopper():
+        out.append("mgpu")
+    return out
+
+
+def time_paths(x: jax.Array, w: QArray, paths: list[str], reps: int = 10) -> dict[str, float]:
+    """Median seconds per call of each path after a checked run ("xla" first: the reference)."""
+    from jaxllm.quantization.kernels import matmul
+
+    ref, times = None, {}
+    for path in paths:
+        try:
+            f = jax.jit(lambda x, w, path=path: matmul(x, w, path))
+            out = np.asarray(jax.block_until_ready(f(x, w)), np.float32)
+            if ref is None:
+                ref = out
+            err = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+            if not np.isfinite(out).all() or err > 2e-2:
+                log.warning("quantized matmul %s %s: wrong result (rel err %.3g), not used",
+                            path, layout_key(x.shape, w), err)
+                continue
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(x, w))
+                ts.append(time.perf_counter() - t0)
+            times[path] = statistics.median(ts)
+        except Exception as e:  # noqa: BLE001 - a path that fails is never chosen
+            log.info("quantized matmul %s %s failed: %s", path, layout_key(x.shape, w), str(e)[:200])
+    return times
+
+
+def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 10) -> dict[tuple, str]:
+    """Choose a path for each distinct layout of `weights` at each row count (module docstring)."""
+    seen: dict[tuple, QArray] = {}
+    for w in weights:
+        w = two_d(w)
+        seen.setdefault(layout_key((1, w.shape[-2]), w)[:-1], w)
+    key = jax.random.key(0)
+    from jaxllm.kernels.qmatmul import MAX_ROWS
+    for w in seen.values():
+        for M in sorted(r for r in set(rows) if r <= MAX_ROWS):  # decode-sized buckets
+            x = jax.random.normal(key, (M, w.shape[-2]), jnp.float32).astype(dtype)
+            paths = candidates(x.shape, w)
+            if len(paths) == 1:
+                continue
+            times = time_paths(x, w, paths, reps)
+            if times:
+                k = layout_key(x.shape, w)
+                _MEASURED[k] = min(times, key=times.get)
+                TIMINGS[k] = times
+    if TIMINGS:
+        log.info("quantized matmuls by measurement ((kind, act, group, pack, K, N, rows) -> path): %s",
+                 {k: f"{_MEASURED[k]} " + ", ".join(f"{p} {t * 1e6:.1f}us" for p, t in v.items())
+                  for k, v in TIMINGS.items()})
+    return dict(_MEASURED)
+
+
+def quantized_leaves(*trees) -> list[QArray]:
+    """Every QArray in the given pytrees (params, per-layer params)."""
+    out = []
+    for tree in trees:
+        if tree is None:
+            continue
+        out += [x for x in jax.tree.leaves(tree, is_leaf=lambda a: isinstance(a, QArray))
+                if isinstance(x, QArray)]
+    return out

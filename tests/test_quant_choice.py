@@ -1,0 +1,85 @@
+"""Quantized-matmul paths chosen by measurement (quantization/choice.py): the candidates per
+layout, the check that keeps a wrong path out, the lookup `kernels.matmul` makes, and the
+runner's warm-up hook (exercised here on the CPU, where the engine itself never measures)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.quantization import choice, kernels
+from jaxllm.quantization.quantize import quantize_fp8, quantize_int4, quantize_int8
+
+
+@pytest.fixture(autouse=True)
+def _clean():
+    choice.clear()
+    yield
+    choice.clear()
+
+
+def _w(kind: str, K: int = 256, N: int = 128, layers: int = 0):
+    rng = np.random.default_rng(0)
+    w = (rng.standard_normal((layers, K, N) if layers else (K, N)) * 0.05).astype(np.float32)
+    q = {"int4": lambda: quantize_int4(w, search=False), "int8": lambda: quantize_int8(w),
+         "fp8": lambda: quantize_fp8(w, search=1)}[kind]()
+    return jax.tree.map(jnp.asarray, q)
+
+
+def test_candidates_per_layout():
+    assert choice.candidates((4, 256), _w("int4")) == ["xla", "pallas"]
+    assert choice.candidates((4, 256), _w("int8")) == ["xla", "pallas"]  # "mgpu": Hopper only
+    assert choice.candidates((128, 256), _w("int4")) == ["xla"]  # beyond the kernel's rows
+    assert choice.candidates((4, 256), _w("fp8")) == ["xla"]
+
+
+def test_measure_keeps_a_checked_fastest_path_and_matmul_reads_it(monkeypatch):
+    stacked = _w("int4", layers=3)  # as the scan layout holds it: one layer's slice is measured
+    times = {"xla": 2e-3, "pallas": 1e-3}
+    real = choice.time_paths
+    monkeypatch.setattr(choice, "time_paths", lambda x, w, paths, reps=10: {
+        p: times[p] for p in real(x, w, paths, reps=1)})  # the real check, fake clocks
+    got = choice.measure([stacked, stacked[1]], [1, 4, 512], jnp.float32)
+    key4 = choice.layout_key((4, 256), choice.two_d(stacked))
+    assert got == {choice.layout_key((1, 256), choice.two_d(stacked)): "pallas", key4: "pallas"}
+    assert choice.measured_path((2, 2, 256), choice.two_d(stacked)) == "pallas"  # rows = 4
+    assert choice.measured_path((512, 256), choice.two_d(stacked)) is None  # prefill-sized: TUNING
+    times["pallas"] = 3e-3
+    choice.clear()
+    choice.measure([stacked], [4], jnp.float32)
+    assert choice.measured_path((4, 256), choice.two_d(stacked)) == "xla"
+
+
+def test_a_wrong_path_is_never_chosen(monkeypatch, caplog):
+    import logging
+    w = _w("int8")
+    plain = kernels.matmul
+    monkeypatch.setattr(kernels, "matmul", lambda x, w, path=None: plain(x, w, path) * (
+        1.5 if path == "pallas" else 1.0))
+    with caplog.at_level(logging.WARNING, logger="jaxllm"):
+        times = choice.time_paths(jnp.ones((4, 256)), w, ["xla", "pallas"], reps=1)
+    assert set(times) == {"xla"} and "pallas" in caplog.text and "wrong result" in caplog.text
+
+
+def test_matmul_on_gpu_takes_the_measured_path(monkeypatch):
+    w = _w("int4")
+    choice._MEASURED[choice.layout_key((4, 256), w)] = "pallas"
+    seen = []
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(kernels.qmatmul, "qmatmul", lambda x, w, t: seen.append(t) or x[..., :w.shape[1]])
+    kernels.matmul(jnp.ones((4, 256)), w)
+    assert len(seen) == 1  # the measured path, not TUNING's "xla"
+    kernels.matmul(jnp.ones((8, 256)), w)  # unmeasured rows: TUNING
+    assert len(seen) == 1
+
+
+def test_quantized_leaves_of_an_engine():
+    from hf_tiny import make, make_llm
+
+    _, cfg, sd = make("llama3", seed=3)
+    llm = make_llm((cfg, sd), quantization="int8", skip_warmup=True)
+    r = llm.engine.runner
+    leaves = choice.quantized_leaves(r.params, r.layer_params)
+    assert len(leaves) == 7 and all(choice.two_d(q).values.ndim == 2 for q in leaves)
