@@ -14,20 +14,26 @@ set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 show() { tail -n "$1"; }  # whole logs stay in $OUT (nothing filtered)
+PARTS=" ${QUANT_PARTS:-1 2 3} "  # which parts to run (QUANT_PARTS="1" or "3", ...)
+want() { [[ "$PARTS" == *" $1 "* ]]; }
 
+if want 1; then
 echo "== 1. matmul"
 timeout ${T_MATMUL:-200} python3 scripts/bench_quant.py matmul --json "$OUT/quant_matmul.json" \
   > "$OUT/quant_matmul.log" 2>&1; echo "rc=$?"; sed -n '/^summary/,$p' "$OUT/quant_matmul.log" | show 80
 grep -i -e error -e Traceback "$OUT/quant_matmul.log" | head -5
 
+fi
+if want 2; then
 echo "== 2. decode attention B64 ctx 2048"
 timeout ${T_ATTN:-35} python3 scripts/bench_quant.py attention --batch 64 --ctx 2048 \
   --json "$OUT/quant_attention.json" > "$OUT/quant_attention.log" 2>&1; echo "rc=$?"
 sed -n '/^summary/,$p' "$OUT/quant_attention.log" | show 10
 grep -i -e error -e Traceback "$OUT/quant_attention.log" | head -5
 
+fi
 LAT="scripts/bench_latency.py --random-shape llama3-8b --input-len 2048 --num-iters 10 --max-num-batched-tokens 64"
-for q in none fp8 int4; do
+for q in $(want 3 && echo none fp8 int4); do
   echo "== 3. decode step batch 1, weights $q"
   flag=""; [ "$q" != none ] && flag="--quantization $q"
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout ${T_LAT:-45} python3 $LAT --batch-size 1 $flag \
