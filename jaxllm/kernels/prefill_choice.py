@@ -32,9 +32,7 @@ import concurrent.futures
 import functools
 import logging
 import os
-import statistics
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -157,24 +155,8 @@ def prompt_case(T: int, num_heads: int, num_kv_heads: int, head_dim: int, page_s
 def time_kernels(fns: dict, q, kv, md, reps: int = 5) -> dict[str, float]:
     """Median seconds per call of each fn(q, kv, md) after one checked run: every output must
     be finite and within 2e-2 (relative) of the first fn's, else that fn is left out."""
-    first, times = None, {}
-    for name, fn in fns.items():
-        f = jax.jit(fn)
-        out = np.asarray(jax.block_until_ready(f(q, kv, md)), np.float32)
-        if first is None:
-            first = out
-        err = float(np.linalg.norm(out - first) / max(np.linalg.norm(first), 1e-30))
-        if not np.isfinite(out).all() or err > 2e-2:
-            log.warning("prefill kernel %s: wrong result at T=%d (rel err %.3g), not timed",
-                        name, q.shape[0], err)
-            continue
-        ts = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(q, kv, md))
-            ts.append(time.perf_counter() - t0)
-        times[name] = statistics.median(ts)
-    return times
+    from jaxllm.kernels.timing import time_checked
+    return time_checked(fns, (q, kv, md), reps, "prefill kernel", f" at T={q.shape[0]}")
 
 
 _measure_lock = threading.Lock()  # warm-up traces buckets on a thread pool: time one at a time

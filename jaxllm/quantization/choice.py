@@ -15,13 +15,13 @@ figures are logged.
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.kernels.qmatmul import MAX_ROWS
+from jaxllm.kernels.timing import time_checked
 from jaxllm.quantization.qarray import QArray
 
 log = logging.getLogger("jaxllm")
@@ -66,27 +66,8 @@ def time_paths(x: jax.Array, w: QArray, paths: list[str], reps: int = 10) -> dic
     """Median seconds per call of each path after a checked run ("xla" first: the reference)."""
     from jaxllm.quantization.kernels import matmul
 
-    ref, times = None, {}
-    for path in paths:
-        try:
-            f = jax.jit(lambda x, w, path=path: matmul(x, w, path))
-            out = np.asarray(jax.block_until_ready(f(x, w)), np.float32)
-            if ref is None:
-                ref = out
-            err = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
-            if not np.isfinite(out).all() or err > 2e-2:
-                log.warning("quantized matmul %s %s: wrong result (rel err %.3g), not used",
-                            path, layout_key(x.shape, w), err)
-                continue
-            ts = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(x, w))
-                ts.append(time.perf_counter() - t0)
-            times[path] = statistics.median(ts)
-        except Exception as e:  # noqa: BLE001 - a path that fails is never chosen
-            log.info("quantized matmul %s %s failed: %s", path, layout_key(x.shape, w), str(e)[:200])
-    return times
+    fns = {p: (lambda x, w, p=p: matmul(x, w, p)) for p in paths}
+    return time_checked(fns, (x, w), reps, "quantized matmul", f" {layout_key(x.shape, w)}", catch=True)
 
 
 def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 10) -> dict[tuple, str]:
@@ -96,7 +77,6 @@ def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 10) -> di
         w = two_d(w)
         seen.setdefault(layout_key((1, w.shape[-2]), w)[:-1], w)
     key = jax.random.key(0)
-    from jaxllm.kernels.qmatmul import MAX_ROWS
     for w in seen.values():
         for M in sorted(r for r in set(rows) if r <= MAX_ROWS):  # decode-sized buckets
             x = jax.random.normal(key, (M, w.shape[-2]), jnp.float32).astype(dtype)
