@@ -40,6 +40,8 @@ The bfloat16 scale is read back with integer ops and one same-width bitcast
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -158,6 +160,7 @@ def decode(rows: jax.Array, head_dim: int, out_dtype=jnp.float32) -> jax.Array:
 ROTATED_FORMATS = ("int4",)  # page formats whose rows hold K and V rotated by `rotation`
 
 
+@functools.lru_cache(maxsize=None)
 def rotation(head_dim: int, seed: int = 0) -> np.ndarray:
     """A fixed orthonormal R [D, D] float32: a Hadamard matrix with random column signs (scaled by
     D^-1/2) when D is a power of two, else the Q of a random Gaussian matrix's QR. Fixed by the
