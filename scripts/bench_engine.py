@@ -227,6 +227,9 @@ def run_hf(args) -> dict:
 
 
 def main() -> None:
+    from jaxllm.cli import setup_logging
+
+    setup_logging()  # the engine's start-up lines (kernel choices) in the log
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--random-shape", default="llama3-8b")
     p.add_argument("--peer", choices=["none", "hf"], default="none", help="hf: run HF transformers instead")

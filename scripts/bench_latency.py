@@ -120,6 +120,9 @@ def hf_decode(cfg: dict, batch: int, ctx: int, new_tokens: tuple[int, int] = (8,
 
 
 def main() -> None:
+    from jaxllm.cli import setup_logging
+
+    setup_logging()  # the engine's start-up lines (kernel choices) in the log
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
     p.add_argument("--random-shape", default="llama3-8b", help="used when --model is not given")

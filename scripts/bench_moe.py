@@ -333,6 +333,9 @@ def prefill_bench(args) -> dict:
 
 
 def main() -> None:
+    from jaxllm.cli import setup_logging
+
+    setup_logging()  # the engine's start-up lines (kernel choices) in the log
     p = argparse.ArgumentParser()
     p.add_argument("what", choices=["gmm", "decode", "prefill"])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 512, 8192])

@@ -243,6 +243,9 @@ def bench_attention(batch: int, ctx: int, C: float) -> list[dict]:
 
 
 def main() -> None:
+    from jaxllm.cli import setup_logging
+
+    setup_logging()  # the engine's start-up lines (kernel choices) in the log
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("what", choices=["matmul", "attention"])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 8192])

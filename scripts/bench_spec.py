@@ -205,6 +205,9 @@ def run_step(llm, args) -> list[dict]:
 
 
 def main() -> None:
+    from jaxllm.cli import setup_logging
+
+    setup_logging()  # the engine's start-up lines (kernel choices) in the log
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["e2e", "step"])
     p.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")

@@ -190,6 +190,9 @@ WORKLOAD = ("random_shape", "model", "num_prompts", "random_input_len", "random_
 
 
 def main() -> None:
+    from jaxllm.cli import setup_logging
+
+    setup_logging()  # the engine's start-up lines (kernel choices) in the log
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=None)
     p.add_argument("--random-shape", default=None, help="random weights of a known shape, e.g. llama3-8b")

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The GPU calls planned in session 18, in priority order, each under the device's 10-minute
+# limit (parts have their own timeouts). `.whl/` carries the gguf wheel the image lacks.
+#   a (~8 min): issue 14 -- TTFT 2k/8k/32k and prefill throughput with the prefill kernel chosen
+#     per bucket by measurement (gpu_ttft.sh; the log's "prefill/mixed attention" lines, now
+#     that the bench scripts set up logging); then issue 18 -- the batch-32 verification step
+#     again (160-row and 256-token buckets)
+#   b (~9 min): issue 15 -- scripts/gpu_moe.sh (grouped matmul, decode, prefill, offline vs HF)
+#   c (~8 min): issue 17 -- qmatmul tilings swept (bench_quant.py matmul --all-tilings) and the
+#     decode step with int4 / fp8 weights, the measured path per layout in the log
+#   d (~5 min): issue 16 -- structured outputs through the server (gpu_structured_serving.sh)
+set -u
+cd "$(dirname "$0")/.."
+case "${1:-}" in
+  a) T1=${T1:-230} bash scripts/gpu_ttft.sh
+     PARTS="step_b32 step_b32_t256" bash scripts/gpu_spec.sh ;;
+  b) bash scripts/gpu_moe.sh ;;
+  c) QUANT_PARTS="${QUANT_PARTS:-1 3}" bash scripts/gpu_quant.sh ;;
+  d) bash scripts/gpu_structured_serving.sh ;;
+  *) echo "usage: $0 a|b|c|d" >&2; exit 2 ;;
+esac
