@@ -87,9 +87,9 @@ def time_fn(call, inner: int = 10, groups: int = 7) -> float:
     return float(np.median(ts))
 
 
-def gpu_time(call, calls: int = 5) -> float:
-    """Seconds of GPU kernel time per call (sum of kernel durations from a jax.profiler
-    trace): the device cost without host launch/dispatch gaps."""
+def gpu_kernels(call, calls: int = 5) -> dict[str, float]:
+    """Seconds of GPU time per call of each kernel name (from a jax.profiler trace; memcpys
+    left out): the device cost without host launch/dispatch gaps, split by kernel."""
     import glob
     import tempfile
     jax.block_until_ready(call())
@@ -98,15 +98,23 @@ def gpu_time(call, calls: int = 5) -> float:
     jax.block_until_ready([call() for _ in range(calls)])
     jax.profiler.stop_trace()
     data = jax.profiler.ProfileData.from_file(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-    busy = 0
+    per: dict[str, float] = {}
     for plane in data.planes:
         if plane.name.startswith("/device:GPU:0"):
             for line in plane.lines:
                 if "Stream" in line.name:
-                    busy += sum(e.duration_ns for e in line.events if "emcpy" not in e.name)
-    if not busy:
+                    for e in line.events:
+                        if "emcpy" not in e.name:
+                            per[e.name] = per.get(e.name, 0.0) + e.duration_ns * 1e-9 / calls
+    if not per:
         raise RuntimeError(f"no GPU kernel events in planes {[p.name for p in data.planes]}")
-    return busy * 1e-9 / calls
+    return per
+
+
+def gpu_time(call, calls: int = 5) -> float:
+    """Seconds of GPU kernel time per call (sum of kernel durations from a jax.profiler
+    trace): the device cost without host launch/dispatch gaps."""
+    return sum(gpu_kernels(call, calls).values())
 
 
 MAX_LAYERS = 16

@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_kernels import copy_bandwidth, decode_case, gpu_time, rel_err  # noqa: E402
+from bench_kernels import copy_bandwidth, decode_case, gpu_kernels, gpu_time, rel_err  # noqa: E402
 
 from jaxllm.kernels import kv_quant, qmatmul  # noqa: E402
 from jaxllm.quantization.kernels import fp8_w8a8, int8_mgpu, matmul, pallas_tiling  # noqa: E402
@@ -57,14 +57,14 @@ def record(row: dict) -> None:
             json.dump({"C": SINK.get("C"), "rows": SINK["rows"]}, f, indent=1)
 
 
-def cycle_time(fn, xs, ws) -> float:
-    """Kernel seconds per call, cycling weight copies (so the L2 never holds W)."""
+def cycle_kernels(fn, xs, ws) -> dict[str, float]:
+    """Kernel seconds per call by kernel name, cycling weight copies (so the L2 never holds W)."""
     it = [0]
 
     def call():
         it[0] += 1
         return fn(xs, ws[it[0] % len(ws)])
-    return gpu_time(call, calls=len(ws))
+    return gpu_kernels(call, calls=len(ws))
 
 
 def torch_time(fn, reps: int = 60) -> float:
@@ -85,7 +85,8 @@ def qbytes(q) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(q))
 
 
-def bench_matmul(tokens: list[int], C: float) -> list[dict]:
+def bench_matmul(tokens: list[int], C: float, tilings: str = "engine", modes=("fp8", "int8", "int4"),
+                 peers: bool = True) -> list[dict]:
     rows = []
     key = jax.random.key(0)
     for name, (K, N) in SHAPES.items():
@@ -93,6 +94,8 @@ def bench_matmul(tokens: list[int], C: float) -> list[dict]:
               for i in range(COPIES)]
         quant = {}
         for mode, qf in (("fp8", quantize_fp8), ("int8", quantize_int8), ("int4", quantize_int4)):
+            if mode not in modes:
+                continue
             try:
                 quant[mode] = [jax.jit(lambda w, qf=qf: qf(w, jnp))(w) for w in ws]
             except Exception as e:  # noqa: BLE001
@@ -115,7 +118,8 @@ def bench_matmul(tokens: list[int], C: float) -> list[dict]:
                 if mode not in quant:
                     continue
                 picked = pallas_tiling(x.shape, quant[mode][0])
-                for t in dict.fromkeys(t for t in (picked, qmatmul.TILINGS[0]) if t is not None):
+                swept = qmatmul.TILINGS if tilings == "all" else (picked, qmatmul.TILINGS[0])
+                for t in dict.fromkeys(t for t in swept if t is not None):
                     if qmatmul.unsupported(x.shape, quant[mode][0], t) is None:
                         paths[f"{mode}_w{mode[3:]}a16_pallas_{t.name}"] = (
                             lambda x, w, t=t: qmatmul.qmatmul(x, w, t), quant[mode], qbytes(quant[mode][0]))
@@ -135,7 +139,12 @@ def bench_matmul(tokens: list[int], C: float) -> list[dict]:
                         hlo = f.lower(x, wl[0]).compile().as_text()
                         row["fp8_gemm_in_hlo"] = "f8e4m3" in hlo and ("cublas" in hlo.lower() or "gemm" in hlo.lower())
                         row["transpose_in_hlo"] = " transpose(" in hlo
-                    t = cycle_time(f, x, wl)
+                    per = cycle_kernels(f, x, wl)
+                    t = sum(per.values())
+                    if "pallas" in path:  # the kernel itself vs the XLA ops around it (pad, sum)
+                        row["kernel_s"] = sum(v for k, v in per.items() if "qmatmul" in k)
+                        row["other_kernels"] = {k[:60]: round(v * 1e6, 2) for k, v in per.items()
+                                                if "qmatmul" not in k}
                     floor = (wbytes + act) / HBM
                     row.update(seconds=t, x_floor_4_25=t / floor, x_floor_C=t / ((wbytes + act) / C),
                                tflops=flops / t / 1e12)
@@ -143,7 +152,8 @@ def bench_matmul(tokens: list[int], C: float) -> list[dict]:
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 rows.append(row)
                 record(row)
-            rows += torch_peers(name, K, N, M, C)
+            if peers:
+                rows += torch_peers(name, K, N, M, C)
     return rows
 
 
@@ -252,11 +262,19 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--json", default=None)
+    p.add_argument("--tilings", choices=["engine", "all"], default="engine",
+                   help="matmul: jaxllm's Pallas kernel in the engine's tiling and the first, or every tiling")
+    p.add_argument("--modes", nargs="+", default=["fp8", "int8", "int4"], help="matmul: weight formats")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), help="matmul: which Llama-3-8B linears")
+    p.add_argument("--no-peers", action="store_true", help="matmul: leave out the torch peers")
     a = p.parse_args()
     C = copy_bandwidth(2.0)["C"]
     SINK.update(path=a.json, C=C)
     print(f"C = {C / 1e12:.2f} TB/s", flush=True)
-    rows = bench_matmul(a.tokens, C) if a.what == "matmul" else bench_attention(a.batch, a.ctx, C)
+    for name in [n for n in SHAPES if n not in a.shapes]:
+        del SHAPES[name]
+    rows = (bench_matmul(a.tokens, C, a.tilings, a.modes, not a.no_peers) if a.what == "matmul"
+            else bench_attention(a.batch, a.ctx, C))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"C": C, "rows": rows}, f, indent=1)
@@ -266,9 +284,10 @@ def main() -> None:
             print(f"  {r.get('shape', r.get('kv'))} {r.get('tokens', '')} {r.get('path', r.get('kernel'))}: "
                   f"ERROR {r['error'][:120]}")
         elif a.what == "matmul":
-            print(f"  {r['shape']:>8} M={r['tokens']:<5} {r['path']:<20} {r['seconds'] * 1e6:9.1f} us "
+            kern = f" kernel {r['kernel_s'] * 1e6:.1f} us" if "kernel_s" in r else ""
+            print(f"  {r['shape']:>8} M={r['tokens']:<5} {r['path']:<34} {r['seconds'] * 1e6:9.1f} us "
                   f"{r['x_floor_4_25']:6.2f}x floor(4.25) {r['x_floor_C']:6.2f}x floor(C) "
-                  f"{r['tflops']:7.1f} TFLOP/s")
+                  f"{r['tflops']:7.1f} TFLOP/s{kern}")
         else:
             print(f"  kv={r['kv']:<5} {r['kernel']:<7} {r['seconds'] * 1e6:8.1f} us  "
                   f"{r['x_floor_C']:5.2f}x floor  {r.get('x_bf16_mosaic', float('nan')):5.2f}x bf16 mosaic  "

@@ -19,7 +19,7 @@ want() { [[ "$PARTS" == *" $1 "* ]]; }
 
 if want 1; then
 echo "== 1. matmul"
-timeout ${T_MATMUL:-200} python3 scripts/bench_quant.py matmul --json "$OUT/quant_matmul.json" \
+timeout ${T_MATMUL:-200} python3 scripts/bench_quant.py matmul ${MATMUL_FLAGS:-} --json "$OUT/quant_matmul.json" \
   > "$OUT/quant_matmul.log" 2>&1; echo "rc=$?"; sed -n '/^summary/,$p' "$OUT/quant_matmul.log" | show 80
 grep -i -e error -e Traceback "$OUT/quant_matmul.log" | head -5
 

@@ -6,7 +6,7 @@
 #     that the bench scripts set up logging); then issue 18 -- the batch-32 verification step
 #     again (160-row and 256-token buckets)
 #   b (~9 min): issue 15 -- scripts/gpu_moe.sh (grouped matmul, decode, prefill, offline vs HF)
-#   c (~8 min): issue 17 -- qmatmul tilings swept (bench_quant.py matmul --all-tilings) and the
+#   c (~8 min): issue 17 -- qmatmul tilings swept (bench_quant.py matmul --tilings all, kernel time apart from the XLA ops around it) and the
 #     decode step with int4 / fp8 weights, the measured path per layout in the log
 #   d (~5 min): issue 16 -- structured outputs through the server (gpu_structured_serving.sh)
 set -u
@@ -15,7 +15,8 @@ case "${1:-}" in
   a) T1=${T1:-230} bash scripts/gpu_ttft.sh
      PARTS="step_b32 step_b32_t256" bash scripts/gpu_spec.sh ;;
   b) bash scripts/gpu_moe.sh ;;
-  c) QUANT_PARTS="${QUANT_PARTS:-1 3}" bash scripts/gpu_quant.sh ;;
+  c) MATMUL_FLAGS="${MATMUL_FLAGS:---tilings all --tokens 1 64 --modes int8 int4 --no-peers}" \
+     T_MATMUL=${T_MATMUL:-280} QUANT_PARTS="${QUANT_PARTS:-1 3}" T_LAT=${T_LAT:-90} bash scripts/gpu_quant.sh ;;
   d) bash scripts/gpu_structured_serving.sh ;;
   *) echo "usage: $0 a|b|c|d" >&2; exit 2 ;;
 esac

@@ -29,24 +29,45 @@ def _w(kind: str, K: int = 256, N: int = 128, layers: int = 0):
 
 
 def test_candidates_per_layout():
-    assert choice.candidates((4, 256), _w("int4")) == ["xla", "pallas"]
-    assert choice.candidates((4, 256), _w("int8")) == ["xla", "pallas"]  # "mgpu": Hopper only
+    from jaxllm.kernels import qmatmul
+
+    w4 = _w("int4", K=1024, N=256)
+    int4 = choice.candidates((4, 1024), w4)
+    fits = [t.name for t in qmatmul.TILINGS if qmatmul.unsupported((4, 1024), w4, t) is None]
+    assert int4 == ["xla"] + [f"pallas/{n}" for n in fits] and len(fits) >= 5
+    assert "pallas/q_64k8" in int4
+    assert "pallas/q_64k8" not in choice.candidates((4, 512), _w("int4", K=512, N=256))  # 4 runs
+    assert choice.candidates((4, 1024), w4, ["q_64k1"]) == ["xla"]  # not a shipped tiling
+    assert choice.candidates((4, 1024), w4, [fits[1]]) == ["xla", f"pallas/{fits[1]}"]
+    int8 = choice.candidates((4, 256), _w("int8"))  # "mgpu": Hopper only
+    assert int8[0] == "xla" and len(int8) > 3 and all(p.startswith("pallas/") for p in int8[1:])
     assert choice.candidates((128, 256), _w("int4")) == ["xla"]  # beyond the kernel's rows
     assert choice.candidates((4, 256), _w("fp8")) == ["xla"]
 
 
 def test_measure_keeps_a_checked_fastest_path_and_matmul_reads_it(monkeypatch):
     stacked = _w("int4", layers=3)  # as the scan layout holds it: one layer's slice is measured
-    times = {"xla": 2e-3, "pallas": 1e-3}
-    real = choice.time_paths
-    monkeypatch.setattr(choice, "time_paths", lambda x, w, paths, reps=10: {
-        p: times[p] for p in real(x, w, paths, reps=1)})  # the real check, fake clocks
+    times = {"xla": 2e-3}
+    seen = []
+
+    def fake(x, w, paths, reps=10):  # the real check, fake clocks: the last tiling is fastest
+        checked = choice.__dict__["_real_time_paths"](x, w, paths, reps=1)
+        seen.append((x.shape[0], list(paths)))
+        tiled = [p for p in paths if p.startswith("pallas/")]
+        return {p: times.get(p, 1.5e-3 if p != tiled[-1] else 1e-3) for p in checked}
+
+    monkeypatch.setitem(choice.__dict__, "_real_time_paths", choice.time_paths)
+    monkeypatch.setattr(choice, "time_paths", fake)
     got = choice.measure([stacked, stacked[1]], [1, 4, 512], jnp.float32)
+    (m1, all_paths), (m4, few) = seen  # one layout (both leaves), the decode-sized rows only
+    assert (m1, m4) == (1, 4) and len(all_paths) >= 3
+    assert few == ["xla", all_paths[-1]]  # at 4 rows only the tiling fastest at 1 row
+    key1 = choice.layout_key((1, 256), choice.two_d(stacked))
     key4 = choice.layout_key((4, 256), choice.two_d(stacked))
-    assert got == {choice.layout_key((1, 256), choice.two_d(stacked)): "pallas", key4: "pallas"}
-    assert choice.measured_path((2, 2, 256), choice.two_d(stacked)) == "pallas"  # rows = 4
+    assert got == {key1: all_paths[-1], key4: all_paths[-1]}
+    assert choice.measured_path((2, 2, 256), choice.two_d(stacked)) == all_paths[-1]  # rows = 4
     assert choice.measured_path((512, 256), choice.two_d(stacked)) is None  # prefill-sized: TUNING
-    times["pallas"] = 3e-3
+    times["xla"] = 1e-4
     choice.clear()
     choice.measure([stacked], [4], jnp.float32)
     assert choice.measured_path((4, 256), choice.two_d(stacked)) == "xla"
@@ -57,20 +78,21 @@ def test_a_wrong_path_is_never_chosen(monkeypatch, caplog):
     w = _w("int8")
     plain = kernels.matmul
     monkeypatch.setattr(kernels, "matmul", lambda x, w, path=None: plain(x, w, path) * (
-        1.5 if path == "pallas" else 1.0))
+        1.5 if path == "pallas/q_128k1" else 1.0))
     with caplog.at_level(logging.WARNING, logger="jaxllm"):
-        times = choice.time_paths(jnp.ones((4, 256)), w, ["xla", "pallas"], reps=1)
-    assert set(times) == {"xla"} and "pallas" in caplog.text and "wrong result" in caplog.text
+        times = choice.time_paths(jnp.ones((4, 256)), w, ["xla", "pallas/q_128k1", "pallas/q_64k4"], reps=1)
+    assert set(times) == {"xla", "pallas/q_64k4"}
+    assert "pallas/q_128k1" in caplog.text and "wrong result" in caplog.text
 
 
 def test_matmul_on_gpu_takes_the_measured_path(monkeypatch):
     w = _w("int4")
-    choice._MEASURED[choice.layout_key((4, 256), w)] = "pallas"
+    choice._MEASURED[choice.layout_key((4, 256), w)] = "pallas/q_32k1u2w2"
     seen = []
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(kernels.qmatmul, "qmatmul", lambda x, w, t: seen.append(t) or x[..., :w.shape[1]])
     kernels.matmul(jnp.ones((4, 256)), w)
-    assert len(seen) == 1  # the measured path, not TUNING's "xla"
+    assert [t.name for t in seen] == ["q_32k1u2w2"]  # the measured path and tiling, not TUNING's "xla"
     kernels.matmul(jnp.ones((8, 256)), w)  # unmeasured rows: TUNING
     assert len(seen) == 1
 

@@ -46,24 +46,37 @@ class Tiling:
     k_splits: int = 1  # CTAs along K per strip (float32 partials summed by XLA)
     num_warps: int = 4
     num_stages: int = 3
+    unroll: int = 1  # runs per loop iteration, their loads issued before any of their dots
 
     @property
     def name(self) -> str:
-        return f"q_{self.block_n}k{self.k_splits}"
+        extra = (f"u{self.unroll}" if self.unroll > 1 else "") + (
+            f"w{self.num_warps}" if self.num_warps != 4 else "") + (
+            f"s{self.num_stages}" if self.num_stages != 3 else "")
+        return f"q_{self.block_n}k{self.k_splits}{extra}"
 
 
-TILINGS = (Tiling(128, 1), Tiling(64, 4), Tiling(128, 4), Tiling(64, 8))
+# The shipped tilings (measured per layout at warm-up, `quantization/choice.py`). The first
+# four are session 17's; the rest, after its H200 run (int8 at 3.4-4x its floor, int4 6.6x+,
+# the loop latency-bound): more loads in flight per CTA (`unroll`), narrow strips that need no
+# K split (one kernel, no float32 partials to sum), 8 warps.
+TILINGS = (Tiling(128, 1), Tiling(64, 4), Tiling(128, 4), Tiling(64, 8),
+           Tiling(128, 1, unroll=4), Tiling(64, 4, unroll=2), Tiling(32, 1, unroll=4),
+           Tiling(32, 1, unroll=2, num_warps=2), Tiling(256, 1, unroll=2, num_warps=8),
+           Tiling(128, 2, unroll=2, num_warps=8))
+BY_NAME = {t.name: t for t in TILINGS}
 
 
-def run_rows(w: QArray, k_splits: int = 1) -> int:
+def run_rows(w: QArray, k_splits: int = 1, unroll: int = 1) -> int:
     """Rows of K per run of the kernel's loop: an int4 nibble run p, an int8 group, or for
-    per-channel int8 the largest power of two <= BLOCK_K that tiles each K split."""
+    per-channel int8 the largest power of two <= BLOCK_K / unroll that tiles each K split (so
+    an iteration's loads stay BLOCK_K rows: unrolling splits them, it does not add to them)."""
     K = w.shape[-2]
     if w.kind == "int4":
         return w.pack or w.group
     if w.group != K:
         return w.group
-    r = BLOCK_K
+    r = max(16, BLOCK_K // unroll)
     while r > 16 and K % (r * k_splits):
         r //= 2
     return r
@@ -81,7 +94,7 @@ def unsupported(x_shape: tuple[int, ...], w: QArray, t: Tiling) -> str | None:
         return f"{rows} rows (decode-sized steps only, <= {MAX_ROWS})"
     if N % t.block_n:
         return f"N={N} is not a multiple of block_n={t.block_n}"
-    r, g = run_rows(w, t.k_splits), w.group
+    r, g = run_rows(w, t.k_splits, t.unroll), w.group
     half = r // 2 if w.kind == "int4" else r
     if half < 16 or half & (half - 1):
         return f"runs of {half} rows (the dot needs a power of two >= 16)"
@@ -91,6 +104,8 @@ def unsupported(x_shape: tuple[int, ...], w: QArray, t: Tiling) -> str | None:
         return f"int8 groups of {g} rows"
     if K % (r * t.k_splits):
         return f"K={K} is not a multiple of {r} x k_splits={t.k_splits}"
+    if (K // (r * t.k_splits)) % t.unroll:
+        return f"{K // (r * t.k_splits)} runs per K split do not divide by unroll={t.unroll}"
     return None
 
 
@@ -108,19 +123,25 @@ def _kernel(x_ref, v_ref, s_ref, *refs, kind: str, run: int, group: int, runs: i
             acc += jnp.sum(xs.astype(jnp.float32), axis=1, keepdims=True) * o_ref[pl.ds(row, 1), cols]
         return acc
 
-    def step(i, acc):
-        u = ks * runs + i  # run index along K
+    def load(u):
+        """Run u's operands: (x columns, weight tile(s), scale rows) -- one tuple per dot."""
         k0 = u * run
         if kind == "int4":
             packed = v_ref[pl.ds(u * half, half), cols]  # uint8 [p/2, BN]
-            acc += part(x_ref[:, pl.ds(k0, half)], packed & 15, k0 // group)
-            acc += part(x_ref[:, pl.ds(k0 + half, half)], packed >> 4, (k0 + half) // group)
-        else:
-            acc += part(x_ref[:, pl.ds(k0, run)], v_ref[pl.ds(k0, run), cols], k0 // group)
+            return ((x_ref[:, pl.ds(k0, half)], packed & 15, k0 // group),
+                    (x_ref[:, pl.ds(k0 + half, half)], packed >> 4, (k0 + half) // group))
+        return ((x_ref[:, pl.ds(k0, run)], v_ref[pl.ds(k0, run), cols], k0 // group),)
+
+    def step(i, acc):
+        first = (ks * runs + i * t.unroll)  # run index along K
+        tiles = [load(first + j) for j in range(t.unroll)]  # every load before any dot
+        for dots in tiles:
+            for xs, q, row in dots:
+                acc += part(xs, q, row)
         return acc
 
     M = x_ref.shape[0]
-    acc = jax.lax.fori_loop(0, runs, step, jnp.zeros((M, t.block_n), jnp.float32))
+    acc = jax.lax.fori_loop(0, runs // t.unroll, step, jnp.zeros((M, t.block_n), jnp.float32))
     if t.k_splits > 1:
         out_ref[ks, :, cols] = acc
     else:
@@ -141,7 +162,7 @@ def qmatmul(x: jax.Array, w: QArray, tiling: Tiling = TILINGS[0],
     M = x2.shape[0]
     Mp = max(16, 1 << (M - 1).bit_length())
     x2 = jnp.pad(x2, ((0, Mp - M), (0, 0)))
-    run = run_rows(w, tiling.k_splits)
+    run = run_rows(w, tiling.k_splits, tiling.unroll)
     runs = K // (run * tiling.k_splits)
     if tiling.k_splits > 1:
         out_shape = jax.ShapeDtypeStruct((tiling.k_splits, Mp, N), jnp.float32)

@@ -4,8 +4,9 @@ On a GPU, one device, the runner's warm-up calls `measure` with the model's quan
 and its token buckets before any step is compiled; the decode-sized ones (up to qmatmul's
 MAX_ROWS) are measured. For each distinct layout
 (kind, activation mode, group, nibble run, K, N) and row count it runs every candidate path of
-`kernels.py` ("xla"; "pallas" where `qmatmul` takes the layout; "mgpu" for per-channel int8 on
-Hopper) on random rows, drops any whose output differs from "xla"'s by more than 2e-2
+`kernels.py` ("xla"; "pallas/<tiling>" for each of qmatmul's tilings that takes the layout,
+all of them at the fewest rows and the fastest of those at the other row counts; "mgpu" for
+per-channel int8 on Hopper) on random rows, drops any whose output differs from "xla"'s by more than 2e-2
 (relative), times the rest (median of a few calls) and keeps the fastest. `kernels.matmul`
 then reads the choice at trace time (`measured_path`); a shape never measured (prefill-sized
 buckets, tensor parallelism, CPU) keeps the static `TUNING` table. The choices and the
@@ -50,13 +51,15 @@ def two_d(w: QArray) -> QArray:
     return w
 
 
-def candidates(x_shape: tuple[int, ...], w: QArray) -> list[str]:
-    from jaxllm.kernels import prefill_choice
-    from jaxllm.quantization.kernels import pallas_tiling
+def candidates(x_shape: tuple[int, ...], w: QArray, tilings: list[str] | None = None) -> list[str]:
+    """The paths to measure: "xla", "pallas/<name>" for each qmatmul tiling that takes the
+    layout (only those in `tilings` when given), "mgpu" for per-channel int8 on Hopper."""
+    from jaxllm.kernels import prefill_choice, qmatmul
 
     out = ["xla"]
-    if w.kind in ("int4", "int8") and pallas_tiling(x_shape, w) is not None:
-        out.append("pallas")
+    if w.kind in ("int4", "int8"):
+        out += [f"pallas/{t.name}" for t in qmatmul.TILINGS
+                if qmatmul.unsupported(x_shape, w, t) is None and (tilings is None or t.name in tilings)]
     if w.kind == "int8" and w.group == w.shape[-2] and prefill_choice.is_hopper():
         out.append("mgpu")
     return out
@@ -78,9 +81,10 @@ def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 10) -> di
         seen.setdefault(layout_key((1, w.shape[-2]), w)[:-1], w)
     key = jax.random.key(0)
     for w in seen.values():
+        best = None  # the fastest tiling at the fewest rows: the only one timed at the others
         for M in sorted(r for r in set(rows) if r <= MAX_ROWS):  # decode-sized buckets
             x = jax.random.normal(key, (M, w.shape[-2]), jnp.float32).astype(dtype)
-            paths = candidates(x.shape, w)
+            paths = candidates(x.shape, w, None if best is None else [best])
             if len(paths) == 1:
                 continue
             times = time_paths(x, w, paths, reps)
@@ -88,6 +92,9 @@ def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 10) -> di
                 k = layout_key(x.shape, w)
                 _MEASURED[k] = min(times, key=times.get)
                 TIMINGS[k] = times
+                tiled = {p: t for p, t in times.items() if p.startswith("pallas/")}
+                if best is None and tiled:
+                    best = min(tiled, key=tiled.get).partition("/")[2]
     if TIMINGS:
         log.info("quantized matmuls by measurement ((kind, act, group, pack, K, N, rows) -> path): %s",
                  {k: f"{_MEASURED[k]} " + ", ".join(f"{p} {t * 1e6:.1f}us" for p, t in v.items())

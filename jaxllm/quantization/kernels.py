@@ -10,7 +10,8 @@ Paths:
   pallas  int8 / int4 weight-only, decode-sized steps (<= 64 rows), through jaxllm's own
         kernel (`kernels/qmatmul.py`, Triton): the stored integers are read once, converted in
         registers, and each scale group's scale applied to its partial product; larger steps
-        and layouts it does not take go to "xla". Its tiling: `pallas_tiling`.
+        and layouts it does not take go to "xla". "pallas/<tiling name>" names the tiling;
+        plain "pallas" takes `pallas_tiling`'s.
 
 On a GPU with one device the path of each decode-sized (layout, rows) is chosen by measurement
 at warm-up (`choice.py`); anything else takes `TUNING`, the path per (mode, platform): "xla"
@@ -49,9 +50,10 @@ def matmul(x: jax.Array, w: QArray, path: str | None = None) -> jax.Array:
     path = path or "xla"
     if path == "mgpu":
         return int8_mgpu(x, w)
-    if path == "pallas":
-        tiling = pallas_tiling(x.shape, w)
-        if tiling is not None:
+    if path.startswith("pallas"):
+        name = path.partition("/")[2]
+        tiling = qmatmul.BY_NAME[name] if name else pallas_tiling(x.shape, w)
+        if tiling is not None and qmatmul.unsupported(x.shape, w, tiling) is None:
             return qmatmul.qmatmul(x, w, tiling)
     if w.kind == "fp8" and w.act == "fp8":
         return fp8_w8a8(x, w, upcast=platform == "cpu")
