@@ -129,8 +129,18 @@ def gmm_bench(args) -> dict:
                         y = gmm_impls.swiglu(x, w_gu, w_d, sizes_r[i % R], impl)
                         return y.astype(x.dtype) * 0.5 + x * 0.5
                     return jax.lax.fori_loop(0, reps, body, x)
-                t = timed(jax.jit(run), x, w_gu, w_d, sizes_r) / reps
+                f = jax.jit(run)
+                t = timed(f, x, w_gu, w_d, sizes_r) / reps
                 row[name] = {"s": t, "x_floor": t / floor, "tflops": flops / t / 1e12, "rel_err": err}
+                if T <= 64 and args.kernels and jax.default_backend() == "gpu":
+                    try:  # where the time goes: GPU time per kernel name per step
+                        from bench_kernels import gpu_kernels
+                        per = gpu_kernels(lambda: f(x, w_gu, w_d, sizes_r), calls=2)
+                        row[name]["kernels_us"] = {k[:70]: round(v / reps * 1e6, 2) for k, v in
+                                                   sorted(per.items(), key=lambda kv: -kv[1])[:8]}
+                        row[name]["gpu_busy_s"] = sum(per.values()) / reps
+                    except Exception as e:  # noqa: BLE001 - the timing above stands
+                        row[name]["kernels_us"] = f"{type(e).__name__}: {e}"[:200]
             except Exception as e:  # one variant's failure must not lose the others
                 row[name] = {"error": f"{type(e).__name__}: {e}"[:400]}
         if M <= 512:
@@ -356,6 +366,8 @@ def main() -> None:
     p.add_argument("--spec-tflops", type=float, default=989.4, help="the card's dense bf16 peak (H200)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--copy-gib", type=float, default=4.0, help="size of the copy-bandwidth pass")
+    p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
+                   help="gmm: GPU time per kernel name at <= 64 tokens (a profiler trace per variant)")
     p.add_argument("--rotations", type=int, default=16,
                    help="gmm: routings timed in turn (<= 512 tokens), so experts come from HBM")
     args = p.parse_args()
