@@ -114,14 +114,15 @@ def bench_matmul(tokens: list[int], C: float, tilings: str = "engine", modes=("f
                                             qbytes(quant["int8"][0]))
             if "int4" in quant:
                 paths["int4_w4a16_xla"] = (lambda x, w: matmul(x, w, "xla"), quant["int4"], qbytes(quant["int4"][0]))
-            for mode in ("int8", "int4"):  # jaxllm's Pallas (Triton) kernel: the engine's tiling + the first
+            for mode in ("int8", "int4", "fp8"):  # jaxllm's Pallas (Triton) kernel (fp8: weight-only)
                 if mode not in quant:
                     continue
                 picked = pallas_tiling(x.shape, quant[mode][0])
                 swept = qmatmul.TILINGS if tilings == "all" else (picked, qmatmul.TILINGS[0])
                 for t in dict.fromkeys(t for t in swept if t is not None):
                     if qmatmul.unsupported(x.shape, quant[mode][0], t) is None:
-                        paths[f"{mode}_w{mode[3:]}a16_pallas_{t.name}"] = (
+                        wa = {"int8": "w8a16", "int4": "w4a16", "fp8": "w8a16"}[mode]
+                        paths[f"{mode}_{wa}_pallas_{t.name}"] = (
                             lambda x, w, t=t: qmatmul.qmatmul(x, w, t), quant[mode], qbytes(quant[mode][0]))
             ref = None
             for path, (fn, wl, wbytes) in paths.items():

@@ -15,8 +15,9 @@ case "${1:-}" in
   a) T1=${T1:-230} bash scripts/gpu_ttft.sh
      PARTS="step_b32 step_b32_t256" bash scripts/gpu_spec.sh ;;
   b) bash scripts/gpu_moe.sh ;;
-  c) MATMUL_FLAGS="${MATMUL_FLAGS:---tilings all --tokens 1 64 --modes int8 int4 --no-peers}" \
-     T_MATMUL=${T_MATMUL:-280} QUANT_PARTS="${QUANT_PARTS:-1 3}" T_LAT=${T_LAT:-90} bash scripts/gpu_quant.sh ;;
+  c) MATMUL_FLAGS="${MATMUL_FLAGS:---tilings all --tokens 1 --shapes qkv gate_up down --modes fp8 int8 int4 --no-peers}" \
+     T_MATMUL=${T_MATMUL:-540} QUANT_PARTS=1 bash scripts/gpu_quant.sh ;;
+  e) QUANT_PARTS=3 T_LAT=${T_LAT:-150} bash scripts/gpu_quant.sh ;;
   d) bash scripts/gpu_structured_serving.sh ;;
-  *) echo "usage: $0 a|b|c|d" >&2; exit 2 ;;
+  *) echo "usage: $0 a|b|c|d|e" >&2; exit 2 ;;
 esac

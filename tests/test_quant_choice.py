@@ -42,7 +42,8 @@ def test_candidates_per_layout():
     int8 = choice.candidates((4, 256), _w("int8"))  # "mgpu": Hopper only
     assert int8[0] == "xla" and len(int8) > 3 and all(p.startswith("pallas/") for p in int8[1:])
     assert choice.candidates((128, 256), _w("int4")) == ["xla"]  # beyond the kernel's rows
-    assert choice.candidates((4, 256), _w("fp8")) == ["xla"]
+    fp8 = choice.candidates((4, 256), _w("fp8"))  # weight-only through the kernel
+    assert fp8[0] == "xla" and len(fp8) > 2 and all(p.startswith("pallas/") for p in fp8[1:])
 
 
 def test_measure_keeps_a_checked_fastest_path_and_matmul_reads_it(monkeypatch):
@@ -83,6 +84,15 @@ def test_a_wrong_path_is_never_chosen(monkeypatch, caplog):
         times = choice.time_paths(jnp.ones((4, 256)), w, ["xla", "pallas/q_128k1", "pallas/q_64k4"], reps=1)
     assert set(times) == {"xla", "pallas/q_64k4"}
     assert "pallas/q_128k1" in caplog.text and "wrong result" in caplog.text
+
+
+def test_fp8_paths_are_checked_against_the_dequantized_weight():
+    """fp8 W8A8 ("xla": x rounded to fp8 per token, 2-3% off) and the kernel's weight-only fp8
+    both pass the check against x @ the dequantized weight; a wrong one still does not."""
+    w = _w("fp8", K=512)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((4, 512)), jnp.float32)
+    times = choice.time_paths(x, w, ["xla", "pallas/q_128k1", "pallas/q_64k4"], reps=1)
+    assert set(times) == {"xla", "pallas/q_128k1", "pallas/q_64k4"}
 
 
 def test_matmul_on_gpu_takes_the_measured_path(monkeypatch):

@@ -1,6 +1,6 @@
 """Decode-sized matmul on quantized weights, the weights read once as stored.
 
-`qmatmul(x [..., K], w: QArray int4 | int8 [K, N]) -> [..., N]` for up to MAX_ROWS rows (decode
+`qmatmul(x [..., K], w: QArray int4 | int8 | fp8 for [K, N]) -> [..., N]` for up to MAX_ROWS rows (decode
 steps). Per scale group of g rows along K the weight is w = q * s + o, so a group's share of
 the product needs no dequantized weight at all:
 
@@ -13,7 +13,9 @@ accumulation) and applies the group's scale row (and offset times the row sums o
 (`QArray.pack`, p = g, or 64 for GGUF Q4_K), so a run is two dots: the low nibbles against x's
 first p/2 columns of the run, the high against the next p/2; each half lies in one scale group
 (p = g: the same one; p = 2g: consecutive ones). int8 runs are groups of g rows (per-channel
-weights: chunks of BLOCK_K rows under the one scale).
+weights: chunks of BLOCK_K rows under the one scale). fp8 weights (stored [N, K] for XLA's fp8
+GEMM, per-channel or HF 128 x 128 block scales) run as int8 does, weight-only (x stays in its
+dtype; W8A16), their [BN, run] tiles converted in registers and contracted on their last axis.
 
 Grid (N / BN column strips, K splits): at decode the work is streaming W, so a matrix is cut
 into strips x `k_splits` row ranges, one CTA each, enough to cover the SMs; with k_splits > 1
@@ -67,6 +69,20 @@ TILINGS = (Tiling(128, 1), Tiling(64, 4), Tiling(128, 4), Tiling(64, 8),
 BY_NAME = {t.name: t for t in TILINGS}
 
 
+def fp8_group(w: QArray) -> int | None:
+    """Rows of K per scale of an fp8 weight ([N, K] values): K per channel ([N, 1] scales), bk
+    for [N/bn, K/bk] blocks; None when the blocks do not tile the matrix."""
+    N, K = w.values.shape[-2:]
+    nb, kb = w.scale.shape[-2:]
+    if (nb, kb) == (N, 1):
+        return K
+    return K // kb if N % nb == 0 and K % kb == 0 else None
+
+
+def group_of(w: QArray) -> int:
+    return fp8_group(w) if w.kind == "fp8" else w.group
+
+
 def run_rows(w: QArray, k_splits: int = 1, unroll: int = 1) -> int:
     """Rows of K per run of the kernel's loop: an int4 nibble run p, an int8 group, or for
     per-channel int8 the largest power of two <= BLOCK_K / unroll that tiles each K split (so
@@ -74,8 +90,8 @@ def run_rows(w: QArray, k_splits: int = 1, unroll: int = 1) -> int:
     K = w.shape[-2]
     if w.kind == "int4":
         return w.pack or w.group
-    if w.group != K:
-        return w.group
+    if group_of(w) != K:
+        return group_of(w)
     r = max(16, BLOCK_K // unroll)
     while r > 16 and K % (r * k_splits):
         r //= 2
@@ -84,9 +100,11 @@ def run_rows(w: QArray, k_splits: int = 1, unroll: int = 1) -> int:
 
 def unsupported(x_shape: tuple[int, ...], w: QArray, t: Tiling) -> str | None:
     """Why this kernel cannot take (x, w, t), or None when it can."""
-    if w.kind not in ("int4", "int8") or len(w.values.shape) != 2:
-        return f"{w.kind} weights of {len(w.values.shape)} dims (takes 2-D int4 / int8)"
+    if w.kind not in ("int4", "int8", "fp8") or len(w.values.shape) != 2:
+        return f"{w.kind} weights of {len(w.values.shape)} dims (takes 2-D int4 / int8 / fp8)"
     K, N = w.shape
+    if w.kind == "fp8" and fp8_group(w) is None:
+        return f"fp8 scale blocks {w.scale.shape} that do not tile [{N}, {K}]"
     rows = 1
     for d in x_shape[:-1]:
         rows *= d
@@ -94,14 +112,14 @@ def unsupported(x_shape: tuple[int, ...], w: QArray, t: Tiling) -> str | None:
         return f"{rows} rows (decode-sized steps only, <= {MAX_ROWS})"
     if N % t.block_n:
         return f"N={N} is not a multiple of block_n={t.block_n}"
-    r, g = run_rows(w, t.k_splits, t.unroll), w.group
+    r, g = run_rows(w, t.k_splits, t.unroll), group_of(w)
     half = r // 2 if w.kind == "int4" else r
     if half < 16 or half & (half - 1):
         return f"runs of {half} rows (the dot needs a power of two >= 16)"
     if w.kind == "int4" and r not in (g, 2 * g):
         return f"int4 nibble runs of {r} rows over scale groups of {g} (takes p = g or 2g)"
-    if w.kind == "int8" and g != K and g % r:
-        return f"int8 groups of {g} rows"
+    if w.kind != "int4" and g != K and g % r:
+        return f"{w.kind} groups of {g} rows"
     if K % (r * t.k_splits):
         return f"K={K} is not a multiple of {r} x k_splits={t.k_splits}"
     if (K // (r * t.k_splits)) % t.unroll:
@@ -118,7 +136,8 @@ def _kernel(x_ref, v_ref, s_ref, *refs, kind: str, run: int, group: int, runs: i
 
     def part(xs, q, row):
         """(xs . q) * s[row] + sum(xs) * o[row]: one scale group's share, float32 [M, BN]."""
-        acc = plt.dot(xs, q.astype(xs.dtype)).astype(jnp.float32) * s_ref[pl.ds(row, 1), cols]
+        dot = plt.dot(xs, q.astype(xs.dtype), trans_b=kind == "fp8")  # fp8 tiles are [BN, run]
+        acc = dot.astype(jnp.float32) * s_ref[pl.ds(row, 1), cols]
         if o_ref is not None:
             acc += jnp.sum(xs.astype(jnp.float32), axis=1, keepdims=True) * o_ref[pl.ds(row, 1), cols]
         return acc
@@ -130,6 +149,8 @@ def _kernel(x_ref, v_ref, s_ref, *refs, kind: str, run: int, group: int, runs: i
             packed = v_ref[pl.ds(u * half, half), cols]  # uint8 [p/2, BN]
             return ((x_ref[:, pl.ds(k0, half)], packed & 15, k0 // group),
                     (x_ref[:, pl.ds(k0 + half, half)], packed >> 4, (k0 + half) // group))
+        if kind == "fp8":  # values stored [N, K]
+            return ((x_ref[:, pl.ds(k0, run)], v_ref[cols, pl.ds(k0, run)], k0 // group),)
         return ((x_ref[:, pl.ds(k0, run)], v_ref[pl.ds(k0, run), cols], k0 // group),)
 
     def step(i, acc):
@@ -150,7 +171,7 @@ def _kernel(x_ref, v_ref, s_ref, *refs, kind: str, run: int, group: int, runs: i
 
 def qmatmul(x: jax.Array, w: QArray, tiling: Tiling = TILINGS[0],
             interpret: bool | None = None) -> jax.Array:
-    """x [..., K] @ w (int4 / int8 QArray [K, N]) -> [..., N] in x's dtype."""
+    """x [..., K] @ w (int4 / int8 / fp8 QArray for [K, N]) -> [..., N] in x's dtype."""
     why = unsupported(x.shape, w, tiling)
     if why is not None:
         raise ValueError(f"qmatmul {tiling.name}: {why}")
@@ -168,11 +189,15 @@ def qmatmul(x: jax.Array, w: QArray, tiling: Tiling = TILINGS[0],
         out_shape = jax.ShapeDtypeStruct((tiling.k_splits, Mp, N), jnp.float32)
     else:
         out_shape = jax.ShapeDtypeStruct((Mp, N), x.dtype)
-    parts = [x2, w.values, w.scale.astype(jnp.float32)]
+    scale = w.scale.astype(jnp.float32)
+    if w.kind == "fp8":  # as int8's [K/g, N]: per channel [N, 1] -> [1, N] (free), blocks repeated
+        nb = scale.shape[-2]
+        scale = scale.reshape(1, N) if nb == N else jnp.repeat(scale.T, N // nb, axis=1)
+    parts = [x2, w.values, scale]
     if w.offset is not None:
         parts.append(w.offset.astype(jnp.float32))
     out = pl.pallas_call(
-        functools.partial(_kernel, kind=w.kind, run=run, group=w.group, runs=runs, t=tiling),
+        functools.partial(_kernel, kind=w.kind, run=run, group=group_of(w), runs=runs, t=tiling),
         grid=(N // tiling.block_n, tiling.k_splits),
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages),

@@ -15,11 +15,13 @@ log = logging.getLogger("jaxllm")
 
 
 def time_checked(fns: dict[str, Callable], args: tuple, reps: int, what: str, where: str = "",
-                 tol: float = 2e-2, catch: bool = False) -> dict[str, float]:
+                 tol: float = 2e-2, catch: bool = False, ref=None) -> dict[str, float]:
     """Median seconds per call of each jitted fn(*args) after one checked run: its output must be
-    finite and within `tol` (relative) of the first fn's, else it is logged and left out.
-    `catch`: a fn that raises is logged and left out too (else the error propagates)."""
-    first, times = None, {}
+    finite and within `tol` (relative) of `ref` (default: the first fn's output), else it is
+    logged and left out. `catch`: a fn that raises is logged and left out too (else the error
+    propagates)."""
+    first = None if ref is None else np.asarray(ref, np.float32)
+    times = {}
     for name, fn in fns.items():
         try:
             f = jax.jit(fn)

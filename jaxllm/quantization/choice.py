@@ -2,13 +2,14 @@
 
 On a GPU, one device, the runner's warm-up calls `measure` with the model's quantized linears
 and its token buckets before any step is compiled; the decode-sized ones (up to qmatmul's
-MAX_ROWS) are measured. For each distinct layout
-(kind, activation mode, group, nibble run, K, N) and row count it runs every candidate path of
-`kernels.py` ("xla"; "pallas/<tiling>" for each of qmatmul's tilings that takes the layout,
-all of them at the fewest rows and the fastest of those at the other row counts; "mgpu" for
-per-channel int8 on Hopper) on random rows, drops any whose output differs from "xla"'s by more than 2e-2
-(relative), times the rest (median of a few calls) and keeps the fastest. `kernels.matmul`
-then reads the choice at trace time (`measured_path`); a shape never measured (prefill-sized
+MAX_ROWS) are measured. For each distinct layout (kind, activation mode, group, nibble run,
+K, N) and row count it runs every candidate path of `kernels.py` on random rows: "xla";
+"pallas/<tiling>" for each of qmatmul's tilings that takes the layout (int4, int8, and fp8
+weight-only: x is not rounded to fp8 there), all of them at the fewest rows and the fastest
+of those at the other row counts; "mgpu" for per-channel int8 on Hopper. It drops any whose
+output differs from x @ the dequantized weight by more than 2e-2 (relative; 5e-2 for fp8
+W8A8), times the rest (median of a few calls) and keeps the fastest. `kernels.matmul` then
+reads the choice at trace time (`measured_path`); a shape never measured (prefill-sized
 buckets, tensor parallelism, CPU) keeps the static `TUNING` table. The choices and the
 figures are logged.
 """
@@ -57,7 +58,7 @@ def candidates(x_shape: tuple[int, ...], w: QArray, tilings: list[str] | None = 
     from jaxllm.kernels import prefill_choice, qmatmul
 
     out = ["xla"]
-    if w.kind in ("int4", "int8"):
+    if w.kind in ("int4", "int8", "fp8"):
         out += [f"pallas/{t.name}" for t in qmatmul.TILINGS
                 if qmatmul.unsupported(x_shape, w, t) is None and (tilings is None or t.name in tilings)]
     if w.kind == "int8" and w.group == w.shape[-2] and prefill_choice.is_hopper():
@@ -66,11 +67,16 @@ def candidates(x_shape: tuple[int, ...], w: QArray, tilings: list[str] | None = 
 
 
 def time_paths(x: jax.Array, w: QArray, paths: list[str], reps: int = 10) -> dict[str, float]:
-    """Median seconds per call of each path after a checked run ("xla" first: the reference)."""
+    """Median seconds per call of each path after a check against x @ the dequantized weight
+    (within 2e-2; 5e-2 for fp8 W8A8, whose "xla" path also rounds x to fp8: 2.7% measured)."""
+    from jaxllm.kernels.qmatmul import reference
     from jaxllm.quantization.kernels import matmul
 
     fns = {p: (lambda x, w, p=p: matmul(x, w, p)) for p in paths}
-    return time_checked(fns, (x, w), reps, "quantized matmul", f" {layout_key(x.shape, w)}", catch=True)
+    ref = jax.jit(reference)(x, w)
+    tol = 5e-2 if w.act == "fp8" else 2e-2
+    return time_checked(fns, (x, w), reps, "quantized matmul", f" {layout_key(x.shape, w)}", tol=tol,
+                        catch=True, ref=ref)
 
 
 def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 10) -> dict[tuple, str]:
