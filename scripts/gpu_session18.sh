@@ -6,8 +6,10 @@
 #     that the bench scripts set up logging); then issue 18 -- the batch-32 verification step
 #     again (160-row and 256-token buckets)
 #   b (~9 min): issue 15 -- scripts/gpu_moe.sh (grouped matmul, decode, prefill, offline vs HF)
-#   c (~8 min): issue 17 -- qmatmul tilings swept (bench_quant.py matmul --tilings all, kernel time apart from the XLA ops around it) and the
-#     decode step with int4 / fp8 weights, the measured path per layout in the log
+#   c (~9 min): issue 17 -- qmatmul tilings swept at 1 token, fp8 (weight-only, new) / int8 / int4
+#     (bench_quant.py matmul --tilings all: kernel time apart from the XLA ops around it)
+#   e (~8 min): issue 17 -- decode step batch 1 with bf16 / fp8 / int4 weights, the path
+#     measured per layout at warm-up in the log ("quantized matmuls by measurement")
 #   d (~5 min): issue 16 -- structured outputs through the server (gpu_structured_serving.sh)
 set -u
 cd "$(dirname "$0")/.."
