@@ -146,7 +146,9 @@ def run_e2e(llm, args) -> list[dict]:
 
 
 def run_step(llm, args) -> list[dict]:
-    """Per batch: timed sync steps of plain decode, then of verification with k random drafts."""
+    """Per batch: timed steps of plain decode, synchronous and with async scheduling, then of
+    verification with k random drafts, synchronous and overlapped with the next step (the
+    engine's default for greedy ngram/random drafts since session 16)."""
     from bench_latency import fill_random
     from jaxllm import SamplingParams
     from jaxllm.runtime.request import RequestStatus
@@ -156,9 +158,9 @@ def run_step(llm, args) -> list[dict]:
     rows = []
     for b in args.batch_size:
         row = {"batch": b, "ctx": args.input_len}
-        for mode in ("plain", "plain_async", "spec"):
-            eng.spec = eng.spec_hook if mode == "spec" else None
-            eng.async_scheduling = mode == "plain_async"
+        for mode in ("plain", "plain_async", "spec", "spec_async"):
+            eng.spec = eng.spec_hook if mode.startswith("spec") else None
+            eng.async_scheduling = mode.endswith("_async")
             sched = eng.scheduler
             params = SamplingParams(temperature=0.0, max_tokens=args.num_iters + 20, ignore_eos=True)
             ids = []
@@ -171,10 +173,11 @@ def run_step(llm, args) -> list[dict]:
                 req.status = RequestStatus.RUNNING
                 sched.running.append(req)
                 ids.append(rid)
-            if mode == "spec":
+            if mode.startswith("spec"):
                 eng.spec.propose(sched.running, eng.max_model_len)
             times = []
-            prof = cProfile.Profile() if args.profile and mode != "plain_async" else None
+            prof = cProfile.Profile() if args.profile and not mode.endswith("_async") else None
+            c = spec_counts(eng)
             for i in range(args.num_iters):
                 if prof is not None and i == 2:  # after the first steps, as the median
                     prof.enable()
@@ -195,10 +198,15 @@ def run_step(llm, args) -> list[dict]:
                         print(f"    {sec * 1e3:8.3f} ms  {name}")
                 row[f"{mode}_trace"] = tr
             eng.flush()
+            if mode.startswith("spec"):
+                d, dt, a, ov = [y - z for y, z in zip(spec_counts(eng), c)]
+                row[f"{mode}_drafts"], row[f"{mode}_accepted"], row[f"{mode}_overlapped_steps"] = d, a, ov
             eng.abort_request(ids)
             row[f"{mode}_step_s"] = statistics.median(times[2:])
         row["verify_x_plain"] = row["spec_step_s"] / row["plain_step_s"]
         row["verify_x_plain_async"] = row["spec_step_s"] / row["plain_async_step_s"]
+        # The engine's default pair: both steps overlapped with the next (async scheduling).
+        row["verify_async_x_plain_async"] = row["spec_async_step_s"] / row["plain_async_step_s"]
         rows.append(row)
     eng.spec = eng.spec_hook
     return rows

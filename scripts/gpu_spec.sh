@@ -2,7 +2,8 @@
 # Speculative decoding on one H200 (typically < 9 minutes; each run has its own timeout, 13 min in all). Prints and writes $OUT/spec_*.json:
 #  1. Llama-3-8B shape (dummy bf16 weights), context 1024: a verification step with k = 4
 #     random drafts per row vs a plain decode step, sync and async baselines, same engine and
-#     process; batch 1 (target <= 1.15x) and batch 32 (target <= 1.3x). Batch 32 twice: with
+#     process, and overlapped verification vs the async plain step (the engine's default pair);
+#     batch 1 (target <= 1.15x) and batch 32 (target <= 1.3x). Batch 32 twice: with
 #     160 tokens in a 160-row bucket (T <= R: the Mosaic decode kernel, which reads each
 #     token's context on its own) and with T padded to 256 (the ragged prefill kernel).
 #  2. End to end, batch 1, drafts of random tokens (acceptance ~0): output tok/s vs no
