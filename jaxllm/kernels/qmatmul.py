@@ -49,10 +49,11 @@ class Tiling:
     num_warps: int = 4
     num_stages: int = 3
     unroll: int = 1  # runs per loop iteration, their loads issued before any of their dots
+    magic: bool = False  # int4 / int8 to float by bit operations, not conversion instructions
 
     @property
     def name(self) -> str:
-        extra = (f"u{self.unroll}" if self.unroll > 1 else "") + (
+        extra = (f"u{self.unroll}" if self.unroll > 1 else "") + ("m" if self.magic else "") + (
             f"w{self.num_warps}" if self.num_warps != 4 else "") + (
             f"s{self.num_stages}" if self.num_stages != 3 else "")
         return f"q_{self.block_n}k{self.k_splits}{extra}"
@@ -65,7 +66,9 @@ class Tiling:
 TILINGS = (Tiling(128, 1), Tiling(64, 4), Tiling(128, 4), Tiling(64, 8),
            Tiling(128, 1, unroll=4), Tiling(64, 4, unroll=2), Tiling(32, 1, unroll=4),
            Tiling(32, 1, unroll=2, num_warps=2), Tiling(256, 1, unroll=2, num_warps=8),
-           Tiling(128, 2, unroll=2, num_warps=8))
+           Tiling(128, 2, unroll=2, num_warps=8),
+           Tiling(128, 1, unroll=4, magic=True), Tiling(64, 4, unroll=2, magic=True),
+           Tiling(32, 1, unroll=4, magic=True))
 BY_NAME = {t.name: t for t in TILINGS}
 
 
@@ -127,6 +130,34 @@ def unsupported(x_shape: tuple[int, ...], w: QArray, t: Tiling) -> str | None:
     return None
 
 
+MAGIC_INT4_BIAS = 128.0  # `to_float` of an int4 nibble q with magic: 128 + q
+
+
+def to_float(q: jax.Array, kind: str, dtype, magic: bool) -> jax.Array:
+    """The stored integers as the dot's dtype. Conversion instructions (u8 -> f32 -> bf16) run at
+    a quarter of the integer rate on Hopper, which session 17's int8 / int4 figures point at
+    (the int4 kernel slower per weight than int8); `magic` uses bit operations instead:
+      int4 nibble q (uint8 [0, 16)): the float whose bits are 128.0's with q in the low mantissa
+        bits, i.e. 128 + q exactly (the caller subtracts 128 * sum(x) * s: MAGIC_INT4_BIAS);
+      int8 q: u = (q as uint8) ^ 0x80 = q + 128 in the mantissa of float32 256.0, i.e. 384 + q,
+        one float32 subtraction gives q, and bfloat16 keeps its high 16 bits (exact: |q| <= 128).
+    """
+    if not magic or kind == "fp8":
+        return q.astype(dtype)
+    bits = lambda a, t: jax.lax.bitcast_convert_type(a, t)  # noqa: E731 - same width
+    if kind == "int4":
+        if dtype == jnp.bfloat16:
+            return bits(q.astype(jnp.uint16) | 0x4300, jnp.bfloat16)
+        if dtype == jnp.float16:
+            return bits((q.astype(jnp.uint16) << 3) | 0x5800, jnp.float16)
+        return bits((q.astype(jnp.uint32) << 16) | 0x43000000, jnp.float32).astype(dtype)
+    u = bits(q, jnp.uint8).astype(jnp.uint32) ^ 0x80
+    f = bits((u << 15) | 0x43800000, jnp.float32) - 384.0
+    if dtype == jnp.bfloat16:
+        return bits((bits(f, jnp.uint32) >> 16).astype(jnp.uint16), jnp.bfloat16)
+    return f.astype(dtype)
+
+
 def _kernel(x_ref, v_ref, s_ref, *refs, kind: str, run: int, group: int, runs: int, t: Tiling):
     """One CTA: column strip j, K split ks; refs = (offset,) when the weight has one, then out."""
     o_ref, out_ref = (refs[0], refs[1]) if len(refs) == 2 else (None, refs[0])
@@ -136,10 +167,13 @@ def _kernel(x_ref, v_ref, s_ref, *refs, kind: str, run: int, group: int, runs: i
 
     def part(xs, q, row):
         """(xs . q) * s[row] + sum(xs) * o[row]: one scale group's share, float32 [M, BN]."""
-        dot = plt.dot(xs, q.astype(xs.dtype), trans_b=kind == "fp8")  # fp8 tiles are [BN, run]
-        acc = dot.astype(jnp.float32) * s_ref[pl.ds(row, 1), cols]
-        if o_ref is not None:
-            acc += jnp.sum(xs.astype(jnp.float32), axis=1, keepdims=True) * o_ref[pl.ds(row, 1), cols]
+        dot = plt.dot(xs, to_float(q, kind, xs.dtype, t.magic), trans_b=kind == "fp8")  # fp8: [BN, run]
+        s = s_ref[pl.ds(row, 1), cols]
+        acc = dot.astype(jnp.float32) * s
+        bias = MAGIC_INT4_BIAS if t.magic and kind == "int4" else 0.0
+        if o_ref is not None or bias:
+            o = -bias * s if o_ref is None else o_ref[pl.ds(row, 1), cols] - bias * s
+            acc += jnp.sum(xs.astype(jnp.float32), axis=1, keepdims=True) * o
         return acc
 
     def load(u):
