@@ -75,7 +75,8 @@ def slots(group_sizes: jax.Array, M: int, block_m: int) -> jax.Array:
     blocks = (sizes + block_m - 1) // block_m
     ends = jnp.cumsum(blocks)
     s = jnp.arange(S, dtype=jnp.int32)
-    g = jnp.minimum(jnp.searchsorted(ends, s, side="right").astype(jnp.int32), G - 1)
+    g = jnp.minimum(jnp.searchsorted(ends, s, side="right", method="compare_all").astype(jnp.int32),
+                    G - 1)
     rb = s - (ends - blocks)[g]  # block index within its group
     first = (jnp.cumsum(sizes) - sizes)[g] + rb * block_m
     count = jnp.where(s < ends[-1], jnp.clip(sizes[g] - rb * block_m, 0, block_m), 0)

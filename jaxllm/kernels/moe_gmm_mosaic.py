@@ -59,11 +59,13 @@ def slots(group_sizes: jax.Array, M: int) -> tuple[jax.Array, jax.Array]:
     nblk = jnp.where(sizes > 0, (start + sizes - 1) // BLOCK_M - b0 + 1, 0)
     ends = jnp.cumsum(nblk)
     s = jnp.arange(S, dtype=jnp.int32)
-    g = jnp.minimum(jnp.searchsorted(ends, s, side="right").astype(jnp.int32), G - 1)
+    g = jnp.minimum(jnp.searchsorted(ends, s, side="right", method="compare_all").astype(jnp.int32),
+                    G - 1)
     block = b0[g] + s - (ends - nblk)[g]
     live = (s < ends[-1]).astype(jnp.int32)
     rows = jnp.arange(M, dtype=jnp.int32)
-    rg = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), rows, side="right").astype(jnp.int32), G - 1)
+    rg = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), rows, side="right",
+                                      method="compare_all").astype(jnp.int32), G - 1)
     row_slot = (ends - nblk)[rg] + rows // BLOCK_M - b0[rg]  # uncovered rows: any slot (undefined)
     return jnp.stack([g, block, live]), jnp.clip(row_slot, 0, S - 1)
 

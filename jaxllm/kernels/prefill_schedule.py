@@ -54,7 +54,7 @@ def prefill_schedule(query_start_loc: jax.Array, positions: jax.Array, num_token
     seg_blocks = (seg_len + bq - 1) // bq
     cum = jnp.cumsum(seg_blocks)
     blk = jnp.arange(nb, dtype=jnp.int32)
-    seg = jnp.searchsorted(cum, blk, side="right").astype(jnp.int32)
+    seg = jnp.searchsorted(cum, blk, side="right", method="compare_all").astype(jnp.int32)  # no loop
     active = seg <= num_reqs
     s = jnp.minimum(seg, num_reqs)
     j = blk - (cum[s] - seg_blocks[s])  # block index within its segment
