@@ -47,8 +47,9 @@ def gpu_prefill_attention(q, kv_pages, layer, md, *, sm_scale: float) -> jax.Arr
     """Prefill/mixed step on a GPU: the Mosaic prefill kernel where its probe passed, else
     the portable Pallas kernel (chosen from static shapes at trace time)."""
     from jaxllm.kernels import kv_quant, prefill_choice
-    quantized = kv_quant.is_quantized(kv_pages, q.shape[-1])  # the Mosaic kernel takes bf16 pages
-    if not quantized and prefill_choice.prefill_kernel(q, kv_pages) == "mosaic":
+    # The Mosaic kernel reads pages in q's dtype and fp8 pages; int8 / int4 rows: Pallas.
+    fmt = kv_quant.page_format(kv_pages.dtype, kv_pages.shape[-1], q.shape[-1])
+    if fmt in ("plain", "fp8") and prefill_choice.prefill_kernel(q, kv_pages) == "mosaic":
         from jaxllm.kernels import mosaic_prefill
         return mosaic_prefill.ragged_prefill_attention(q, kv_pages, layer, md, sm_scale=sm_scale)
     return _pallas_fn()(q, kv_pages, layer, md, sm_scale=sm_scale)

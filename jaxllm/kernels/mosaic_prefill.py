@@ -24,6 +24,17 @@ one TMA box per head straight into the output; a partial block (its segment is s
 bq: decode rows, short chunks; one per such segment) stores its whole tile into a side
 buffer [R + 1, K, 128, D] at its segment, and the wrapper scatters the valid rows of those
 into the output (a few rows per request), so no row of a neighbouring request is touched.
+
+fp8 pages (`kv_cache_dtype="fp8"` / `"fp8_e5m2"`; scale 1.0: the model applies the scales
+around the kernel, kv_quant.py), read as `mosaic_decode.py` reads them: the producer TMA-copies
+the pages as they are (1-byte rows: tiles of (8, min(D, 128)) swizzled by that many bytes); each
+consumer converts the tiles in registers into its own f16 K and V tiles in SMEM (`page_tile`;
+no dequantized cache in HBM), V(s) between its two halves of the QK(s) ping-pong sync (beside
+the other's softmax), K(s + 1) while its PV(s) wgmma runs. The wgmmas run in f16: Hopper has
+fp8 -> f16 conversions only, and every e4m3 / e5m2 value is exact in f16. The wrapper hands
+the kernel q * sm_scale * log2(e) as f16 (the softmax skips its scale) and casts the f16 output
+back. Default block at D = 128: 64 keys (128 KB of SMEM; 224 KB at 128); D = 256 does not fit.
+int8 / int4 rows (no 16-byte multiples, which TMA needs) stay with the Pallas kernel.
 """
 
 from __future__ import annotations
@@ -47,20 +58,27 @@ _LOG2E = math.log2(math.e)
 # this kernel fails to lower (layout inference fails on jax 0.10.2; most likely also the bare
 # AssertionError seen on jax 0.11.2 on the H200), while it lowers under Lane, 0.10.2's default.
 SEMANTICS = plgpu.LoweringSemantics.Lane
+FP8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
 def supported(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-              block_keys: int = 128) -> bool:
+              block_keys: int = 128, fp8: bool = False) -> bool:
     group = num_heads // num_kv_heads
     return (num_heads % num_kv_heads == 0 and group & (group - 1) == 0 and group <= 16
-            and head_dim % 64 == 0 and head_dim <= 256 and page_size % 8 == 0
+            and head_dim % 64 == 0 and head_dim <= (128 if fp8 else 256) and page_size % 8 == 0
             and (block_keys % page_size == 0 or page_size % block_keys == 0))
 
 
+def default_block_keys(head_dim: int, fp8: bool) -> int:
+    """Keys per step: 128; fp8 pages at D > 64: 64 (the f16 tiles' SMEM, module docstring)."""
+    return 64 if fp8 and head_dim > 64 else 128
+
+
 def _kernel(sched_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, side_ref, q_smem, k_smem,
-            v_smem, q_bar, k_bar, v_bar, k_free, v_free, turn, *stage, sm_scale: float,
+            v_smem, q_bar, k_bar, v_bar, k_free, v_free, turn, *rest, sm_scale: float,
             bq: int, bk: int, page_size: int, num_kv_heads: int, num_pages: int, nst: int,
-            interpret: bool):
+            fp8: bool, interpret: bool):
+    k16, v16, *stage = rest if fp8 else (None, None, *rest)  # fp8: [2, BK, D] f16 tiles
     b, kvh, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
     req, t0, lo = sched_ref[ps.REQ, b], sched_ref[ps.T0, b], sched_ref[ps.LO, b]
     count, pos0, key_end = sched_ref[ps.COUNT, b], sched_ref[ps.POS0, b], sched_ref[ps.KEY_END, b]
@@ -86,6 +104,12 @@ def _kernel(sched_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, side_ref, q_smem
         if not interpret:
             plgpu.set_max_registers(232, action="increase")
         q_wg = q_smem.at[wg]
+        k16w, v16w = (k16.at[wg], v16.at[wg]) if fp8 else (None, None)
+
+        def page_tile(src, deq):
+            """fp8: the [BK, D] tile `src` converted (scale 1.0) in registers into the f16 `deq`."""
+            deq[...] = src[...].astype(deq.dtype)
+            plgpu.commit_smem()  # the generic-proxy stores, before the async wgmma reads them
 
         @pl.when(key_end > 0)
         def _():
@@ -113,11 +137,13 @@ def _kernel(sched_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, side_ref, q_smem
             shift = wg * _WG_ROWS if bq > _WG_ROWS else 0  # G == 1: wg 1 holds tokens 64..127
             return jnp.where(col - tok <= pos0 + shift - step * bk, s, -jnp.inf)
 
-        scale = sm_scale * _LOG2E
+        scale = 1.0 if fp8 else sm_scale * _LOG2E  # fp8: q comes scaled (the wrapper)
 
         @pl.when(steps > 0)
         def _():
             plgpu.barrier_wait(k_bar.at[0])
+            if fp8:
+                page_tile(k_smem.at[0], k16w)
 
         pl.when(wg == 1)(turn_sync)
 
@@ -127,11 +153,18 @@ def _kernel(sched_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, side_ref, q_smem
 
             def qk(acc_ref):
                 if interpret:
-                    stage[0][...] = k_smem[slot].T
+                    stage[0][...] = (k16w[...] if fp8 else k_smem[slot]).T
                     plgpu.wgmma(acc_ref, q_wg, stage[0])
                 else:
-                    plgpu.wgmma(acc_ref, q_wg, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                turn_sync()
+                    plgpu.wgmma(acc_ref, q_wg,
+                                plgpu.transpose_ref(k16w if fp8 else k_smem.at[slot], (1, 0)))
+                if fp8:  # convert V(s) while QK(s) runs and the other warpgroup's softmax
+                    plgpu.barrier_arrive(turn)
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    page_tile(v_smem.at[slot], v16w)
+                    plgpu.barrier_wait(turn)
+                else:
+                    turn_sync()
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((_WG_ROWS, bk), jnp.float32))
@@ -143,29 +176,34 @@ def _kernel(sched_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, side_ref, q_smem
             p = jnp.exp2(s * scale - lax.broadcast_in_dim(m_new, s.shape, [0]))
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             l = l * alpha + p.sum(axis=1)
-            p16 = p.astype(v_smem.dtype)
+            p16 = p.astype(q_smem.dtype)
             if not interpret and head_dim <= 128:
                 acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
             plgpu.barrier_arrive(turn)  # softmax done
-            plgpu.barrier_wait(v_bar.at[slot])
+            if not fp8:
+                plgpu.barrier_wait(v_bar.at[slot])
             plgpu.barrier_wait(turn)  # the tensor cores are ours
+            v_tile = v16w if fp8 else v_smem.at[slot]
 
             def wait_next():
                 @pl.when(step + 1 < steps)
                 def _():
-                    plgpu.barrier_wait(k_bar.at[lax.rem(step + 1, jnp.int32(nst))])
+                    nxt = lax.rem(step + 1, jnp.int32(nst))
+                    plgpu.barrier_wait(k_bar.at[nxt])
+                    if fp8:  # K(s + 1), while PV(s) runs (K(s)'s tile is free: QK(s) is done)
+                        page_tile(k_smem.at[nxt], k16w)
 
             if interpret:  # the interpreter takes wgmma's A operand from SMEM only
                 stage[1][...] = p16
 
                 def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, stage[1], v_smem.at[slot])
+                    plgpu.wgmma(acc_ref, stage[1], v_tile)
                     return acc_ref[...]
                 acc = acc + pl.run_scoped(pv, plgpu.ACC((_WG_ROWS, head_dim), jnp.float32))
                 wait_next()
             else:
                 def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+                    plgpu.wgmma(acc_ref, p16, v_tile)
                     wait_next()
                 acc = pl.run_state(pv)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_free.at[slot])
@@ -283,34 +321,43 @@ def aligned_layout(query_start_loc: jax.Array, positions: jax.Array, num_tokens:
 
 
 def ragged_prefill_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
-                             md: AttentionMetadata, *, sm_scale: float, block_keys: int = 128,
-                             num_stages: int = 2, interpret: bool = False,
-                             semantics: str | None = None) -> jax.Array:
+                             md: AttentionMetadata, *, sm_scale: float,
+                             block_keys: int | None = None, num_stages: int = 2,
+                             interpret: bool = False, semantics: str | None = None) -> jax.Array:
     """Ragged paged attention for prefill/mixed batches, q [T, H, D] -> [T, H, D].
 
     The kernel runs on `aligned_layout`'s relabeled batch (a gather of q and one of the
     output around it), so one kernel serves every batch: a `lax.cond` between it and a direct
     call for already aligned batches put two kernels in each layer (every call site of a Mosaic
     kernel compiles on its own: about 1.4 s each on an H200 host, `scripts/mosaic_compile_time.py`)
-    and made each layer read its predicate back to the host."""
+    and made each layer read its predicate back to the host.
+    Pages in q's dtype or fp8 (module docstring); block_keys None: `default_block_keys`."""
     num_tokens, num_heads, head_dim = q.shape
-    _, _, num_kv_heads, _, page_size, _ = kv_pages.shape
-    if not supported(num_heads, num_kv_heads, head_dim, page_size, block_keys):
+    _, _, num_kv_heads, _, page_size, width = kv_pages.shape
+    fp8 = kv_pages.dtype in FP8
+    if (kv_pages.dtype != q.dtype and not fp8) or width != head_dim:
+        raise ValueError(f"{kv_pages.dtype} pages, rows of {width}: the Mosaic prefill kernel "
+                         f"reads {q.dtype} and fp8 pages; use the Pallas kernel")
+    block_keys = block_keys or default_block_keys(head_dim, fp8)
+    if not supported(num_heads, num_kv_heads, head_dim, page_size, block_keys, fp8):
         raise ValueError(f"unsupported shape: H={num_heads} K={num_kv_heads} D={head_dim} "
-                         f"S={page_size} BK={block_keys}")
+                         f"S={page_size} BK={block_keys}" + (" (fp8 pages)" if fp8 else ""))
     qsl = md.query_start_loc.astype(jnp.int32)
     new_qsl, new_pos, dest, src, _ = aligned_layout(qsl, md.positions, num_tokens)
     q_pad = q.at[src].get(mode="promise_in_bounds", indices_are_sorted=True)
+    if fp8:  # f16 wgmma operands; the score scale moves into q (fused into the gather)
+        q_pad = (q_pad.astype(jnp.float32) * (sm_scale * _LOG2E)).astype(jnp.float16)
     out = _attend(q_pad, new_qsl, new_pos, kv_pages=kv_pages, layer=layer, md=md, sm_scale=sm_scale,
                   block_keys=block_keys, num_stages=num_stages, interpret=interpret, semantics=semantics)
-    return out.at[dest].get(mode="promise_in_bounds", indices_are_sorted=True, unique_indices=True)
+    out = out.at[dest].get(mode="promise_in_bounds", indices_are_sorted=True, unique_indices=True)
+    return out.astype(q.dtype) if fp8 else out
 
 
 def _attend(q: jax.Array, qsl: jax.Array, positions: jax.Array, *, kv_pages: jax.Array,
             layer: jax.Array, md: AttentionMetadata, sm_scale: float, block_keys: int,
             num_stages: int, interpret: bool, semantics: str | None) -> jax.Array:
     """The kernel on a batch whose segments start at multiples of 8 (`qsl`, `positions`
-    replace md's); q [T, H, D] -> [T, H, D]."""
+    replace md's); q [T, H, D] -> [T, H, D] (fp8 pages: q f16, pre-scaled, see the wrapper)."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
     group = num_heads // num_kv_heads
@@ -324,10 +371,13 @@ def _attend(q: jax.Array, qsl: jax.Array, positions: jax.Array, *, kv_pages: jax
     sched = ps.prefill_schedule(qsl, positions, total, bq)
     copies_per_step = max(1, bk // page_size)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    fp8 = kv_pages.dtype in FP8
+    rb = min(head_dim, 128)  # fp8 tiles: 1-byte rows of D, <= 128 bytes swizzled
+    kv_tiled = (plgpu.TilingTransform((8, rb)), plgpu.SwizzleTransform(rb)) if fp8 else tiled
     scratch = [
         plgpu.SMEM((2, _WG_ROWS, head_dim), q.dtype, transforms=tiled),
-        plgpu.SMEM((num_stages, bk, head_dim), kv_pages.dtype, transforms=tiled),
-        plgpu.SMEM((num_stages, bk, head_dim), kv_pages.dtype, transforms=tiled),
+        plgpu.SMEM((num_stages, bk, head_dim), kv_pages.dtype, transforms=kv_tiled),
+        plgpu.SMEM((num_stages, bk, head_dim), kv_pages.dtype, transforms=kv_tiled),
         plgpu.Barrier(num_arrivals=_WG_ROWS // min(bq, _WG_ROWS), num_barriers=2),
         plgpu.Barrier(num_arrivals=copies_per_step, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=copies_per_step, num_barriers=num_stages),
@@ -335,12 +385,14 @@ def _attend(q: jax.Array, qsl: jax.Array, positions: jax.Array, *, kv_pages: jax
         plgpu.Barrier(num_arrivals=2, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=2),
     ]
+    if fp8:  # each consumer's f16 K and V tiles (`page_tile`)
+        scratch += [plgpu.SMEM((2, bk, head_dim), q.dtype, transforms=tiled) for _ in range(2)]
     if interpret:  # wgmma operand staging (see the kernel)
-        scratch += [plgpu.SMEM((head_dim, bk), kv_pages.dtype),
-                    plgpu.SMEM((_WG_ROWS, bk), kv_pages.dtype)]
+        scratch += [plgpu.SMEM((head_dim, bk), q.dtype), plgpu.SMEM((_WG_ROWS, bk), q.dtype)]
     body = functools.partial(
         _kernel, sm_scale=float(sm_scale), bq=bq, bk=bk, page_size=page_size,
-        num_kv_heads=num_kv_heads, num_pages=num_pages, nst=num_stages, interpret=interpret)
+        num_kv_heads=num_kv_heads, num_pages=num_pages, nst=num_stages, fp8=fp8,
+        interpret=interpret)
     num_reqs = qsl.shape[0] - 1
     out, side = plgpu.kernel(
         body,

@@ -6,7 +6,8 @@ compiled and run on a small mixed batch (prefill chunk over a cached prefix, dec
 padding) and compared with `ref.py`; a lowering error, a runtime error or a wrong answer
 logs why and falls back to the portable Pallas kernel (`pallas_ragged.py`, Triton), which
 is also what non-Hopper GPUs use. The probe runs during start-up compilation (warm-up),
-so no compile happens after it.
+so no compile happens after it. fp8 pages (float8_e4m3fn / e5m2, `kv_cache_dtype="fp8*"`) are
+probed and measured on their own (the page dtype joins the key): the kernel's fp8 path.
 
 "auto" then chooses per token bucket by measurement (`measured_choice`): the first time a step
 of T tokens is traced, both kernels run on one T-token prompt of this head shape (checked
@@ -91,7 +92,8 @@ def probe_case(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
 
 
 def run_probe(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-              dtype_name: str, interpret: bool = False) -> tuple[bool, str]:
+              dtype_name: str, interpret: bool = False,
+              page_dtype_name: str | None = None) -> tuple[bool, str]:
     """Compile and run the Mosaic kernel on `probe_case` and compare with the reference.
 
     Runs in a thread of its own: the probe is reached while the engine's step is being
@@ -103,8 +105,10 @@ def run_probe(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
     def body():
         q, kv, md, real = probe_case(num_heads, num_kv_heads, head_dim, page_size,
                                      jnp.dtype(dtype_name))
+        if page_dtype_name:  # fp8 pages, the reference reading the same ones
+            kv = kv.astype(jnp.dtype(page_dtype_name))
         scale = head_dim ** -0.5
-        block_keys = 64 if interpret else 128
+        block_keys = 64 if interpret else None  # None: the kernel's default (128 for bf16)
         got = jax.jit(lambda q, kv, md: mosaic_prefill.ragged_prefill_attention(
             q, kv, jnp.int32(0), md, sm_scale=scale, block_keys=block_keys,
             interpret=interpret))(q, kv, md)
@@ -125,16 +129,22 @@ def run_probe(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
 
 @functools.lru_cache(maxsize=None)
 def mosaic_prefill_ok(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                      dtype_name: str) -> tuple[bool, str]:
-    """(usable, reason): the probe described in the module docstring."""
+                      dtype_name: str, page_dtype_name: str | None = None) -> tuple[bool, str]:
+    """(usable, reason): the probe described in the module docstring; page_dtype_name: pages
+    in another dtype than q's (fp8)."""
     from jaxllm.kernels import mosaic_prefill
     if not is_hopper():
         return False, "not a Hopper GPU"
     if dtype_name not in ("bfloat16", "float16"):
         return False, f"dtype {dtype_name} (the kernel takes 16-bit pages)"
-    if not mosaic_prefill.supported(num_heads, num_kv_heads, head_dim, page_size):
+    fp8 = page_dtype_name is not None
+    if fp8 and page_dtype_name not in ("float8_e4m3fn", "float8_e5m2"):
+        return False, f"{page_dtype_name} pages (the kernel takes q's dtype and fp8)"
+    if not mosaic_prefill.supported(num_heads, num_kv_heads, head_dim, page_size,
+                                    mosaic_prefill.default_block_keys(head_dim, fp8), fp8):
         return False, f"shape H={num_heads} K={num_kv_heads} D={head_dim} S={page_size}"
-    return run_probe(num_heads, num_kv_heads, head_dim, page_size, dtype_name)
+    return run_probe(num_heads, num_kv_heads, head_dim, page_size, dtype_name,
+                     page_dtype_name=page_dtype_name)
 
 
 def prompt_case(T: int, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype):
@@ -163,7 +173,7 @@ _measure_lock = threading.Lock()  # warm-up traces buckets on a thread pool: tim
 
 
 def _measure(T: int, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-             dtype_name: str) -> dict[str, float]:
+             dtype_name: str, page_dtype_name: str | None = None) -> dict[str, float]:
     from jaxllm.kernels import mosaic_prefill, pallas_ragged
 
     scale = head_dim ** -0.5
@@ -174,8 +184,11 @@ def _measure(T: int, num_heads: int, num_kv_heads: int, head_dim: int, page_size
 
     def body():
         with _measure_lock:
-            case = prompt_case(T, num_heads, num_kv_heads, head_dim, page_size, jnp.dtype(dtype_name))
-            return time_kernels(fns, *case)
+            q, kv, md = prompt_case(T, num_heads, num_kv_heads, head_dim, page_size,
+                                    jnp.dtype(dtype_name))
+            if page_dtype_name:  # fp8 pages: both kernels read them
+                kv = kv.astype(jnp.dtype(page_dtype_name))
+            return time_kernels(fns, q, kv, md)
 
     # A thread of its own, as the probe's: reached while a step is traced (`run_probe`).
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -184,7 +197,7 @@ def _measure(T: int, num_heads: int, num_kv_heads: int, head_dim: int, page_size
 
 @functools.lru_cache(maxsize=None)
 def measured_choice(T: int, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                    dtype_name: str) -> tuple[str, str]:
+                    dtype_name: str, page_dtype_name: str | None = None) -> tuple[str, str]:
     """("mosaic" or "pallas", why) for steps of T tokens, by measurement (module docstring).
 
     Several processes take the size rule instead: each compiles the step on its own, and
@@ -193,7 +206,8 @@ def measured_choice(T: int, num_heads: int, num_kv_heads: int, head_dim: int, pa
         return ("mosaic" if T >= FALLBACK_MIN_TOKENS else "pallas",
                 f"several processes: size rule, Mosaic from {FALLBACK_MIN_TOKENS} tokens")
     try:
-        times = _measure(T, num_heads, num_kv_heads, head_dim, page_size, dtype_name)
+        times = _measure(T, num_heads, num_kv_heads, head_dim, page_size, dtype_name,
+                         page_dtype_name)
     except Exception as e:  # noqa: BLE001 - no figure: the size rule
         pick = "mosaic" if T >= FALLBACK_MIN_TOKENS else "pallas"
         return pick, (f"measurement failed ({type(e).__name__}: {str(e)[:200]}); "
@@ -213,12 +227,15 @@ def prefill_kernel(q: jax.Array, kv_pages: jax.Array) -> str:
     if mode not in ("auto", "mosaic", "pallas"):
         raise ValueError(f"JAXLLM_PREFILL_KERNEL must be auto, mosaic or pallas, got {mode!r}")
     key = (q.shape[1], kv_pages.shape[2], q.shape[2], kv_pages.shape[4], jnp.dtype(q.dtype).name)
+    if jnp.dtype(kv_pages.dtype) != jnp.dtype(q.dtype):  # fp8 pages: probed, measured as such
+        key += (jnp.dtype(kv_pages.dtype).name,)
+    shape = "H=%d K=%d D=%d S=%d %s" % key[:5] + (f", {key[5]} pages" if len(key) > 5 else "")
     T = q.shape[0]
     if mode == "auto" and T < mosaic_min_tokens():
         if (key, "small") not in _logged:
             _logged.add((key, "small"))
-            log.info("prefill/mixed attention for H=%d K=%d D=%d S=%d %s, steps under %d tokens: "
-                     "portable Pallas kernel (Triton)", *key, mosaic_min_tokens())
+            log.info("prefill/mixed attention for %s, steps under %d tokens: "
+                     "portable Pallas kernel (Triton)", shape, mosaic_min_tokens())
         return "pallas"
     if mode == "auto":
         ok, why = mosaic_prefill_ok(*key)
@@ -233,7 +250,7 @@ def prefill_kernel(q: jax.Array, kv_pages: jax.Array) -> str:
         log_key = key
     if log_key not in _logged:
         _logged.add(log_key)
-        log.info("prefill/mixed attention for H=%d K=%d D=%d S=%d %s: %s (%s)", *key,
+        log.info("prefill/mixed attention for %s: %s (%s)", shape,
                  "Mosaic GPU prefill kernel" if ok else "portable Pallas kernel (Triton)", why)
     return "mosaic" if ok else "pallas"
 
