@@ -33,8 +33,10 @@ no dequantized cache in HBM), V(s) between its two halves of the QK(s) ping-pong
 the other's softmax), K(s + 1) while its PV(s) wgmma runs. The wgmmas run in f16: Hopper has
 fp8 -> f16 conversions only, and every e4m3 / e5m2 value is exact in f16. The wrapper hands
 the kernel q * sm_scale * log2(e) as f16 (the softmax skips its scale) and casts the f16 output
-back. Default block at D = 128: 64 keys (128 KB of SMEM; 224 KB at 128); D = 256 does not fit.
-int8 / int4 rows (no 16-byte multiples, which TMA needs) stay with the Pallas kernel.
+back. Default block at D = 128: 64 keys (128 KB of SMEM; 128 keys, 224 KB, ran too: 1.91 vs
+1.98 ms at 1x8192, 0.40 vs 0.33 at 1x2048); D = 256 does not fit. H200, jax 0.11.2, H 32 K 8
+D 128: 1.98 ms at 1x8192 (bf16 pages 1.23, Pallas on fp8 3.67), rel err 1.2-1.6e-3 against ref
+on the same pages. int8 / int4 rows (not 16-byte multiples, for TMA) stay with the Pallas kernel.
 """
 
 from __future__ import annotations
