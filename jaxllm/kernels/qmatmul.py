@@ -1,8 +1,8 @@
 """Decode-sized matmul on quantized weights, the weights read once as stored.
 
-`qmatmul(x [..., K], w: QArray int4 | int8 | fp8 for [K, N]) -> [..., N]` for up to MAX_ROWS rows (decode
-steps). Per scale group of g rows along K the weight is w = q * s + o, so a group's share of
-the product needs no dequantized weight at all:
+`qmatmul(x [..., K], w: QArray int4 | int8 | fp8 for [K, N]) -> [..., N]` for up to MAX_ROWS
+rows (decode steps). Per scale group of g rows along K the weight is w = q * s + o, so a
+group's share of the product needs no dequantized weight at all:
 
     x_g . w_g = (x_g . q_g) * s_g + (sum x_g) * o_g
 
@@ -108,6 +108,8 @@ def unsupported(x_shape: tuple[int, ...], w: QArray, t: Tiling) -> str | None:
     K, N = w.shape
     if w.kind == "fp8" and fp8_group(w) is None:
         return f"fp8 scale blocks {w.scale.shape} that do not tile [{N}, {K}]"
+    if w.kind == "fp8" and t.magic:  # the same kernel as the plain twin: never measured twice
+        return "the magic conversion is for int4 / int8 (fp8 converts as it is)"
     rows = 1
     for d in x_shape[:-1]:
         rows *= d
@@ -142,7 +144,7 @@ def to_float(q: jax.Array, kind: str, dtype, magic: bool) -> jax.Array:
       int8 q: u = (q as uint8) ^ 0x80 = q + 128 in the mantissa of float32 256.0, i.e. 384 + q,
         one float32 subtraction gives q, and bfloat16 keeps its high 16 bits (exact: |q| <= 128).
     """
-    if not magic or kind == "fp8":
+    if not magic:
         return q.astype(dtype)
     bits = lambda a, t: jax.lax.bitcast_convert_type(a, t)  # noqa: E731 - same width
     if kind == "int4":
