@@ -3,6 +3,13 @@
     python scripts/host_step.py --batch 256                # final outputs only (what LLM.generate asks for)
     python scripts/host_step.py --batch 256 --cumulative   # every step builds every request's output
     python scripts/host_step.py --batch 256 --profile      # and the host's top functions (cProfile)
+    python scripts/host_step.py --batch 64 --vocab 128256 --structured json   # JSON-schema rows
+
+`--vocab N` gives the tiny model a vocabulary of N ids (a config-only folder, dummy weights, the
+byte-level fallback tokenizer), so per-row work that scales with the vocabulary (the structured
+outputs bitmask) is sized as on a real model; `--structured json` puts every request under
+bench_serving's JSON schema (temperature 1 then, so the grammar is exercised; compare with
+`--temperature 1` without it).
 
 `--batch` prompts of 32 tokens, `--max-tokens` greedy output tokens each (ignore_eos),
 max_num_seqs = the batch, stepped as `LLM.generate` steps them; the two modes differ only in
@@ -13,7 +20,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
+import os
 import pstats
+import sys
+import tempfile
 import time
 
 import numpy as np
@@ -36,13 +47,32 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--cumulative", action="store_true", help="per-step outputs (output_kind CUMULATIVE)")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size of the tiny model")
+    p.add_argument("--structured", choices=["none", "json"], default="none")
+    p.add_argument("--temperature", type=float, default=None, help="default 0, or 1 with --structured")
     args = p.parse_args()
     kind = RequestOutputKind.CUMULATIVE if args.cumulative else RequestOutputKind.FINAL_ONLY
-    llm = LLM(random_shape="tiny", max_model_len=512, max_num_seqs=args.batch, max_num_batched_tokens=2048)
+    kw = dict(max_model_len=512, max_num_seqs=args.batch, max_num_batched_tokens=2048)
+    if args.vocab is None:
+        llm = LLM(random_shape="tiny", **kw)
+    else:
+        from jaxllm.models.shapes import get_shape
+        folder = tempfile.mkdtemp(prefix="host_step_")
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(dict(get_shape("tiny"), vocab_size=args.vocab), f)
+        llm = LLM(model=folder, load_format="dummy", **kw)
     vocab = llm.engine.model_cfg.vocab_size
     rng = np.random.default_rng(0)
     prompts = [rng.integers(10, vocab - 10, size=32).tolist() for _ in range(args.batch)]
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True, output_kind=kind)
+    temperature = args.temperature if args.temperature is not None else float(args.structured != "none")
+    extra = {}
+    if args.structured == "json":
+        from jaxllm.sampling_params import StructuredOutputsParams
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from bench_serving import STRUCTURED_SCHEMA
+        extra["structured_outputs"] = StructuredOutputsParams(json=STRUCTURED_SCHEMA)
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, ignore_eos=True, output_kind=kind,
+                        seed=0, **extra)
     run(llm, prompts[:8], sp, "warm")
     prof = cProfile.Profile()
     t = time.perf_counter()
@@ -52,7 +82,8 @@ def main() -> None:
     prof.disable()
     dt = time.perf_counter() - t
     print(f"batch {args.batch}: {dt:.2f} s, {args.batch * args.max_tokens / dt:.0f} tok/s, "
-          f"{dt / args.max_tokens * 1e3:.1f} ms per step ({kind.name.lower()})")
+          f"{dt / args.max_tokens * 1e3:.1f} ms per step ({kind.name.lower()}, vocab {vocab}, "
+          f"structured {args.structured}, temperature {temperature:g})")
     if args.profile:
         pstats.Stats(prof).sort_stats("cumtime").print_stats(30)
 
