@@ -261,6 +261,7 @@ def test_client_disconnect_aborts_and_frees_blocks(srv):
     ("/v1/completions", {"prompt": "x", "n": 9}, 400),  # more than max_num_seqs
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": ""}, 400),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400),  # 0 only with echo
     ("/v1/completions", {"prompt": [5] * (MAX_LEN + 1), "max_tokens": 1}, 400),  # over-long prompt
     ("/v1/completions", {"prompt": [5] * 200, "max_tokens": 100}, 400),  # prompt + completion too long

@@ -116,6 +116,12 @@ def test_openapi_documents_statuses_and_media_types(srv):
     assert "securitySchemes" not in spec.get("components", {})
     n = spec["components"]["schemas"]["ChatCompletionRequest"]["properties"]["n"]
     assert n["maximum"] == srv.engine.max_num_seqs
+    # An empty stop string is refused (as SamplingParams refuses it), so the schema says so:
+    # schemathesis once drew stop [""] as a valid request and got the 400.
+    for req in ("ChatCompletionRequest", "CompletionRequest"):
+        stop = spec["components"]["schemas"][req]["properties"]["stop"]["anyOf"]
+        strings = [s for s in stop if s.get("type") == "string"] + [s["items"] for s in stop if s.get("type") == "array"]
+        assert len(strings) == 2 and all(s.get("minLength") == 1 for s in strings), stop
     srv.app.state.api_key = "sk-test"
     try:
         keyed = httpx.get(f"{srv.url}/openapi.json").json()

@@ -102,7 +102,7 @@ class SamplingFields(ConstraintFields, _Req):
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=100.0)
     seed: Int(-INT64 - 1, INT64) | None = None
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None  # "" stops nothing: refused, as SamplingParams does
     stop_token_ids: list[TokenId] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
