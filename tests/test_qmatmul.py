@@ -71,6 +71,14 @@ def rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+# Rows are padded to one block of the tiling-independent row count, so every tiling is checked
+# at 5 rows (padded) and a few kinds of tiling (plain, unrolled, bit-op conversion, 8 warps) at
+# 1 and 64: the cross product took ~130 s of CI in interpret mode for nothing more.
+_FEW = {t.name for t in (qmatmul.TILINGS[0], next(t for t in qmatmul.TILINGS if t.unroll > 1),
+                          next(t for t in qmatmul.TILINGS if t.magic),
+                          next(t for t in qmatmul.TILINGS if t.num_warps == 8))}
+
+
 @pytest.mark.parametrize("name", sorted(WEIGHTS))
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_matches_dequantized_matmul(name, rows):
@@ -79,6 +87,8 @@ def test_matches_dequantized_matmul(name, rows):
     want = qmatmul.reference(x, w)
     fitting = [t for t in qmatmul.TILINGS if qmatmul.unsupported(x.shape, w, t) is None]
     assert fitting, [qmatmul.unsupported(x.shape, w, t) for t in qmatmul.TILINGS]
+    if rows != 5:
+        fitting = [t for t in fitting if t.name in _FEW] or fitting[:1]
     for t in fitting:
         got = qmatmul.qmatmul(x, w, t, interpret=True)
         assert got.shape == (rows, N) and got.dtype == x.dtype
