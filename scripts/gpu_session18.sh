@@ -10,7 +10,11 @@
 #     (bench_quant.py matmul --tilings all: kernel time apart from the XLA ops around it)
 #   e (~8 min): issue 17 -- decode step batch 1 with bf16 / fp8 / int4 weights, the path
 #     measured per layout at warm-up in the log ("quantized matmuls by measurement")
-#   d (~5 min): issue 16 -- structured outputs through the server (gpu_structured_serving.sh)
+#   d (~8 min): issue 16 -- structured outputs through the server (gpu_structured_serving.sh), one
+#     server per placement of the mask work (JAXLLM_MASK_ON thread / engine / dispatch): on the
+#     CPU (session 19, scripts/host_step.py, greedy, 64 rows) "engine" was the fastest of the
+#     three; the GPU's last comparison of them predates the fix that stopped every mask being
+#     computed twice
 set -u
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -20,6 +24,7 @@ case "${1:-}" in
   c) MATMUL_FLAGS="${MATMUL_FLAGS:---tilings all --tokens 1 --shapes qkv gate_up down --modes fp8 int8 int4 --no-peers}" \
      T_MATMUL=${T_MATMUL:-540} QUANT_PARTS=1 bash scripts/gpu_quant.sh ;;
   e) QUANT_PARTS=3 T_LAT=${T_LAT:-150} bash scripts/gpu_quant.sh ;;
-  d) bash scripts/gpu_structured_serving.sh ;;
+  d) MASK_ON="${MASK_ON:-thread engine dispatch}" T_UP=${T_UP:-100} T_BENCH=${T_BENCH:-60} \
+     bash scripts/gpu_structured_serving.sh ;;
   *) echo "usage: $0 a|b|c|d|e" >&2; exit 2 ;;
 esac

@@ -50,7 +50,12 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size of the tiny model")
     p.add_argument("--structured", choices=["none", "json"], default="none")
     p.add_argument("--temperature", type=float, default=None, help="default 0, or 1 with --structured")
+    p.add_argument("--switch-interval", type=float, default=None,
+                   help="sys.setswitchinterval (s); the server sets 0.0005 (jaxllm/server/args.py)")
+    p.add_argument("--repeat", type=int, default=1, help="timed runs (fresh prompts each)")
     args = p.parse_args()
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     kind = RequestOutputKind.CUMULATIVE if args.cumulative else RequestOutputKind.FINAL_ONLY
     kw = dict(max_model_len=512, max_num_seqs=args.batch, max_num_batched_tokens=2048)
     if args.vocab is None:
@@ -74,13 +79,19 @@ def main() -> None:
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, ignore_eos=True, output_kind=kind,
                         seed=0, **extra)
     run(llm, prompts[:8], sp, "warm")
-    prof = cProfile.Profile()
-    t = time.perf_counter()
-    if args.profile:
-        prof.enable()
-    run(llm, prompts, sp, "timed")
-    prof.disable()
-    dt = time.perf_counter() - t
+    for rep in range(args.repeat):
+        prof = cProfile.Profile()
+        t = time.perf_counter()
+        if args.profile:
+            prof.enable()
+        run(llm, prompts if rep == 0 else [rng.integers(10, vocab - 10, size=32).tolist()
+                                          for _ in range(args.batch)], sp, f"timed{rep}")
+        prof.disable()
+        dt = time.perf_counter() - t
+        report(args, kind, vocab, temperature, dt, prof)
+
+
+def report(args, kind, vocab, temperature, dt, prof) -> None:
     print(f"batch {args.batch}: {dt:.2f} s, {args.batch * args.max_tokens / dt:.0f} tok/s, "
           f"{dt / args.max_tokens * 1e3:.1f} ms per step ({kind.name.lower()}, vocab {vocab}, "
           f"structured {args.structured}, temperature {temperature:g})")
