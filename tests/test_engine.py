@@ -150,7 +150,7 @@ def test_packed_batch_unpacks_to_the_host_batch():
     """The step's two packed input arrays give back every field of the host batch, and a
     placeholder token (async scheduling) reads the previous step's id of its request."""
     from jaxllm.engine.batch import build_batch
-    from jaxllm.engine.runner import Batch
+    from jaxllm.engine.device_batch import Batch
     from jaxllm.runtime.scheduler_output import PLACEHOLDER, ScheduledRequest, SchedulerOutput
 
     rows = [ScheduledRequest("a", token_ids=[5, 6, 7], start_pos=0, block_ids=[3], sample=True),

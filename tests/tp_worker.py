@@ -88,7 +88,7 @@ def collectives(runner, T: int, R: int) -> list[str]:
     Lowering traces the step again, so call this after reading the compile counters.
     """
     from jaxllm.engine.batch import HostBatch
-    from jaxllm.engine.runner import Batch
+    from jaxllm.engine.device_batch import Batch
 
     hb = HostBatch(tokens=np.zeros(T, np.int32), positions=np.full(T, -1, np.int32),
                    token_req=np.zeros(T, np.int32), slot_mapping=np.full(T, -1, np.int32),

@@ -158,7 +158,7 @@ class Llama(nnx.Module):
             qkv = jnp.einsum("te,esp->tsp", h, w["wqkv"])
             if cfg.qkv_bias:
                 qkv = qkv + w["bqkv"]
-            S, nq, nk = qkv.shape[1], H * D // qkv.shape[1], K * D // qkv.shape[1]
+            nq, nk = H * D // qkv.shape[1], K * D // qkv.shape[1]
             q, k, v = qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:]
         else:
             q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]

@@ -19,10 +19,14 @@ import logging
 import time
 
 import numpy as np
+from typing import TYPE_CHECKING
 
 from jaxllm.runtime.request import Request, RequestStatus
 from jaxllm.runtime.scheduler_output import SchedulerOutput
 from jaxllm.spec.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from jaxllm.engine.sampler import SampleRow
 
 log = logging.getLogger("jaxllm")
 

@@ -29,7 +29,6 @@ verifies exactly. Zero compiles after warm-up: `warmup` compiles `shadow` for ev
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import jax
@@ -39,7 +38,8 @@ from flax import nnx
 
 from jaxllm.engine.batch import HostBatch, compiled_pairs, pick_bucket
 from jaxllm.engine.kv_ops import KVOps, committed
-from jaxllm.engine.runner import Batch, pick_attention
+from jaxllm.engine.device_batch import Batch
+from jaxllm.engine.runner import pick_attention
 from jaxllm.kernels.metadata import AttentionMetadata
 from jaxllm.models import registry
 from jaxllm.models.llama import load_state
