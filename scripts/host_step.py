@@ -11,14 +11,19 @@ outputs bitmask) is sized as on a real model; `--structured json` puts every req
 bench_serving's JSON schema (temperature 1 then, so the grammar is exercised; compare with
 `--temperature 1` without it).
 
-`--batch` prompts of 32 tokens, `--max-tokens` greedy output tokens each (ignore_eos),
-max_num_seqs = the batch, stepped as `LLM.generate` steps them; the two modes differ only in
+`--segments` times the engine thread's parts of a step (schedule, launch, process, and in them
+the waits for the device and for the dispatch thread) and the dispatch thread's `_run`, by
+wrapping those methods: ms per step each (nested parts overlap their callers).
+
+`--batch` prompts of 32 tokens, `--max-tokens` output tokens each (ignore_eos), max_num_seqs =
+the batch, stepped as `LLM.generate` steps them; `--cumulative` and the default differ only in
 `SamplingParams.output_kind`. Prints ms per step (wall / output tokens per request).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import json
 import os
@@ -41,6 +46,36 @@ def run(llm: LLM, prompts: list[list[int]], sp: SamplingParams, tag: str) -> Non
         eng.step()
 
 
+def segment_timers(eng) -> collections.Counter:
+    """Wrap the step's parts (engine thread, dispatch thread) to sum their seconds by name."""
+    from jaxllm.engine import dispatch, sampler
+    from jaxllm.structured import manager
+
+    acc: collections.Counter = collections.Counter()
+
+    def wrap(obj, name: str, key: str) -> None:
+        f = getattr(obj, name)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                acc[key] += time.perf_counter() - t
+        setattr(obj, name, timed)
+
+    wrap(eng.scheduler, "schedule", "schedule")
+    wrap(eng.scheduler, "update", "scheduler.update")
+    wrap(eng, "_launch", "launch")
+    wrap(eng, "_process", "process")
+    wrap(sampler.PendingSample, "fetch", "process: wait for the device")
+    wrap(dispatch.Launched, "result", "process: wait for the dispatch thread")
+    wrap(manager.StructuredManager, "advance", "matchers advance")
+    wrap(manager.StructuredManager, "hand_off", "mask hand-off")
+    wrap(dispatch.Dispatcher, "_run", "dispatch thread: _run")
+    return acc
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=256)
@@ -53,6 +88,7 @@ def main() -> None:
     p.add_argument("--switch-interval", type=float, default=None,
                    help="sys.setswitchinterval (s); the server sets 0.0005 (jaxllm/server/args.py)")
     p.add_argument("--repeat", type=int, default=1, help="timed runs (fresh prompts each)")
+    p.add_argument("--segments", action="store_true", help="ms per step in the step's parts")
     args = p.parse_args()
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
@@ -78,8 +114,11 @@ def main() -> None:
         extra["structured_outputs"] = StructuredOutputsParams(json=STRUCTURED_SCHEMA)
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, ignore_eos=True, output_kind=kind,
                         seed=0, **extra)
+    acc = segment_timers(llm.engine) if args.segments else None
     run(llm, prompts[:8], sp, "warm")
     for rep in range(args.repeat):
+        if acc is not None:
+            acc.clear()
         prof = cProfile.Profile()
         t = time.perf_counter()
         if args.profile:
@@ -89,6 +128,8 @@ def main() -> None:
         prof.disable()
         dt = time.perf_counter() - t
         report(args, kind, vocab, temperature, dt, prof)
+        for name, sec in sorted((acc or {}).items(), key=lambda kv: -kv[1]):
+            print(f"  {name:38s} {sec / args.max_tokens * 1e3:6.2f} ms per step")
 
 
 def report(args, kind, vocab, temperature, dt, prof) -> None:
