@@ -38,6 +38,8 @@ SCHEMA_CANNOT_SAY = {
                                                                                         "another"),
     "schema names": ("structured_outputs must set exactly one", "exactly one of several optional fields"),
     "tools $defs": ("$defs", "definitions merged across tools must agree"),
+    "prompt tokenizes to nothing": ("the prompt is empty", "a text of characters the vocabulary lacks (SmolLM2 "
+                                    "has no token for bytes 0x04 0x06 0x13 0x14 0x16 0x1d) has no tokens"),
 }
 
 
@@ -134,3 +136,12 @@ def test_openapi_documents_statuses_and_media_types(srv):
     assert keyed["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
     assert keyed["paths"]["/v1/models"]["get"]["security"] == [{"bearer": []}]
     assert "401" in keyed["paths"]["/v1/models"]["get"]["responses"]
+
+
+def test_prompt_of_characters_without_tokens_is_a_400(srv):
+    """The case schemathesis found: "\\x06" is a valid string with no SmolLM2 token (the byte-level
+    vocabulary lacks six control bytes), so the prompt is empty after tokenizing: a 400 naming it,
+    and the server goes on."""
+    r = httpx.post(f"{srv.url}/v1/completions", json={"prompt": ["\x06"], "max_tokens": 1}, timeout=30)
+    assert r.status_code == 400 and "the prompt is empty" in r.json()["error"]["message"], r.text
+    assert httpx.get(f"{srv.url}/health").status_code == 200
