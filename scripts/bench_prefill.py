@@ -15,6 +15,9 @@ query rows (all rows of the sequences' ends included), with the output memory po
 of queued jitted calls that each run the kernel back to back on several query sets (>= ~4 ms
 of device work per call, so host dispatch stays hidden), torch with CUDA events; medians.
 (No profiler trace: its export stalled for minutes on the H200.)
+A paged kernel named `KERNEL@fp8` / `KERNEL@fp8_e5m2` (e.g. `mosaic@fp8,pallas@fp8`) reads the
+same pages stored as fp8 (`kv_cache_dtype`, scale 1.0); its check is against the reference on the
+fp8-rounded K/V, and its FLOPs are the same.
 """
 
 from __future__ import annotations
@@ -287,6 +290,33 @@ def torch_peers(case, names, rows, want) -> dict:
     return res
 
 
+PAGE_FORMATS = ("fp8", "fp8_e5m2")  # "KERNEL@FORMAT": a paged kernel on pages of that format
+
+
+def by_format(names: list[str]) -> dict[str, list[tuple[str, str]]]:
+    """{page format ("auto": the model dtype): [(name as asked, kernel name)]} for "KERNEL@FMT"."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for name in names:
+        base, _, fmt = name.partition("@")
+        fmt = fmt or "auto"
+        if fmt != "auto" and (fmt not in PAGE_FORMATS or not base.startswith(("mosaic", "pallas", "twin"))):
+            raise ValueError(f"{name!r}: only the paged kernels (mosaic*, pallas, twin) take a page format, "
+                             f"one of {PAGE_FORMATS}")
+        out.setdefault(fmt, []).append((name, base))
+    return out
+
+
+def page_case(case: dict, fmt: str) -> dict:
+    """`case` with its pages stored in `fmt` (kernels/kv_quant.py, scale 1.0) and its contiguous
+    K/V rounded the same way, so the float32 reference sees the values the kernels read."""
+    if fmt == "auto":
+        return case
+    from jaxllm.kernels import kv_quant
+    dtype, width = kv_quant.page_layout(fmt, jnp.bfloat16, D)
+    rnd = lambda x: kv_quant.encode(x, dtype, width).astype(jnp.bfloat16)
+    return dict(case, kv=kv_quant.encode(case["kv"], dtype, width), k=rnd(case["k"]), v=rnd(case["v"]))
+
+
 def run_prefill(args) -> dict:
     cases = {"2048": [2048], "8192": [8192], "32768": [32768],
              "ragged8": list(np.random.default_rng(7).integers(1024, 8193, 8))}
@@ -307,19 +337,24 @@ def run_prefill(args) -> dict:
         jax_names = [n for n in names if not n.startswith("torch")
                      and not (paged_only and n.startswith("jax_"))
                      and not (n.startswith("mosaic_direct") and (case["qstarts"] % 8).any())]
-        for name, kind_fn in jax_fns(jax_names).items():
-            print(f"    {name} ...", flush=True)
-            try:
-                err = check(runner(kind_fn, case), case, rows, want)
-                reps = int(np.clip(round(4e12 / case["flops"]), 1, 8))  # >= ~4 ms per call
-                qs = jnp.stack([jnp.roll(case["q"], i, axis=0) for i in range(reps)])
-                t = wall_time(runner(kind_fn, case), qs)
-                del qs
-                row["kernels"][name] = dict(rel_err=err, ms=t * 1e3,
-                                            tflops=case["flops"] / t / 1e12, ok=err < 2e-2)
-            except Exception as e:  # noqa: BLE001
-                row["kernels"][name] = dict(error=traceback.format_exc()[-4000:])
-            print(f"    {name}: {row['kernels'][name]}", flush=True)
+        for fmt, group in by_format(jax_names).items():
+            fcase = page_case(case, fmt)
+            fwant = want if fmt == "auto" else reference_rows(fcase, rows)
+            fns = jax_fns([base for _, base in group])
+            for name, base in group:
+                print(f"    {name} ...", flush=True)
+                try:
+                    err = check(runner(fns[base], fcase), fcase, rows, fwant)
+                    reps = int(np.clip(round(4e12 / case["flops"]), 1, 8))  # >= ~4 ms per call
+                    qs = jnp.stack([jnp.roll(case["q"], i, axis=0) for i in range(reps)])
+                    t = wall_time(runner(fns[base], fcase), qs)
+                    del qs
+                    row["kernels"][name] = dict(rel_err=err, ms=t * 1e3,
+                                                tflops=case["flops"] / t / 1e12, ok=err < 2e-2)
+                except Exception:  # noqa: BLE001
+                    row["kernels"][name] = dict(error=traceback.format_exc()[-4000:])
+                print(f"    {name}: {row['kernels'][name]}", flush=True)
+            del fcase
         if not paged_only:
             row["kernels"].update(torch_peers(case, [n for n in names if n.startswith("torch")],
                                               rows, want))
@@ -358,16 +393,21 @@ def smoke(names: list[str]) -> list:
         rows = np.arange(case["q"].shape[0])
         want = reference_rows(case, rows)
         row = dict(ctx=ctx, new=new, pad=pad, heads=heads, page=page, kernels={})
-        for name, kind_fn in jax_fns([n for n in names if n.startswith(("mosaic", "pallas", "twin"))]).items():
-            print(f"  smoke {i} {name} ...", flush=True)
-            try:
-                run = runner(kind_fn, case)
-                err = check(run, case, rows, want)
-                got = np.asarray(run(case["q"][None])[0][case["real"]:].astype(jnp.float32))
-                row["kernels"][name] = dict(rel_err=err, pad_zero=not got.any(),
-                                            ok=err < 2e-2 and not got.any())
-            except Exception as e:  # noqa: BLE001
-                row["kernels"][name] = dict(error=traceback.format_exc()[-4000:])
-            print(f"  smoke {i} {name}: {row['kernels'][name]}", flush=True)
+        paged = [n for n in names if n.startswith(("mosaic", "pallas", "twin"))]
+        for fmt, group in by_format(paged).items():
+            fcase = page_case(case, fmt)
+            fwant = want if fmt == "auto" else reference_rows(fcase, rows)
+            fns = jax_fns([base for _, base in group])
+            for name, base in group:
+                print(f"  smoke {i} {name} ...", flush=True)
+                try:
+                    run = runner(fns[base], fcase)
+                    err = check(run, fcase, rows, fwant)
+                    got = np.asarray(run(case["q"][None])[0][case["real"]:].astype(jnp.float32))
+                    row["kernels"][name] = dict(rel_err=err, pad_zero=not got.any(),
+                                                ok=err < 2e-2 and not got.any())
+                except Exception:  # noqa: BLE001
+                    row["kernels"][name] = dict(error=traceback.format_exc()[-4000:])
+                print(f"  smoke {i} {name}: {row['kernels'][name]}", flush=True)
         res.append(row)
     return res

@@ -1,12 +1,15 @@
 """Correctness of the Mosaic prefill kernel on the GPU, with the error located.
 
     python3 scripts/check_prefill.py [--variants mosaic,mosaic:64:4,mosaic_wg,jax_mgpu]
+    python3 scripts/check_prefill.py --kv-cache-dtype fp8 fp8_e5m2   # the same cases on fp8 pages
 
 Each case (ragged requests, chunks over a cached prefix, decode rows, GQA 1/4/8, page sizes
 16-128) runs every variant twice: with random q, and with q = 0 (uniform attention over the
 visible keys: isolates the V/mask/PV path from the QK path). Outputs poisoned (NaN) first.
 Per case: rel err vs the float32 reference (`ref.py` on upcast inputs), NaN rows (unwritten),
 and where the error sits: per query head in the group, per request, per row index mod 128.
+With `--kv-cache-dtype`, each case also runs on its pages stored in that format (scale 1.0,
+`bench_prefill.page_case`), against the reference on the same stored pages.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench_prefill import make_case  # noqa: E402
+from bench_prefill import make_case, page_case  # noqa: E402
 from jaxllm.kernels import mosaic_prefill, ref  # noqa: E402
 
 CASES = {  # name: (contexts, new tokens, pad tokens, (H, K), page)
@@ -42,6 +45,10 @@ CASES = {  # name: (contexts, new tokens, pad tokens, (H, K), page)
 
 def variant(name: str):
     kind, *parts = name.split(":")
+    if kind == "pallas":  # the portable ragged kernel (reads every page format): a harness check
+        from jaxllm.kernels import pallas_ragged
+        return jax.jit(lambda q, kv, md: pallas_ragged.ragged_paged_attention(
+            q, kv, jnp.int32(0), md, sm_scale=0.1))
     if kind == "twin":  # the portable twin: a check of this harness
         from jaxllm.kernels import pallas_prefill
         return jax.jit(lambda q, kv, md: pallas_prefill.ragged_prefill_attention(
@@ -81,19 +88,22 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--variants", default="mosaic,mosaic:64:4")
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8", "fp8_e5m2"],
+                   help="page formats to run every case on")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check_prefill.json"))
     args = p.parse_args()
     res = dict(jax=jax.__version__, device=jax.devices()[0].device_kind, rows=[])
     for cname in args.cases.split(","):
         ctx, new, pad, heads, page = CASES[cname]
-        case = make_case(ctx, page, seed=3, news=new, pad_tokens=pad, heads=heads)
-        for zero_q in (False, True):
+        base = make_case(ctx, page, seed=3, news=new, pad_tokens=pad, heads=heads)
+        for fmt, zero_q in [(f, z) for f in args.kv_cache_dtype for z in (False, True)]:
+            case = page_case(base, fmt)
             q = jnp.zeros_like(case["q"]) if zero_q else case["q"]
             want = np.asarray(ref.ragged_paged_attention(
                 q.astype(jnp.float32), case["kv"].astype(jnp.float32), jnp.int32(0), case["md"],
                 sm_scale=0.1))
             for vname in args.variants.split(","):
-                tag = f"{cname} {'q=0' if zero_q else 'q~N'} {vname}"
+                tag = f"{cname} {'q=0' if zero_q else 'q~N'} {vname}" + ("" if fmt == "auto" else f" {fmt}")
                 try:
                     fn = variant(vname)
                     jax.block_until_ready(fn(q, case["kv"], case["md"]))

@@ -15,6 +15,9 @@
 #     CPU (session 19, scripts/host_step.py, greedy, 64 rows) "engine" was the fastest of the
 #     three; the GPU's last comparison of them predates the fix that stopped every mask being
 #     computed twice
+#   f (~8 min): issue 17 -- the Mosaic prefill kernel on fp8 pages, of record: check_prefill.py on
+#     bf16 / e4m3 / e5m2 pages (poisoned, every row), then bench_kernels.py --prefill at 1x8192 and
+#     1x32768 with the Mosaic and Pallas kernels on bf16 and fp8 pages beside cuDNN (jax, torch)
 set -u
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -26,5 +29,11 @@ case "${1:-}" in
   e) QUANT_PARTS=3 T_LAT=${T_LAT:-150} bash scripts/gpu_quant.sh ;;
   d) MASK_ON="${MASK_ON:-thread engine dispatch}" T_UP=${T_UP:-100} T_BENCH=${T_BENCH:-60} \
      bash scripts/gpu_structured_serving.sh ;;
-  *) echo "usage: $0 a|b|c|d|e" >&2; exit 2 ;;
+  f) export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off; OUT=${OUT:-out}; mkdir -p "$OUT"
+     timeout ${T_CHECK:-200} python3 scripts/check_prefill.py --variants mosaic --kv-cache-dtype auto fp8 fp8_e5m2 \
+       --out "$OUT/check_prefill_fp8.json" 2>&1 | tail -45
+     PREFILL_SMOKE=0 timeout ${T_BENCH:-300} python3 scripts/bench_kernels.py --prefill --prefill-cases 8192,32768 \
+       --prefill-kernels mosaic,mosaic@fp8,mosaic@fp8_e5m2,pallas,pallas@fp8,jax_cudnn,torch_cudnn \
+       --out "$OUT/prefill_fp8.json" 2>&1 | tail -12 ;;
+  *) echo "usage: $0 a|b|c|d|e|f" >&2; exit 2 ;;
 esac
