@@ -12,9 +12,9 @@
 #     measured per layout at warm-up in the log ("quantized matmuls by measurement")
 #   d (~8 min): issue 16 -- structured outputs through the server (gpu_structured_serving.sh), one
 #     server per placement of the mask work (JAXLLM_MASK_ON thread / engine / dispatch): on the
-#     CPU (session 19, scripts/host_step.py, greedy, 64 rows) "engine" was the fastest of the
-#     three; the GPU's last comparison of them predates the fix that stopped every mask being
-#     computed twice
+#     CPU (session 19, scripts/host_step.py, greedy, 64 rows) the three were within run-to-run
+#     noise of one another; the GPU's last comparison of them predates the fix that stopped every
+#     mask being computed twice
 #   f (~8 min): issue 17 -- the Mosaic prefill kernel on fp8 pages, of record: check_prefill.py on
 #     bf16 / e4m3 / e5m2 pages (poisoned, every row), then bench_kernels.py --prefill at 1x8192 and
 #     1x32768 with the Mosaic and Pallas kernels on bf16 and fp8 pages beside cuDNN (jax, torch)
