@@ -18,7 +18,7 @@ device's memory (or the allocator's size) and `io` the program's inputs plus out
 step whose inputs are the weights and the whole KV pool, that limit is far below what the step
 really has (the pool is donated and updated in place, and it is the memory the pool was sized
 to fill), and XLA logs "Can't reduce memory use below ...". `xla_limit_options` sets the slop
-factor so that XLA's limit is the real one; `pool_io_cap` keeps `io` under `base`, where no
+factor so that XLA's limit is the real one; `plan_pool(io_cap_bytes=base)` keeps `io` under `base`, where no
 factor can help.
 """
 
