@@ -187,3 +187,18 @@ def test_engine_decode_steps_through_the_kernel(monkeypatch, method):
     assert rows == {4, 64}, rows  # both buckets are decode-sized (<= MAX_ROWS): the kernel
     assert got_ids == want_ids
     np.testing.assert_allclose(got_lps, want_lps, atol=2e-4)
+
+
+def test_plain_pallas_path_takes_the_first_tiling_with_enough_ctas():
+    """`kernels.pallas_tiling` (the plain "pallas" path): the first fitting tiling in TILINGS order
+    with >= min_ctas CTAs, else the fitting one with the most; None when none fits."""
+    from jaxllm.quantization.kernels import pallas_tiling
+
+    w = jax.tree.map(jnp.asarray, WEIGHTS["int4_g128"])
+    fits = [t for t in qmatmul.TILINGS if qmatmul.unsupported((1, K), w, t) is None]
+    ctas = {t: N // t.block_n * t.k_splits for t in fits}
+    assert pallas_tiling((1, K), w, min_ctas=1) == fits[0]
+    bar = min(c for c in ctas.values() if c > ctas[fits[0]])  # a bar the first fitting tiling misses
+    assert pallas_tiling((1, K), w, min_ctas=bar) == next(t for t in fits if ctas[t] >= bar)
+    assert pallas_tiling((1, K), w, min_ctas=10 ** 6) == max(fits, key=ctas.get)
+    assert pallas_tiling((qmatmul.MAX_ROWS + 1, K), w) is None  # prefill-sized: no tiling fits
