@@ -317,6 +317,17 @@ def page_case(case: dict, fmt: str) -> dict:
     return dict(case, kv=kv_quant.encode(case["kv"], dtype, width), k=rnd(case["k"]), v=rnd(case["v"]))
 
 
+def per_format(case: dict, rows: np.ndarray, want: np.ndarray, names: list[str]):
+    """(name, kernel, case on that name's pages, its reference rows) per name; the pages and the
+    reference are made once per page format."""
+    for fmt, group in by_format(names).items():
+        fcase = page_case(case, fmt)
+        fwant = want if fmt == "auto" else reference_rows(fcase, rows)
+        fns = jax_fns([base for _, base in group])
+        for name, base in group:
+            yield name, fns[base], fcase, fwant
+
+
 def run_prefill(args) -> dict:
     cases = {"2048": [2048], "8192": [8192], "32768": [32768],
              "ragged8": list(np.random.default_rng(7).integers(1024, 8193, 8))}
@@ -337,24 +348,19 @@ def run_prefill(args) -> dict:
         jax_names = [n for n in names if not n.startswith("torch")
                      and not (paged_only and n.startswith("jax_"))
                      and not (n.startswith("mosaic_direct") and (case["qstarts"] % 8).any())]
-        for fmt, group in by_format(jax_names).items():
-            fcase = page_case(case, fmt)
-            fwant = want if fmt == "auto" else reference_rows(fcase, rows)
-            fns = jax_fns([base for _, base in group])
-            for name, base in group:
-                print(f"    {name} ...", flush=True)
-                try:
-                    err = check(runner(fns[base], fcase), fcase, rows, fwant)
-                    reps = int(np.clip(round(4e12 / case["flops"]), 1, 8))  # >= ~4 ms per call
-                    qs = jnp.stack([jnp.roll(case["q"], i, axis=0) for i in range(reps)])
-                    t = wall_time(runner(fns[base], fcase), qs)
-                    del qs
-                    row["kernels"][name] = dict(rel_err=err, ms=t * 1e3,
-                                                tflops=case["flops"] / t / 1e12, ok=err < 2e-2)
-                except Exception:  # noqa: BLE001
-                    row["kernels"][name] = dict(error=traceback.format_exc()[-4000:])
-                print(f"    {name}: {row['kernels'][name]}", flush=True)
-            del fcase
+        for name, kind_fn, fcase, fwant in per_format(case, rows, want, jax_names):
+            print(f"    {name} ...", flush=True)
+            try:
+                err = check(runner(kind_fn, fcase), fcase, rows, fwant)
+                reps = int(np.clip(round(4e12 / case["flops"]), 1, 8))  # >= ~4 ms per call
+                qs = jnp.stack([jnp.roll(case["q"], i, axis=0) for i in range(reps)])
+                t = wall_time(runner(kind_fn, fcase), qs)
+                del qs
+                row["kernels"][name] = dict(rel_err=err, ms=t * 1e3,
+                                            tflops=case["flops"] / t / 1e12, ok=err < 2e-2)
+            except Exception:  # noqa: BLE001
+                row["kernels"][name] = dict(error=traceback.format_exc()[-4000:])
+            print(f"    {name}: {row['kernels'][name]}", flush=True)
         if not paged_only:
             row["kernels"].update(torch_peers(case, [n for n in names if n.startswith("torch")],
                                               rows, want))
@@ -394,20 +400,16 @@ def smoke(names: list[str]) -> list:
         want = reference_rows(case, rows)
         row = dict(ctx=ctx, new=new, pad=pad, heads=heads, page=page, kernels={})
         paged = [n for n in names if n.startswith(("mosaic", "pallas", "twin"))]
-        for fmt, group in by_format(paged).items():
-            fcase = page_case(case, fmt)
-            fwant = want if fmt == "auto" else reference_rows(fcase, rows)
-            fns = jax_fns([base for _, base in group])
-            for name, base in group:
-                print(f"  smoke {i} {name} ...", flush=True)
-                try:
-                    run = runner(fns[base], fcase)
-                    err = check(run, fcase, rows, fwant)
-                    got = np.asarray(run(case["q"][None])[0][case["real"]:].astype(jnp.float32))
-                    row["kernels"][name] = dict(rel_err=err, pad_zero=not got.any(),
-                                                ok=err < 2e-2 and not got.any())
-                except Exception:  # noqa: BLE001
-                    row["kernels"][name] = dict(error=traceback.format_exc()[-4000:])
-                print(f"  smoke {i} {name}: {row['kernels'][name]}", flush=True)
+        for name, kind_fn, fcase, fwant in per_format(case, rows, want, paged):
+            print(f"  smoke {i} {name} ...", flush=True)
+            try:
+                run = runner(kind_fn, fcase)
+                err = check(run, fcase, rows, fwant)
+                got = np.asarray(run(case["q"][None])[0][case["real"]:].astype(jnp.float32))
+                row["kernels"][name] = dict(rel_err=err, pad_zero=not got.any(),
+                                            ok=err < 2e-2 and not got.any())
+            except Exception:  # noqa: BLE001
+                row["kernels"][name] = dict(error=traceback.format_exc()[-4000:])
+            print(f"  smoke {i} {name}: {row['kernels'][name]}", flush=True)
         res.append(row)
     return res
