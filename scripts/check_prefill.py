@@ -96,8 +96,9 @@ def main() -> None:
     for cname in args.cases.split(","):
         ctx, new, pad, heads, page = CASES[cname]
         base = make_case(ctx, page, seed=3, news=new, pad_tokens=pad, heads=heads)
+        cases = {f: page_case(base, f) for f in args.kv_cache_dtype}  # pages converted once a format
         for fmt, zero_q in [(f, z) for f in args.kv_cache_dtype for z in (False, True)]:
-            case = page_case(base, fmt)
+            case = cases[fmt]
             q = jnp.zeros_like(case["q"]) if zero_q else case["q"]
             want = np.asarray(ref.ragged_paged_attention(
                 q.astype(jnp.float32), case["kv"].astype(jnp.float32), jnp.int32(0), case["md"],
