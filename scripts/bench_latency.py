@@ -39,13 +39,15 @@ def fill_random(runner) -> None:
     import jax.numpy as jnp
 
     def rnd(kv):
-        if kv.dtype == jnp.uint8:  # int8/int4 rows: random value bytes, valid scale (and minimum)
+        if kv.dtype == jnp.uint8:  # int8/int4 pages: random value bytes, valid scales (and minimums)
             from jaxllm.kernels import kv_quant
             fmt = kv_quant.page_format(kv.dtype, kv.shape[-1], runner.model_cfg.head_dim)
-            meta = kv_quant.META_BYTES[fmt]
-            bits = jax.random.bits(jax.random.key(1), kv.shape, jnp.uint8)
+            size, width = kv.shape[-2:]
+            meta = kv_quant.meta_offset(fmt, size, width)  # split layout: values, then the scales
+            bits = jax.random.bits(jax.random.key(1), kv.shape[:-2] + (size * width,), jnp.uint8)
             scale = jax.lax.bitcast_convert_type(jnp.bfloat16(0.01), jnp.uint8)
-            return bits.at[..., -meta:].set(jnp.tile(scale, meta // 2))
+            n = size * width - meta
+            return bits.at[..., meta:].set(jnp.tile(scale, n // 2)).reshape(kv.shape)
         return jax.random.normal(jax.random.key(1), kv.shape, jnp.bfloat16).astype(kv.dtype)
 
     # Keep the pages' sharding (tensor parallel; one device: uncommitted, as the runner's):

@@ -115,11 +115,62 @@ def test_write_kv_encodes_new_rows(name):
     v = jnp.asarray(rng.standard_normal((T, 2, 16)), jnp.float32)
     new = np.asarray(jax.jit(ref.write_kv)(pages, jnp.int32(1), k, v, md.slot_mapping))
     old = np.asarray(pages)
-    want_k = np.asarray(kv_quant.encode(k, pages.dtype, pages.shape[-1]))
-    touched = np.zeros(old.shape[:-1], bool)
+    width = pages.shape[-1]
+    fmt = kv_quant.page_format(pages.dtype, width, 16)
+    want = {0: np.asarray(kv_quant.encode_rows(k, pages.dtype, width)),
+            1: np.asarray(kv_quant.encode_rows(v, pages.dtype, width))}
+    if fmt in ("plain", "fp8"):
+        where = np.arange(4 * width).reshape(4, width)  # slot s's row: its W elements
+    else:
+        where = kv_quant.record_index(fmt, 4, width)
+    flat_new = new.reshape(new.shape[:4] + (-1,))
+    touched = np.zeros(flat_new.shape, bool)
     for t, slot in enumerate(np.asarray(md.slot_mapping)):
         if slot >= 0:
             page, off = divmod(int(slot), 4)
-            np.testing.assert_array_equal(new[1, 0, :, page, off], want_k[t])
-            touched[1, :, :, page, off] = True
-    np.testing.assert_array_equal(new[~touched], old[~touched])
+            for which in (0, 1):
+                np.testing.assert_array_equal(flat_new[1, which][:, page, where[off]], want[which][t])
+            touched[1, :, :, page, where[off]] = True
+    np.testing.assert_array_equal(flat_new[~touched], old.reshape(flat_new.shape)[~touched])
+    # Decoded, the written slots hold the new rows as the format allows.
+    got = np.asarray(kv_quant.decode(jnp.asarray(new[1, 0]), 16))  # [K, P, S, D]
+    exp = np.asarray(kv_quant.decode_rows(jnp.asarray(want[0]), 16))  # [T, K, D]
+    for t, slot in enumerate(np.asarray(md.slot_mapping)):
+        if slot >= 0:
+            np.testing.assert_array_equal(got[:, slot // 4, slot % 4], exp[t])
+
+
+@pytest.mark.parametrize("name,page_size,head_dim", [
+    ("int8", 16, 128), ("int8", 8, 64), ("int4", 16, 128), ("int4", 8, 64)])
+def test_int_pages_are_page_major(name, page_size, head_dim):
+    """int8 / int4 pages in the split layout: a page's values are one contiguous [S, Dv] block
+    (what a TMA box of the page viewed [S * W / 16, 16] copies into shared memory as linear
+    bytes), then its S bfloat16 scales, then (int4) its S bfloat16 minimums."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((3, page_size, head_dim)), jnp.float32)  # 3 pages
+    dtype, width = kv_quant.page_layout(name, jnp.float32, head_dim)
+    pages = np.asarray(kv_quant.encode(x, dtype, width))
+    assert pages.shape == (3, page_size, width)
+    records = np.asarray(kv_quant.encode_rows(x, dtype, width))  # [3, S, W]: values, scale, min
+    dv = head_dim if name == "int8" else head_dim // 2
+    assert (page_size * width) % 16 == 0 and (page_size * dv) % 16 == 0
+    boxes = pages.reshape(3, page_size * width // 16, 16)  # the TMA view of the page array
+    for p in range(3):
+        vals = boxes[p, :page_size * dv // 16].reshape(page_size, dv)  # the values' box
+        np.testing.assert_array_equal(vals, records[p, :, :dv])
+        scales = boxes[p, page_size * dv // 16:page_size * (dv + 2) // 16].reshape(page_size, 2)
+        np.testing.assert_array_equal(scales, records[p, :, dv:dv + 2])
+        if name == "int4":
+            mins = boxes[p, page_size * (dv + 2) // 16:].reshape(page_size, 2)
+            np.testing.assert_array_equal(mins, records[p, :, dv + 2:])
+            got_min = (mins.view(np.uint16).astype(np.uint32) << 16).view(np.float32)[:, 0]
+            np.testing.assert_allclose(got_min, np.asarray(x[p]).min(-1), rtol=2 ** -8)
+        else:
+            got_s = (scales.view(np.uint16).astype(np.uint32) << 16).view(np.float32)[:, 0]
+            np.testing.assert_allclose(got_s, np.abs(np.asarray(x[p])).max(-1) / 127, rtol=2 ** -8)
+    # a record's bytes land where record_index says, and decode inverts encode
+    idx = kv_quant.record_index(name, page_size, width)
+    assert sorted(idx.ravel().tolist()) == list(range(page_size * width))
+    np.testing.assert_array_equal(pages.reshape(3, -1)[:, idx], records)
+    np.testing.assert_array_equal(np.asarray(kv_quant.decode(jnp.asarray(pages), head_dim)),
+                                  np.asarray(kv_quant.decode_rows(jnp.asarray(records), head_dim)))

@@ -82,8 +82,7 @@ def key_rows(llm, D: int) -> np.ndarray:
     """The decoded key rows [n, D] the engine wrote into its int4 pool (rows never written
     decode to zeros and are left out)."""
     pages = np.asarray(llm.engine.runner.kv_pages)
-    rows = kv_quant.decode(jnp.asarray(pages[:, 0].reshape(-1, pages.shape[-1])), D)
-    rows = np.asarray(rows)
+    rows = np.asarray(kv_quant.decode(jnp.asarray(pages[:, 0]), D)).reshape(-1, D)
     return rows[np.abs(rows).sum(-1) > 0]
 
 

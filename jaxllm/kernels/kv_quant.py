@@ -17,15 +17,28 @@ count carry the scales with the pages without knowing about them.
                [L, 2] (data to the jitted step): 1.0 by default, read from a checkpoint's
                k_scale / v_scale tensors, or calibrated on the first batch
                (`calculate_kv_scales`: amax / fp8 max, `calibrated_scales`).
-    int8       W = D + 2 bytes (uint8): D int8 values, then the row's scale as bfloat16 bytes
-               (little-endian). Symmetric, per token and KV head: s = amax / 127.
-    int4       W = D / 2 + 4 bytes: byte d holds element d (low nibble) and d + D/2 (high
-               nibble), q in [0, 15]; then the bfloat16 scale s = (max - min) / 15 and the
+    int8       W = D + 2 bytes (uint8) a row: D int8 values and the row's scale as bfloat16
+               bytes (little-endian). Symmetric, per token and KV head: s = amax / 127.
+    int4       W = D / 2 + 4 bytes a row: byte d holds element d (low nibble) and d + D/2
+               (high nibble), q in [0, 15]; the bfloat16 scale s = (max - min) / 15 and the
                bfloat16 minimum m, per token and KV head: x = q * s + m. Asymmetric because
                a symmetric per-row scale cost SmolLM2 57% perplexity, this one 16%
                (docs/benchmarks.md). Splitting halves (not neighbours) lets a kernel run
                two D/2-wide dots instead of interleaving nibbles. The rows hold K and V
                rotated along D (`rotation`), which brings that 16% to 4-7%.
+
+Page-major split layout (int8 / int4). A page's S * W bytes are not S rows of W: they hold
+the values of all S rows first, `[S, Dv]` row-major (Dv = D for int8, D / 2 for int4), then
+the S bfloat16 scales (2S bytes), then for int4 the S bfloat16 minimums (2S bytes). Same
+array shape and byte count as a row layout, so everything that moves whole pages is
+unchanged; but the values of a page are one contiguous block and its scales another, each
+a whole number of 16-byte units when S % 8 == 0, which is what a TMA copy needs (rows of
+D + 2 or D/2 + 4 bytes are no TMA shape). `encode` / `decode` work on pages (the last two
+axes [S, D] <-> [S, W]); `encode_rows` gives each new row's W bytes as a *record* (values,
+then scale, then minimum) and `record_index` where each record byte lives in its page
+(`ref.write_kv` scatters records there; the kernels read values at `off * Dv` and the
+scale of slot `off` at `meta_offset(...) + 2 * off`). Files that persist pages (the KV
+disk store) key them with `LAYOUT_VERSION` (kv_transfer/factory.py `fingerprint`).
 
 Rotated int4 rows. Keys have a few channels much larger than the rest, and a per-row range
 set by them leaves 4 bits too coarse for the others. An orthonormal R [D, D] spreads every
@@ -105,8 +118,36 @@ def scale_from_bytes(b0: jax.Array, b1: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def encode(x: jax.Array, dtype, width: int) -> jax.Array:
-    """Rows x [..., D] (any float dtype) -> stored rows [..., W] of the page format."""
+LAYOUT_VERSION = {"int8": "split-1", "int4": "split-1"}  # page-major split layout (above)
+
+
+def value_bytes(fmt: str, width: int) -> int:
+    """Dv: value bytes of one row of an int8 / int4 page (D or D / 2)."""
+    return width - META_BYTES[fmt]
+
+
+def meta_offset(fmt: str, page_size: int, width: int, field: int = 0) -> int:
+    """Byte offset within a page of its [S] bfloat16 scales (field 0) or int4 minimums (1)."""
+    return page_size * value_bytes(fmt, width) + field * SCALE_BYTES * page_size
+
+
+@functools.lru_cache(maxsize=None)
+def record_index(fmt: str, page_size: int, width: int) -> np.ndarray:
+    """int32 [S, W]: where byte w of slot s's record (`encode_rows`) lives in its page's S * W
+    bytes: values at s * Dv + w, then each meta field's two bytes in that field's block."""
+    dv = value_bytes(fmt, width)
+    s = np.arange(page_size)[:, None]
+    idx = [s * dv + np.arange(dv)[None, :]]
+    for field in range(META_BYTES[fmt] // SCALE_BYTES):
+        idx.append(meta_offset(fmt, page_size, width, field) + SCALE_BYTES * s
+                   + np.arange(SCALE_BYTES)[None, :])
+    return np.concatenate(idx, axis=1).astype(np.int32)
+
+
+def encode_rows(x: jax.Array, dtype, width: int) -> jax.Array:
+    """Rows x [..., D] (any float dtype) -> [..., W] of the page dtype: plain / fp8 rows as
+    stored; int8 / int4 each row's *record* (values, scale, int4 minimum), which
+    `record_index` places in its page."""
     head_dim = x.shape[-1]
     fmt = page_format(dtype, width, head_dim)
     if fmt == "plain":
@@ -129,8 +170,29 @@ def encode(x: jax.Array, dtype, width: int) -> jax.Array:
     return jnp.concatenate([vals, _scale_bytes(s), _scale_bytes(lo)], axis=-1)
 
 
+def _split(records: jax.Array, fmt: str) -> jax.Array:
+    """Records [..., S, W] -> the page layout [..., S, W] (a static permutation of each page)."""
+    *lead, size, width = records.shape
+    order = np.argsort(record_index(fmt, size, width).ravel())
+    return records.reshape(*lead, size * width)[..., order].reshape(records.shape)
+
+
+def _unsplit(pages: jax.Array, fmt: str) -> jax.Array:
+    """Pages [..., S, W] -> their records [..., S, W] (the inverse of `_split`)."""
+    *lead, size, width = pages.shape
+    idx = record_index(fmt, size, width).ravel()
+    return pages.reshape(*lead, size * width)[..., idx].reshape(pages.shape)
+
+
+def encode(x: jax.Array, dtype, width: int) -> jax.Array:
+    """Pages x [..., S, D] (any float dtype) -> stored pages [..., S, W] of the page format."""
+    fmt = page_format(dtype, width, x.shape[-1])
+    rows = encode_rows(x, dtype, width)
+    return rows if fmt in ("plain", "fp8") else _split(rows, fmt)
+
+
 def row_scale(rows: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array | None]:
-    """(scale, minimum or None) float32 [...] of stored int rows [..., W]."""
+    """(scale, minimum or None) float32 [...] of int records [..., W]."""
     n = rows.shape[-1] - META_BYTES[fmt]
     s = scale_from_bytes(rows[..., n], rows[..., n + 1])
     if fmt == "int8":
@@ -138,23 +200,31 @@ def row_scale(rows: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array | None]:
     return s, scale_from_bytes(rows[..., n + 2], rows[..., n + 3])
 
 
-def unpack_values(rows: jax.Array, fmt: str) -> list[jax.Array]:
-    """Integer values of stored rows as float32 chunks along D (int8: [D]; int4: [D/2, D/2])."""
-    vals = rows[..., :rows.shape[-1] - META_BYTES[fmt]]
+def unpack_values(vals: jax.Array, fmt: str) -> list[jax.Array]:
+    """Integer values [..., Dv] (uint8) as float32 chunks along D (int8: [D]; int4: [D/2, D/2])."""
     if fmt == "int8":
         return [lax.bitcast_convert_type(vals, jnp.int8).astype(jnp.float32)]
     return [(vals & 15).astype(jnp.float32), (vals >> 4).astype(jnp.float32)]
 
 
-def decode(rows: jax.Array, head_dim: int, out_dtype=jnp.float32) -> jax.Array:
-    """Stored rows [..., W] -> values [..., D] (used on gathered tiles, never the whole cache)."""
+def decode_rows(rows: jax.Array, head_dim: int, out_dtype=jnp.float32) -> jax.Array:
+    """Records (or plain / fp8 rows) [..., W] -> values [..., D]."""
     fmt = page_format(rows.dtype, rows.shape[-1], head_dim)
     if fmt in ("plain", "fp8"):
         return rows.astype(out_dtype)
-    vals = jnp.concatenate(unpack_values(rows, fmt), axis=-1)
+    vals = jnp.concatenate(unpack_values(rows[..., :value_bytes(fmt, rows.shape[-1])], fmt), axis=-1)
     s, m = row_scale(rows, fmt)
     out = vals * s[..., None]
     return (out if m is None else out + m[..., None]).astype(out_dtype)
+
+
+def decode(pages: jax.Array, head_dim: int, out_dtype=jnp.float32) -> jax.Array:
+    """Stored pages [..., S, W] -> values [..., S, D] (used on gathered pages, never the whole
+    cache)."""
+    fmt = page_format(pages.dtype, pages.shape[-1], head_dim)
+    if fmt in ("plain", "fp8"):
+        return pages.astype(out_dtype)
+    return decode_rows(_unsplit(pages, fmt), head_dim, out_dtype)
 
 
 ROTATED_FORMATS = ("int4",)  # page formats whose rows hold K and V rotated by `rotation`

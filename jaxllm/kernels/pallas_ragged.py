@@ -17,9 +17,9 @@ page loop walks `ppb` pages per step (a [ppb * S, D] key tile gathered row-wise
 through the block table), with an online softmax in float32. The loop's trip
 count is the block's own last position, so decode rows read only their context.
 
-Quantized pages (kv_quant.py: fp8, int8, int4 rows with their scales) are read as
-stored and dequantized in registers per tile (`_load_rows`); nothing of the cache is
-converted outside the kernel.
+Quantized pages (kv_quant.py: fp8 rows; int8, int4 values with their scales in the
+page-major split layout) are read as stored and dequantized in registers per tile
+(`_load_rows`); nothing of the cache is converted outside the kernel.
 """
 
 from __future__ import annotations
@@ -60,26 +60,34 @@ def block_schedule(query_start_loc: jax.Array, num_tokens: int, bq: int) -> jax.
     return jnp.stack([req, jnp.where(active, t0, 0), jnp.where(active, t1, 0)]).astype(jnp.int32)
 
 
-def _load_rows(kv_ref, layer, which: int, kvh, slot, fmt: str, dtype):
-    """A [BK] row tile of keys (which=0) or values (1): (chunks [BK, D/n] in `dtype`, scale, min).
+def _load_rows(kv_ref, layer, which: int, kvh, page, off, page_size: int, fmt: str, dtype):
+    """Keys (which=0) or values (1) of slots `off` of pages `page` ([BK] each):
+    (chunks [BK, D/n] in `dtype`, scale, min).
 
-    Quantized rows are dequantized here, in registers: integer values become `dtype`
-    exactly, and the per-row scale and int4 minimum ([BK] float32; None for plain/fp8
-    pages) are applied to the scores (keys) or the probabilities (values): [M, BK]
-    products instead of [BK, D].
+    Plain / fp8 pages come as rows, kv_ref [L, 2, K, P * S, W]; int8 / int4 pages as bytes,
+    kv_ref [L, 2, K, P, S * W] (kv_quant.py's split layout: a slot's values at off * Dv, its
+    scale and minimum bytes in the page's blocks of them). Quantized rows are dequantized
+    here, in registers: integer values become `dtype` exactly, and the per-row scale and
+    int4 minimum ([BK] float32; None for plain/fp8 pages) are applied to the scores (keys)
+    or the probabilities (values): [M, BK] products instead of [BK, D].
     """
     if fmt in ("plain", "fp8"):
-        return [kv_ref[layer, which, kvh, slot, :].astype(dtype)], None, None
-    nval = kv_ref.shape[-1] - kv_quant.META_BYTES[fmt]
+        return [kv_ref[layer, which, kvh, page * page_size + off, :].astype(dtype)], None, None
+    width = kv_ref.shape[-1] // page_size
+    nval = kv_quant.value_bytes(fmt, width)
     c = jnp.arange(nval, dtype=jnp.int32)
-    raw = kv_ref[layer, which, kvh, slot[:, None], c[None, :]]  # [BK, nval] uint8
-    byte = lambda i: kv_ref[layer, which, kvh, slot, nval + i]  # [BK]
-    scale = kv_quant.scale_from_bytes(byte(0), byte(1))
+    raw = kv_ref[layer, which, kvh, page[:, None], (off * nval)[:, None] + c[None, :]]  # [BK, Dv]
+
+    def meta(field: int):  # [BK] float32 from the field's two bytes of each slot
+        at = kv_quant.meta_offset(fmt, page_size, width, field) + 2 * off
+        return kv_quant.scale_from_bytes(kv_ref[layer, which, kvh, page, at],
+                                         kv_ref[layer, which, kvh, page, at + 1])
+
     if fmt == "int8":
-        return [jax.lax.bitcast_convert_type(raw, jnp.int8).astype(dtype)], scale, None
+        return [jax.lax.bitcast_convert_type(raw, jnp.int8).astype(dtype)], meta(0), None
     lo = (raw & 15).astype(dtype)  # int4: elements d and d + D/2, x = q * s + min
     hi = (raw >> 4).astype(dtype)
-    return [lo, hi], scale, kv_quant.scale_from_bytes(byte(2), byte(3))
+    return [lo, hi], meta(0), meta(1)
 
 
 def _kernel(sched_ref, pos_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, *,
@@ -117,8 +125,8 @@ def _kernel(sched_ref, pos_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, *,
     def body(j, carry):
         m, l, acc = carry
         col = jnp.minimum(j * ppb + kk // page_size, max_col)
-        slot = bt_ref[req, col] * page_size + kk % page_size  # [BK] rows of the flat page array
-        ks, k_scale, k_min = _load_rows(kv_ref, layer, 0, kvh, slot, fmt, cdt)
+        page, off = bt_ref[req, col], kk % page_size  # [BK] each
+        ks, k_scale, k_min = _load_rows(kv_ref, layer, 0, kvh, page, off, page_size, fmt, cdt)
         s = plt.dot(qs[0].astype(cdt), ks[0], trans_b=True)  # [M, BK] float32
         for qc, kc in zip(qs[1:], ks[1:]):
             s = s + plt.dot(qc.astype(cdt), kc, trans_b=True)
@@ -133,7 +141,7 @@ def _kernel(sched_ref, pos_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, *,
         p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
         l = l * alpha + jnp.sum(p, axis=1)
-        vs, v_scale, v_min = _load_rows(kv_ref, layer, 1, kvh, slot, fmt, cdt)
+        vs, v_scale, v_min = _load_rows(kv_ref, layer, 1, kvh, page, off, page_size, fmt, cdt)
         pv = (p if v_scale is None else p * v_scale[None, :]).astype(cdt)
         acc = tuple(a * alpha[:, None] + plt.dot(pv, vc) for a, vc in zip(acc, vs))
         if v_min is not None:  # sum_j p_j (v_q s + m)_j: the minimum adds p . m to every column
@@ -175,7 +183,10 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         positions = jnp.pad(positions, (0, pad), constant_values=-1)
     total = num_tokens + pad
     sched = block_schedule(md.query_start_loc.astype(jnp.int32), total, bq)
-    flat_kv = kv_pages.reshape(num_layers, 2, num_kv_heads, num_pages * page_size, width)
+    if fmt in ("plain", "fp8"):  # rows of the flat page array
+        flat_kv = kv_pages.reshape(num_layers, 2, num_kv_heads, num_pages * page_size, width)
+    else:  # int8 / int4: each page's bytes (split layout)
+        flat_kv = kv_pages.reshape(num_layers, 2, num_kv_heads, num_pages, page_size * width)
     kernel = functools.partial(_kernel, sm_scale=float(sm_scale), group=group, bq=bq,
                                ppb=ppb, page_size=page_size, fmt=fmt)
     out = pl.pallas_call(

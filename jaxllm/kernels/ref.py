@@ -31,14 +31,23 @@ def write_kv(kv_pages: jax.Array, layer: jax.Array, k: jax.Array, v: jax.Array,
     Padding tokens carry slot -1, mapped out of range and dropped, so the write
     touches only T slots and (with the pages donated) never copies the cache.
     """
-    _, _, _, num_pages, page_size, _ = kv_pages.shape
+    num_layers, _, num_kv_heads, num_pages, page_size, width = kv_pages.shape
     slot = jnp.where(slot_mapping < 0, num_pages * page_size, slot_mapping)
     page, off = slot // page_size, slot % page_size
     # Quantized caches store encoded rows (kv_quant.py): [2, T, K, W].
-    kv = kv_quant.encode(jnp.stack([k, v]), kv_pages.dtype, kv_pages.shape[-1])
-    kv = jnp.swapaxes(kv, 1, 2)  # [2, K, T, D]
-    return kv_pages.at[layer, :, :, page, off].set(
-        jnp.moveaxis(kv, 2, 0), mode="drop")  # update shape [T, 2, K, D]
+    kv = kv_quant.encode_rows(jnp.stack([k, v]), kv_pages.dtype, width)
+    fmt = kv_quant.page_format(kv_pages.dtype, width, k.shape[-1])
+    if fmt in ("plain", "fp8"):
+        kv = jnp.swapaxes(kv, 1, 2)  # [2, K, T, D]
+        return kv_pages.at[layer, :, :, page, off].set(
+            jnp.moveaxis(kv, 2, 0), mode="drop")  # update shape [T, 2, K, D]
+    # int8 / int4 pages are split (kv_quant.py): each record's W bytes go to their places in
+    # the page's S * W bytes (values at off * Dv, scale bytes in the page's scale block).
+    where = jnp.asarray(kv_quant.record_index(fmt, page_size, width))[off]  # [T, W]
+    flat = kv_pages.reshape(num_layers, 2, num_kv_heads, num_pages, page_size * width)
+    flat = flat.at[layer, :, :, page[:, None], where].set(
+        jnp.transpose(kv, (1, 3, 0, 2)), mode="drop")  # update shape [T, W, 2, K]
+    return flat.reshape(kv_pages.shape)
 
 
 def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,

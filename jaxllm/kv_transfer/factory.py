@@ -35,10 +35,16 @@ def transfer_config(engine_cfg) -> KVTransferConfig | None:
 
 
 def fingerprint(engine_cfg, model_cfg, block_shape, dtype, random_weights: bool) -> str:
-    """Names the model and KV layout, so stored blocks of another model never match."""
+    """Names the model and KV layout, so stored blocks of another model never match.
+    int8 / int4 pages add their byte layout's version (kv_quant.LAYOUT_VERSION): blocks written
+    in the earlier row layout (values and scale in each row) are not read as split pages."""
     import hashlib
+    from jaxllm.kernels import kv_quant
     ident = (repr(model_cfg), str(dtype), tuple(block_shape), engine_cfg.block_size,
              engine_cfg.model or "embedded-smollm2", ("random", engine_cfg.seed) if random_weights else None)
+    fmt = kv_quant.page_format(dtype, block_shape[-1], model_cfg.head_dim)
+    if fmt in kv_quant.LAYOUT_VERSION:
+        ident += (kv_quant.LAYOUT_VERSION[fmt],)
     return hashlib.sha256(repr(ident).encode()).hexdigest()[:16]
 
 
