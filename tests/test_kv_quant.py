@@ -174,3 +174,21 @@ def test_int_pages_are_page_major(name, page_size, head_dim):
     np.testing.assert_array_equal(pages.reshape(3, -1)[:, idx], records)
     np.testing.assert_array_equal(np.asarray(kv_quant.decode(jnp.asarray(pages), head_dim)),
                                   np.asarray(kv_quant.decode_rows(jnp.asarray(records), head_dim)))
+
+
+def test_offload_fingerprint_names_the_int_page_layout(monkeypatch):
+    """Stored KV blocks (disk tier, transfer) are keyed by the connector fingerprint: int8 / int4
+    pages add kv_quant.LAYOUT_VERSION, so blocks of another byte layout never match."""
+    from types import SimpleNamespace
+
+    from jaxllm.kv_transfer.factory import fingerprint
+
+    eng = SimpleNamespace(block_size=16, model="m", seed=0)
+    model = SimpleNamespace(head_dim=64)
+    shape = {"int8": (2, 2, 1, 16, 66), "int4": (2, 2, 1, 16, 36), "auto": (2, 2, 1, 16, 64)}
+    dtype = {"int8": np.uint8, "int4": np.uint8, "auto": np.float32}
+    before = {k: fingerprint(eng, model, shape[k], np.dtype(dtype[k]), False) for k in shape}
+    monkeypatch.setitem(kv_quant.LAYOUT_VERSION, "int8", "other")
+    after = {k: fingerprint(eng, model, shape[k], np.dtype(dtype[k]), False) for k in shape}
+    assert before["int8"] != after["int8"]
+    assert before["int4"] == after["int4"] and before["auto"] == after["auto"]
