@@ -225,7 +225,7 @@ def bench_attention(batch: int, ctx: int, C: float) -> list[dict]:
             continue
         page_bytes = batch * ctx * 8 * 2 * row_bytes
         kernels = {"pallas": lambda q, kv, l: pallas_ragged.ragged_paged_attention(q, kv, l, md, sm_scale=scale)}
-        if fmt in ("auto", "fp8"):  # the Mosaic decode kernel reads bf16 and fp8 pages
+        if fmt in ("auto", "fp8", "int8", "int4"):  # the formats the Mosaic decode kernel reads
             kernels["mosaic"] = lambda q, kv, l: mosaic_decode.paged_decode_attention(q, kv, l, md, sm_scale=scale)
         want = jax.jit(lambda q, kv: ref.ragged_paged_attention(q, kv, jnp.int32(0), md, sm_scale=scale))(qs[0], kv)
         for kname, fn in kernels.items():

@@ -1,16 +1,17 @@
 """GPU check of the Mosaic decode kernel on quantized KV pages; one JSON line per case.
 
-    python3 scripts/check_mosaic_quant.py [--batch 64] [--ctx 2048] [--formats fp8,fp8_e5m2]
+    python3 scripts/check_mosaic_quant.py [--batch 64] [--ctx 2048] [--formats fp8,fp8_e5m2,int8,int4]
         [--inner 10] [--json $OUT/check_mosaic_quant.json]
 
 Decode, one new token per request, B requests at context ctx, Llama-3-8B heads (32 q / 8 kv,
 D 128), 16-token pages shuffled in the pool (bench_kernels.decode_case). Cases: the Mosaic
 kernel on the bf16 pages (the baseline), then for each page format the Mosaic decode kernel
-reads (fp8 = e4m3, fp8_e5m2) the Pallas kernel, the Mosaic kernel (the V tile converted while
+reads (fp8 = e4m3, fp8_e5m2, int8, int4) the Pallas kernel, the Mosaic kernel (the V tile converted while
 the QK wgmma runs: `early_v_convert`, the default) and mosaic_late_v (converted after) on the same
 quantized pages (bench_quant.quantized_kv). Each case is
   * checked: output memory poisoned and a second query set (bench_kernels.check) against
-    ref.py on the pages upcast to bf16 (exact for fp8); ok = rel err < 1e-2;
+    ref.py on the pages upcast to bf16 (exact for fp8; int8 / int4 pages: ref.py dequantizes
+    them itself, in float32); ok = rel err < 1e-2;
   * timed like bench_kernels: the kernel over the pool's L layers in one jit, median
     wall-clock per call of groups of calls ended by jax.block_until_ready (us), and the GPU
     kernel time from a profiler trace (gpu_us); x_bf16_* = time / the bf16 Mosaic kernel's,
@@ -41,12 +42,13 @@ import numpy as np  # noqa: E402
 
 from jaxllm.kernels import ref  # noqa: E402
 
-MOSAIC_FORMATS = ("fp8", "fp8_e5m2")  # page formats mosaic_decode reads besides bf16
+MOSAIC_FORMATS = ("fp8", "fp8_e5m2", "int8", "int4")  # page formats mosaic_decode reads besides bf16
 
 
 def upcast_reference(case: dict, kv) -> np.ndarray:
-    """ref.py on the pages upcast to bf16, for the query set `check` uses."""
-    up = kv if kv.dtype == jnp.bfloat16 else kv.astype(jnp.bfloat16)
+    """ref.py on the pages upcast to bf16 (int8 / int4 pages as they are: ref.py dequantizes
+    them), for the query set `check` uses."""
+    up = kv if kv.dtype in (jnp.bfloat16, jnp.uint8) else kv.astype(jnp.bfloat16)
     return np.asarray(jax.jit(lambda q, kv: ref.ragged_paged_attention(
         q, kv, jnp.int32(0), case["md"], sm_scale=D ** -0.5))(case["qs"][-1], up).astype(jnp.float32))
 

@@ -129,7 +129,8 @@ def test_write_kv_encodes_new_rows(name):
         if slot >= 0:
             page, off = divmod(int(slot), 4)
             for which in (0, 1):
-                np.testing.assert_array_equal(flat_new[1, which][:, page, where[off]], want[which][t])
+                np.testing.assert_array_equal(flat_new[1, which][:, page, where[off]],
+                                              want[which][t])
             touched[1, :, :, page, where[off]] = True
     np.testing.assert_array_equal(flat_new[~touched], old.reshape(flat_new.shape)[~touched])
     # Decoded, the written slots hold the new rows as the format allows.

@@ -4,8 +4,9 @@ Backends:
   reference  plain jnp (ref.py): the CPU path and the definition the kernels are tested against;
   pallas     portable Pallas kernel (pallas_ragged.py): Triton on GPU, interpret mode on CPU;
   mosaic     Hopper: the decode kernel (mosaic_decode.py) for steps whose token bucket is no
-             larger than the request bucket (T <= R: decode steps) on bf16 or fp8 pages
-             (int8 / int4 pages: the Pallas kernel for every step), the ragged prefill kernel
+             larger than the request bucket (T <= R: decode steps) on bf16, fp8 and int8 pages
+             (`mosaic_kv_quant.reads_pages`; int4 pages and int8 pages of other shapes: the
+             Pallas kernel for every step), the ragged prefill kernel
              (mosaic_prefill.py) for prefill/mixed steps when prefill_choice.py picks it
              (JAXLLM_PREFILL_KERNEL=auto, the default: a start-up probe, validated on an
              H200), else the portable Pallas kernel for those.
@@ -67,10 +68,11 @@ def mosaic_attention(q, kv_pages, layer, md, *, sm_scale: float,
     queries_per_request > 1 (speculative decoding: k + 1): the decode kernel takes up to that
     many consecutive tokens of a request in one CTA, so verifying k drafts reads the request's
     pages once, not k + 1 times (decode_schedule.items)."""
-    from jaxllm.kernels import kv_quant, mosaic_decode
-    if kv_quant.page_format(kv_pages.dtype, kv_pages.shape[-1], q.shape[-1]) in ("int8", "int4"):
-        # int8 / int4 rows (D + 2, D/2 + 4 bytes) are no TMA shape: the prefill/mixed kernel
-        # reads them, dequantizing in registers (kv_quant.py). fp8 pages take the decode kernel.
+    from jaxllm.kernels import kv_quant, mosaic_decode, mosaic_kv_quant
+    fmt = kv_quant.page_format(kv_pages.dtype, kv_pages.shape[-1], q.shape[-1])
+    if fmt in ("int8", "int4") and not mosaic_kv_quant.reads_pages(kv_pages, q.shape[-1]):
+        # int pages the decode kernel does not read: the prefill/mixed kernel (Pallas) reads
+        # them for every step, dequantizing in registers (kv_quant.py).
         return prefill_fn(q, kv_pages, layer, md, sm_scale=sm_scale)
     if kv_pages.dtype.itemsize == 4:
         # float32 pages: the decode kernel's TMA swizzle is laid out for 16- and 8-bit rows

@@ -26,8 +26,13 @@ Hopper converts fp8 to f16 in one instruction per pair (`cvt.rn.f16x2.e4m3x2` / 
 and has none to bf16 (Mosaic: "only cast from f8E4M3FN to f16 is supported"). Every
 e4m3 / e5m2 value is exact in f16; the query is scaled by sm_scale * log2(e) in float32
 before its f16 cast (so |q| up to ~5e5 fits f16's 65504), and the probabilities in [0, 1]
-are cast to f16 (3 more mantissa bits than bf16). int8 / int4 rows (D + 2, D/2 + 4 bytes)
-are not 16-byte multiples, which TMA needs: those stay with the Pallas kernel.
+are cast to f16 (3 more mantissa bits than bf16).
+
+int8 / int4 pages (kv_quant.py's page-major split layout: a page's [S, Dv] values, then its
+scales, then int4's minimums) take the same f16 path: the producer bulk-copies each page's
+values and the tail of bytes holding its scales into shared memory as stored, and the consumer
+converts the integer tile in registers, multiplies each key row by its scale (int4: plus its
+minimum) and stores it into the f16 staging tile (kernels/mosaic_kv_quant.py).
 
 Every token is handled independently (its request from `token_req`, its key
 range from `positions`), so the kernel is correct for any batch; it is only
@@ -49,7 +54,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxllm.kernels import kv_quant, mosaic_kv_quant
 from jaxllm.kernels.decode_schedule import active_splits, combine, default_config, items
+from jaxllm.kernels.mosaic_kv_quant import IntPages
 from jaxllm.kernels.metadata import AttentionMetadata
 
 ROWS = 64  # wgmma M: one warpgroup's accumulator rows
@@ -58,8 +65,8 @@ _LOG2E = math.log2(math.e)
 
 def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, tok0_ref, q_ref,
                    kv_ref, *refs, sm_scale: float, num_kv_heads: int, num_pages: int, page_size: int,
-                   ppb: int, nst: int, num_splits: int, fp8: bool, early_v: bool,
-                   interpret: bool, heads: int, qpi: int):
+                   ppb: int, nst: int, num_splits: int, staged: bool, early_v: bool,
+                   interpret: bool, heads: int, qpi: int, ints: IntPages | None):
     """Body; refs = outputs (o [, lse]) then the scoped SMEM / barriers.
 
     qpi > 1 (`queries_per_item`): CTA index `tok` is an item of up to qpi consecutive tokens
@@ -78,7 +85,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
     else:
         o_ref, lse_ref, scratch = refs[0], None, refs[1:]
     (q_smem, k_smem, v_smem, o_smem, lse_smem,
-     q_bar, k_bar, v_bar, free_bar, k_deq, v_deq, q16_smem, *a_bufs) = scratch
+     q_bar, k_bar, v_bar, free_bar, k_deq, v_deq, q16_smem, k_meta, v_meta, *a_bufs) = scratch
     if o_smem is None:  # one split: stage the bf16 output in q's buffer (q is in registers)
         o_smem = q_smem
     active = active_ref[0]  # splits in use
@@ -111,12 +118,16 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
     num_tokens = q_ref.shape[0]
     keys = ppb * page_size
 
-    def page_tile(ref, deq):
-        """The slot's [BK, D] tile as the wgmma reads it: fp8 pages dequantized (scale 1.0) in
-        registers into the f16 staging tile `deq`; model-dtype pages (deq None) as they are."""
+    def page_tile(ref, deq, meta):
+        """The slot's [BK, D] tile as the wgmma reads it: fp8 pages (scale 1.0) and int8 / int4
+        pages (`meta`: the slot's scale bytes) dequantized in registers into the f16 staging
+        tile `deq`; model-dtype pages (deq None) as they are."""
         if deq is None:
             return ref
-        deq[...] = ref[...].astype(deq.dtype)
+        if ints is not None:
+            mosaic_kv_quant.dequant_tile(ints, ref, meta, deq, interpret)
+        else:
+            deq[...] = ref[...].astype(deq.dtype)
         plgpu.commit_smem()  # the generic-proxy stores, before the async wgmma reads them
         return deq
 
@@ -145,6 +156,12 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
             for j in range(ppb):
                 col = jnp.minimum(p0 + step * ppb + j, p1 - 1)  # tail pages repeat, masked
                 page = base + bt_ref[req, col]
+                if ints is not None:  # values and scale bytes: two copies a page
+                    mosaic_kv_quant.copy_page(ints, kv_ref, page, k_smem.at[slot],
+                                              k_meta.at[slot], j, k_bar.at[slot])
+                    mosaic_kv_quant.copy_page(ints, kv_ref, page + v_off, v_smem.at[slot],
+                                              v_meta.at[slot], j, v_bar.at[slot])
+                    continue
                 dst = pl.ds(j * page_size, page_size)
                 plgpu.copy_gmem_to_smem(kv_ref.at[page], k_smem.at[slot, dst], k_bar.at[slot])
                 plgpu.copy_gmem_to_smem(kv_ref.at[page + v_off], v_smem.at[slot, dst],
@@ -171,7 +188,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
         # The CPU interpreter has no rule for plgpu.load; a plain read is equivalent there.
         q = q_smem[...] if interpret else plgpu.load(
             q_smem, (), layout=plgpu.Layout.WGMMA, optimized=False)
-        if fp8:  # f16 operands (module docstring); the score scale moves into q
+        if staged:  # f16 operands (module docstring); the score scale moves into q
             q = (q.astype(jnp.float32) * (sm_scale * _LOG2E)).astype(jnp.float16)
         q_src = q_smem  # where `reload_q` reads q from
         if q16_smem is not None:
@@ -200,7 +217,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
             slot = lax.rem(step, jnp.int32(nst))
             plgpu.barrier_wait(k_bar.at[slot])
 
-            k_tile = page_tile(k_smem.at[slot], k_deq)
+            k_tile = page_tile(k_smem.at[slot], k_deq, None if k_meta is None else k_meta.at[slot])
             v_tiles = []
 
             def qk(acc_ref):
@@ -211,11 +228,11 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
                 plgpu.wgmma(acc_ref, operand(a, 0), keys_t(k_tile))
                 if early_v:  # convert the V tile while the async QK wgmma runs
                     plgpu.barrier_wait(v_bar.at[slot])
-                    v_tiles.append(page_tile(v_smem.at[slot], v_deq))
+                    v_tiles.append(page_tile(v_smem.at[slot], v_deq, None if v_meta is None else v_meta.at[slot]))
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((ROWS, keys), jnp.float32))
-            if not fp8:
+            if not staged:
                 s = s * (sm_scale * _LOG2E)  # log2 domain: exp2 below
             key = col + ((p0 + step * ppb) * page_size)
             ok = (key < key_end) & (key <= lim) if qpi > 1 else key < key_end
@@ -227,7 +244,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             if not early_v:
                 plgpu.barrier_wait(v_bar.at[slot])
-                v_tiles.append(page_tile(v_smem.at[slot], v_deq))
+                v_tiles.append(page_tile(v_smem.at[slot], v_deq, None if v_meta is None else v_meta.at[slot]))
             v_tile = v_tiles[0]
 
             def pv(acc_ref):
@@ -288,8 +305,8 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     Without num_splits the grid has the splits one real token would want, and the
     count in use follows the real tokens at run time (`active_splits`).
     return_partials (benchmarks only): skip the split combine and return the kernel's outputs.
-    early_v_convert (fp8 pages): convert the V tile while the QK wgmma runs instead of after
-    the softmax (on an H200, B 64 context 2048: 162 vs 169 us, both exact; docs/benchmarks.md).
+    early_v_convert (fp8 / int8 / int4 pages): convert the V tile while the QK wgmma runs instead
+    of after the softmax (on an H200, B 64 context 2048: 162 vs 169 us, both exact; docs/benchmarks.md).
     queries_per_item (speculative verification, `items`): a CTA takes up to this many consecutive
     tokens of one request, all their G query heads in its 64 rows, so a request's K/V pages are
     read once for its k + 1 verified tokens, not once per token.
@@ -297,17 +314,23 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     num_tokens, num_heads, head_dim = q.shape
     num_layers, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
     group = num_heads // num_kv_heads
-    fp8 = kv_pages.dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2)
-    cdt = jnp.float16 if fp8 else q.dtype  # the wgmmas' operand dtype
-    if (kv_pages.dtype != q.dtype and not fp8) or kv_pages.shape[-1] != head_dim:
-        raise ValueError(f"quantized or mixed-dtype pages ({kv_pages.dtype}, rows of {kv_pages.shape[-1]}) "
-                         f"are not supported by the Mosaic decode kernel (it reads {q.dtype} and "
-                         f"fp8 pages); use the Pallas kernel")
+    width = kv_pages.shape[-1]
+    fmt = kv_quant.page_format(kv_pages.dtype, width, head_dim)
+    fp8 = fmt == "fp8"
+    staged = fmt != "plain"  # converted into f16 staging tiles (fp8, int8, int4 pages)
+    cdt = jnp.float16 if staged else q.dtype  # the wgmmas' operand dtype
+    if fmt == "plain" and kv_pages.dtype != q.dtype:
+        raise ValueError(f"mixed-dtype pages ({kv_pages.dtype}, q {q.dtype}) are not supported by "
+                         f"the Mosaic decode kernel; use the Pallas kernel")
     if group > ROWS or page_size % 8 or head_dim % 64 or block_keys % page_size:
         raise ValueError(f"unsupported shape: G={group}, S={page_size}, D={head_dim}")
     if block_keys != 64:  # 32: wgmma wants K % 64 == 0; 128 failed the check (docs/kernels.md)
         raise ValueError(f"block_keys must be 64, got {block_keys}")
     ppb = max(1, block_keys // page_size)
+    ints = None
+    if fmt in ("int8", "int4"):
+        ints = mosaic_kv_quant.IntPages(fmt, page_size, width, head_dim, ppb)
+        ints.check()
     qpi = queries_per_item
     if qpi < 1 or qpi * group > ROWS:
         raise ValueError(f"queries_per_item {qpi} x {group} query heads per KV head must fit the "
@@ -331,35 +354,47 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     if qpi > 1:  # (splits, items, real tokens): the CTAs past the items write padding zeros
         active = jnp.stack([active[0], jnp.sum(positions >= 0).astype(jnp.int32),
                             jnp.sum(md.positions >= 0).astype(jnp.int32)])
-    flat_kv = kv_pages.reshape(-1, page_size, head_dim)  # page-major; a free reshape
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    # fp8 tiles: 1-byte rows of D (<= 128 bytes swizzled per 8-row tile).
-    row_bytes = min(head_dim, 128)
-    kv_tiled = (plgpu.TilingTransform((8, row_bytes)), plgpu.SwizzleTransform(row_bytes)) if fp8 else tiled
     keys = ppb * page_size
+    if ints is None:
+        flat_kv = kv_pages.reshape(-1, page_size, head_dim)  # page-major; a free reshape
+        # fp8 tiles: 1-byte rows of D (<= 128 bytes swizzled per 8-row tile).
+        row_bytes = min(head_dim, 128)
+        kv_tiled = ((plgpu.TilingTransform((8, row_bytes)), plgpu.SwizzleTransform(row_bytes))
+                    if fp8 else tiled)
+        kv_bufs = (plgpu.SMEM((num_stages, keys, head_dim), kv_pages.dtype,
+                              transforms=kv_tiled),) * 2
+        meta_bufs, staging, copies = (None, None), tiled, ppb
+    else:  # each page's bytes in 16-byte rows (split layout); values and meta buffers apart
+        flat_kv = kv_pages.reshape(-1, page_size * width // 16, 16)
+        (k_vals, k_meta), (v_vals, v_meta) = ints.scratch(num_stages), ints.scratch(num_stages)
+        kv_bufs, meta_bufs = (k_vals, v_vals), (k_meta, v_meta)
+        staging, copies = ints.staging_transforms(), 2 * ppb  # values + meta copies a page
     scratch = (  # 16 KB + nst * BK * D * 4 bytes (+ 32 KB f32 partials when split)
         plgpu.SMEM((ROWS, head_dim), q.dtype),
-        plgpu.SMEM((num_stages, keys, head_dim), kv_pages.dtype, transforms=kv_tiled),
-        plgpu.SMEM((num_stages, keys, head_dim), kv_pages.dtype, transforms=kv_tiled),
+        *kv_bufs,
         plgpu.SMEM((ROWS, head_dim), jnp.float32) if splits > 1 else None,
         plgpu.SMEM((ROWS,), jnp.float32) if splits > 1 else None,
         plgpu.Barrier(num_arrivals=qpi, num_barriers=1),  # q: one copy per token of an item
-        plgpu.Barrier(num_arrivals=ppb, num_barriers=num_stages),
-        plgpu.Barrier(num_arrivals=ppb, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
         plgpu.Barrier(num_barriers=num_stages),
-        # fp8 pages: the dequantized f16 K and V tiles the wgmmas read (`page_tile`).
-        plgpu.SMEM((keys, head_dim), cdt, transforms=tiled) if fp8 else None,
-        plgpu.SMEM((keys, head_dim), cdt, transforms=tiled) if fp8 else None,
-        # fp8 pages at D == BK: the scaled f16 q, read again every step (`reload_q`)
-        plgpu.SMEM((ROWS, head_dim), cdt) if fp8 and head_dim == keys else None,
+        # fp8 / int pages: the dequantized f16 K and V tiles the wgmmas read (`page_tile`).
+        plgpu.SMEM((keys, head_dim), cdt, transforms=staging) if staged else None,
+        plgpu.SMEM((keys, head_dim), cdt, transforms=staging) if staged else None,
+        # f16 staging at D == BK: the scaled f16 q, read again every step (`reload_q`)
+        plgpu.SMEM((ROWS, head_dim), cdt) if staged and head_dim == keys else None,
+        *meta_bufs,  # int8 / int4 pages: the scale (and minimum) bytes
     )
     if interpret:  # staging for wgmma's A operand, see `operand`
         scratch += (plgpu.SMEM((ROWS, head_dim), cdt),
                     plgpu.SMEM((ROWS, keys), cdt),
                     plgpu.SMEM((head_dim, keys), cdt))
     item = jnp.dtype(kv_pages.dtype).itemsize
-    smem = (2 * ROWS * head_dim + num_stages * keys * head_dim * 2 * item
-            + fp8 * 2 * keys * head_dim * 2 + (fp8 and head_dim == keys) * ROWS * head_dim * 2
+    pages_smem = (num_stages * keys * head_dim * 2 * item if ints is None
+                  else ints.smem_bytes(num_stages))
+    smem = (2 * ROWS * head_dim + pages_smem
+            + staged * 2 * keys * head_dim * 2 + (staged and head_dim == keys) * ROWS * head_dim * 2
             + (splits > 1) * (ROWS * head_dim * 4 + ROWS * 4))
     # Mosaic reserves scratch for cross-warp reductions; the softmax only reduces along
     # rows (within a warp), so drop it when that lets two CTAs share an SM (<= 113 KB).
@@ -376,7 +411,8 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     body = functools.partial(
         _decode_kernel, sm_scale=float(sm_scale), num_kv_heads=num_kv_heads,
         num_pages=num_pages, page_size=page_size, ppb=ppb, nst=num_stages, num_splits=splits,
-        fp8=fp8, early_v=fp8 and early_v_convert, interpret=interpret, heads=group, qpi=qpi)
+        staged=staged, early_v=staged and early_v_convert, interpret=interpret, heads=group,
+        qpi=qpi, ints=ints)
     grid = ((num_ctas,), ("w",)) if splits > 1 else ((num_tokens, num_kv_heads), ("t", "h"))
     outs = plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch,

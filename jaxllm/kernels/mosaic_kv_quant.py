@@ -1,0 +1,179 @@
+"""int8 / int4 KV pages in the Mosaic GPU decode kernel: copying a page's split bytes into
+shared memory and dequantizing a [BK, D] tile into the kernel's f16 staging tile.
+
+Pages are in kv_quant.py's page-major split layout: a page's S * W bytes hold its `[S, Dv]`
+values (Dv = D for int8, D / 2 for int4), then S bfloat16 scales, then (int4) S bfloat16
+minimums. The kernel sees the page array as `[pages, S * W / 16, 16]` bytes (a free reshape);
+with S % 8 == 0 every page starts on a 16-byte boundary.
+
+Producer (`copy_page`), two bulk copies per page (`cp.async.bulk`: contiguous, unswizzled,
+so no TMA descriptor and no 256-row box limit; the pages are always in bounds):
+  * values: the page's first S * Dv bytes into the slot's `[BK * Dv / 16, 16]` buffer at
+    page j's place, i.e. linear `[BK, Dv]` row-major bytes;
+  * meta: Pallas' Mosaic GPU lowering wants every copy a multiple of 128 bytes (each thread
+    of the warpgroup arrives with 1/128 of them), and a page's scale (and minimum) bytes are
+    only 2S (4S), so the copy takes the last `window` = roundup(S * M, 128) bytes of the
+    page (M = 2 int8, 4 int4): some value bytes, then the page's meta, into `window` bytes
+    per page.
+
+Consumer (`dequant_tile`): the per-key scale (and minimum) as float32 `[BK]` in the layout
+of the tile's rows (`WGMMA.reduce(1)`), the values loaded from linear shared memory in the
+WGMMA layout, int8 -> float32 (bitcast u8 -> i8, exact) or int4 nibbles (`& 15`, `>> 4`),
+`x * s` (+ m), cast to f16 and stored into the staging tile the wgmma reads (as for fp8
+pages). int4 keeps elements d (low nibble) and d + D/2 (high) apart: the two halves go to
+the staging tile's two column halves, each a whole tile column of its swizzle.
+
+The scale of key k = j * S + s sits at byte `j * window + (window - S * M) + 2 * s`: pages
+are `window` apart, so `[BK]` is not one strided view. For each page j a `[BK]` view
+starting `2 * j * S` bytes early puts page j's scales at rows j * S .. j * S + S - 1 (every
+such view stays inside the buffer); a select by `row // S` keeps each row's own.
+
+The CPU interpreter has no rule for `plgpu.load` or ref reshapes, so there the same bytes
+are read as plain arrays and reshaped as values (`interpret=True`); the byte offsets, the
+per-page views and the select are the same code on both paths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxllm.kernels import kv_quant
+
+_COPY_UNIT = 128  # bytes: Pallas' Mosaic GPU copies move a multiple of the warpgroup size
+_IN_BOUNDS = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
+
+
+@dataclasses.dataclass(frozen=True)
+class IntPages:
+    """The byte geometry of int8 / int4 pages (kv_quant.py's split layout) for the kernel."""
+    fmt: str  # "int8" | "int4"
+    page_size: int  # S
+    width: int  # W, bytes a row
+    head_dim: int  # D
+    ppb: int  # pages a [BK] tile
+
+    @property
+    def dv(self) -> int:  # value bytes a row
+        return kv_quant.value_bytes(self.fmt, self.width)
+
+    @property
+    def meta(self) -> int:  # scale (+ minimum) bytes a row
+        return kv_quant.META_BYTES[self.fmt]
+
+    @property
+    def window(self) -> int:  # bytes of the meta copy of a page
+        return -(-self.page_size * self.meta // _COPY_UNIT) * _COPY_UNIT
+
+    @property
+    def rows(self) -> int:  # 16-byte rows of a page
+        return self.page_size * self.width // 16
+
+    @property
+    def keys(self) -> int:
+        return self.ppb * self.page_size
+
+    def check(self) -> None:
+        s = self.page_size
+        if s % 8 or (s * self.dv) % _COPY_UNIT or self.window > s * self.width:
+            raise ValueError(f"{self.fmt} pages of {s} rows x {self.width} bytes: no bulk-copy "
+                             f"shape (needs S % 8 == 0 and S * Dv % 128 == 0)")
+        if kv_quant.meta_offset(self.fmt, s, self.width) + s * self.meta != s * self.width:
+            raise AssertionError("the meta bytes must end the page")
+
+    def scratch(self, num_stages: int) -> tuple:
+        """SMEM for one of K / V: values [nst, BK * Dv / 16, 16], meta [nst, ppb * window / 16, 16]."""
+        return (plgpu.SMEM((num_stages, self.keys * self.dv // 16, 16), jnp.uint8),
+                plgpu.SMEM((num_stages, self.ppb * self.window // 16, 16), jnp.uint8))
+
+    def smem_bytes(self, num_stages: int) -> int:
+        return 2 * num_stages * (self.keys * self.dv + self.ppb * self.window)
+
+    def staging_transforms(self) -> tuple:
+        """Tiling and swizzle of the f16 staging tile: int4 writes its two D/2 halves separately,
+        so a half must be whole tiles (D = 64: 32-column tiles, 64-byte swizzle)."""
+        cols = min(64, self.head_dim // 2 if self.fmt == "int4" else self.head_dim)
+        return plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols)
+
+
+INT_FORMATS = ("int8",)  # int page formats the engine routes to the decode kernel
+
+
+def reads_pages(kv_pages: jax.Array, head_dim: int) -> bool:
+    """Whether the Mosaic decode kernel takes these int8 / int4 pages (kernels/__init__.py): a
+    routed format (INT_FORMATS), pages that divide its 64-key tile and whose values and scale
+    bytes the bulk copies can move (`IntPages.check`)."""
+    *_, page_size, width = kv_pages.shape
+    fmt = kv_quant.page_format(kv_pages.dtype, width, head_dim)
+    if fmt not in INT_FORMATS or 64 % page_size:
+        return False
+    try:
+        IntPages(fmt, page_size, width, head_dim, 64 // page_size).check()
+    except ValueError:
+        return False
+    return True
+
+
+def copy_page(g: IntPages, src, page, vals, meta, j: int, barrier) -> None:
+    """Page `page` of `src` [pages, S * W / 16, 16] into page slot j of a stage's `vals` and
+    `meta` buffers (two copies: the barrier expects 2 arrivals a page)."""
+    n = g.page_size * g.dv // 16
+    plgpu.copy_gmem_to_smem(src.at[page, pl.ds(0, n)], vals.at[pl.ds(j * n, n)], barrier,
+                            oob_mode=_IN_BOUNDS)
+    m = g.window // 16
+    plgpu.copy_gmem_to_smem(src.at[page, pl.ds(g.rows - m, m)], meta.at[pl.ds(j * m, m)], barrier,
+                            oob_mode=_IN_BOUNDS)
+
+
+def _row_meta(g: IntPages, meta, field: int, interpret: bool) -> jax.Array:
+    """float32 [BK]: field 0 (scale) or 1 (int4 minimum) of each key of the stage's `meta`."""
+    s, keys = g.page_size, g.keys
+    first = g.window - s * g.meta + 2 * field * s  # the field's first byte in a page's window
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+    def byte_pairs(start: int) -> tuple[jax.Array, jax.Array]:
+        """Bytes start + 2k and start + 2k + 1 of the stage's meta buffer, k < BK (u8 [BK] each)."""
+        if interpret:
+            b = meta[...].reshape(-1)[start:start + 2 * keys].reshape(keys, 2)
+            return b[:, 0], b[:, 1]
+        view = meta.reshape(g.ppb * g.window).at[pl.ds(start, 2 * keys)].reshape(keys, 2)
+        return tuple(plgpu.load(view.at[:, i], (), layout=row_layout, optimized=False)
+                     for i in range(2))
+
+    row = lax.broadcasted_iota(jnp.int32, (keys,), 0)
+    if not interpret:
+        row = plgpu.layout_cast(row, row_layout)
+    out = None
+    for j in range(g.ppb):  # page j's field lands on rows j * S .. j * S + S - 1 of this view
+        v = kv_quant.scale_from_bytes(*byte_pairs(j * (g.window - 2 * s) + first))
+        out = v if out is None else jnp.where(row // s == j, v, out)
+    return out
+
+
+def dequant_tile(g: IntPages, vals, meta, deq, interpret: bool) -> None:
+    """The stage's [BK, D] tile (`vals`, `meta`: one stage's buffers), dequantized in registers
+    and stored as f16 into the staging tile `deq` [BK, D]."""
+    keys, dv = g.keys, g.dv
+    if interpret:
+        raw = vals[...].reshape(keys, dv)
+    else:
+        raw = plgpu.load(vals.reshape(keys, dv), (), layout=plgpu.Layout.WGMMA, optimized=False)
+    scale = _row_meta(g, meta, 0, interpret)
+
+    def rows(x):  # [BK] -> [BK, Dv] along the tile's rows
+        return lax.broadcast_in_dim(x, (keys, dv), [0])
+
+    if g.fmt == "int8":
+        x = lax.bitcast_convert_type(raw, jnp.int8).astype(jnp.float32)
+        deq[...] = (x * rows(scale)).astype(deq.dtype)
+        return
+    lo = rows(_row_meta(g, meta, 1, interpret))  # int4: x = q * s + min
+    s = rows(scale)
+    wide = raw.astype(jnp.int32)  # Mosaic shifts no 8-bit registers
+    deq[:, pl.ds(0, dv)] = ((wide & 15).astype(jnp.float32) * s + lo).astype(deq.dtype)
+    deq[:, pl.ds(dv, dv)] = ((wide >> 4).astype(jnp.float32) * s + lo).astype(deq.dtype)
