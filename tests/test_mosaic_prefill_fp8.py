@@ -78,8 +78,8 @@ def test_mosaic_prefill_on_fp8_pages_lowers_for_cuda(name, group, page_size, hea
 
 
 def test_mosaic_prefill_fp8_shape_rules_and_int_pages():
-    """D = 256 fp8 tiles do not fit SMEM (module docstring); int8 / int4 rows are no TMA shape:
-    refused by name, for the Pallas kernel."""
+    """D = 256 fp8 tiles do not fit SMEM (module docstring); int8 / int4 pages (which only the
+    decode kernel reads, mosaic_kv_quant.py): refused by name, for the Pallas kernel."""
     from jaxllm.kernels import mosaic_prefill
 
     assert mosaic_prefill.supported(32, 8, 128, 16, 64, fp8=True)
@@ -101,8 +101,8 @@ def test_mosaic_prefill_fp8_shape_rules_and_int_pages():
     ("auto", "mosaic"), ("fp8", "mosaic"), ("fp8_e5m2", "mosaic"), ("int8", "pallas"),
     ("int4", "pallas")])
 def test_gpu_prefill_path_routes_fp8_pages_to_the_mosaic_kernel(monkeypatch, name, kernel):
-    """Where the choice picks the Mosaic kernel, bf16 and fp8 pages go to it, int8 / int4 rows
-    (no TMA shape) to the Pallas kernel; the choice sees the page dtype (fp8 is probed and
+    """Where the choice picks the Mosaic kernel, bf16 and fp8 pages go to it, int8 / int4 pages
+    (not read by the prefill kernel) to the Pallas kernel; the choice sees the page dtype (fp8 is probed and
     measured on fp8 pages, its own key)."""
     import jaxllm.kernels as kernels
     from jaxllm.kernels import mosaic_prefill, prefill_choice

@@ -4,8 +4,8 @@ Backends:
   reference  plain jnp (ref.py): the CPU path and the definition the kernels are tested against;
   pallas     portable Pallas kernel (pallas_ragged.py): Triton on GPU, interpret mode on CPU;
   mosaic     Hopper: the decode kernel (mosaic_decode.py) for steps whose token bucket is no
-             larger than the request bucket (T <= R: decode steps) on bf16, fp8 and int8 pages
-             (`mosaic_kv_quant.reads_pages`; int4 pages and int8 pages of other shapes: the
+             larger than the request bucket (T <= R: decode steps) on bf16, fp8, int8 and int4
+             pages (int pages in the shapes `mosaic_kv_quant.reads_pages` names; others: the
              Pallas kernel for every step), the ragged prefill kernel
              (mosaic_prefill.py) for prefill/mixed steps when prefill_choice.py picks it
              (JAXLLM_PREFILL_KERNEL=auto, the default: a start-up probe, validated on an
@@ -48,7 +48,7 @@ def gpu_prefill_attention(q, kv_pages, layer, md, *, sm_scale: float) -> jax.Arr
     """Prefill/mixed step on a GPU: the Mosaic prefill kernel where its probe passed, else
     the portable Pallas kernel (chosen from static shapes at trace time)."""
     from jaxllm.kernels import kv_quant, prefill_choice
-    # The Mosaic kernel reads pages in q's dtype and fp8 pages; int8 / int4 rows: Pallas.
+    # The Mosaic prefill kernel reads pages in q's dtype and fp8 pages; int8 / int4 pages: Pallas.
     fmt = kv_quant.page_format(kv_pages.dtype, kv_pages.shape[-1], q.shape[-1])
     if fmt in ("plain", "fp8") and prefill_choice.prefill_kernel(q, kv_pages) == "mosaic":
         from jaxllm.kernels import mosaic_prefill

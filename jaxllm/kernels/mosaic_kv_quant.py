@@ -101,7 +101,7 @@ class IntPages:
         return plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols)
 
 
-INT_FORMATS = ("int8",)  # int page formats the engine routes to the decode kernel
+INT_FORMATS = ("int8", "int4")  # int page formats the engine routes to the decode kernel
 
 
 def reads_pages(kv_pages: jax.Array, head_dim: int) -> bool:

@@ -36,7 +36,9 @@ the kernel q * sm_scale * log2(e) as f16 (the softmax skips its scale) and casts
 back. Default block at D = 128: 64 keys (128 KB of SMEM; 128 keys, 224 KB, ran too: 1.91 vs
 1.98 ms at 1x8192, 0.40 vs 0.33 at 1x2048); D = 256 does not fit. H200, jax 0.11.2, H 32 K 8
 D 128: 1.98 ms at 1x8192 (bf16 pages 1.23, Pallas on fp8 3.67), rel err 1.2-1.6e-3 against ref
-on the same pages. int8 / int4 rows (not 16-byte multiples, for TMA) stay with the Pallas kernel.
+on the same pages. int8 / int4 pages stay with the Pallas kernel: their split layout
+(kv_quant.py) is bulk-copyable, and the decode kernel reads it (mosaic_kv_quant.py), but this
+kernel's producer and consumers do not yet.
 """
 
 from __future__ import annotations
