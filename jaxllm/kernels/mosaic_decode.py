@@ -118,16 +118,17 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
     num_tokens = q_ref.shape[0]
     keys = ppb * page_size
 
-    def page_tile(ref, deq, meta):
-        """The slot's [BK, D] tile as the wgmma reads it: fp8 pages (scale 1.0) and int8 / int4
-        pages (`meta`: the slot's scale bytes) dequantized in registers into the f16 staging
-        tile `deq`; model-dtype pages (deq None) as they are."""
+    def page_tile(slot, which: int):
+        """The slot's [BK, D] K (which 0) or V (1) tile as the wgmma reads it: fp8 pages (scale
+        1.0) and int8 / int4 pages (with the slot's scale bytes) dequantized in registers into
+        the f16 staging tile; model-dtype pages as they are."""
+        ref, deq, meta = ((k_smem, k_deq, k_meta), (v_smem, v_deq, v_meta))[which]
         if deq is None:
-            return ref
+            return ref.at[slot]
         if ints is not None:
-            mosaic_kv_quant.dequant_tile(ints, ref, meta, deq, interpret)
+            mosaic_kv_quant.dequant_tile(ints, ref.at[slot], meta.at[slot], deq, interpret)
         else:
-            deq[...] = ref[...].astype(deq.dtype)
+            deq[...] = ref.at[slot][...].astype(deq.dtype)
         plgpu.commit_smem()  # the generic-proxy stores, before the async wgmma reads them
         return deq
 
@@ -217,7 +218,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
             slot = lax.rem(step, jnp.int32(nst))
             plgpu.barrier_wait(k_bar.at[slot])
 
-            k_tile = page_tile(k_smem.at[slot], k_deq, None if k_meta is None else k_meta.at[slot])
+            k_tile = page_tile(slot, 0)
             v_tiles = []
 
             def qk(acc_ref):
@@ -228,7 +229,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
                 plgpu.wgmma(acc_ref, operand(a, 0), keys_t(k_tile))
                 if early_v:  # convert the V tile while the async QK wgmma runs
                     plgpu.barrier_wait(v_bar.at[slot])
-                    v_tiles.append(page_tile(v_smem.at[slot], v_deq, None if v_meta is None else v_meta.at[slot]))
+                    v_tiles.append(page_tile(slot, 1))
                 return acc_ref[...]
 
             s = pl.run_scoped(qk, plgpu.ACC((ROWS, keys), jnp.float32))
@@ -244,7 +245,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             if not early_v:
                 plgpu.barrier_wait(v_bar.at[slot])
-                v_tiles.append(page_tile(v_smem.at[slot], v_deq, None if v_meta is None else v_meta.at[slot]))
+                v_tiles.append(page_tile(slot, 1))
             v_tile = v_tiles[0]
 
             def pv(acc_ref):
@@ -305,8 +306,9 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     Without num_splits the grid has the splits one real token would want, and the
     count in use follows the real tokens at run time (`active_splits`).
     return_partials (benchmarks only): skip the split combine and return the kernel's outputs.
-    early_v_convert (fp8 / int8 / int4 pages): convert the V tile while the QK wgmma runs instead
-    of after the softmax (on an H200, B 64 context 2048: 162 vs 169 us, both exact; docs/benchmarks.md).
+    early_v_convert (fp8 / int8 / int4 pages): convert the V tile while the QK wgmma runs
+    instead of after the softmax (on an H200, fp8 pages, B 64 context 2048: 162 vs 169 us, both
+    exact; docs/benchmarks.md).
     queries_per_item (speculative verification, `items`): a CTA takes up to this many consecutive
     tokens of one request, all their G query heads in its 64 rows, so a request's K/V pages are
     read once for its k + 1 verified tokens, not once per token.
