@@ -18,6 +18,11 @@
 #   f (~8 min): issue 17 -- the Mosaic prefill kernel on fp8 pages, of record: check_prefill.py on
 #     bf16 / e4m3 / e5m2 pages (poisoned, every row), then bench_kernels.py --prefill at 1x8192 and
 #     1x32768 with the Mosaic and Pallas kernels on bf16 and fp8 pages beside cuDNN (jax, torch)
+#   g (~3 min): the decode kernel's shapes (check_decode_shapes.py: D 64 with several blocks a CTA,
+#     padded groups; until it passes, D != 128 decode steps avoid the kernel) and int8 / int4 pages
+#     in it (check_mosaic_quant.py; failed to lower under jax 0.11.2 in session 20, so not routed)
+# Session 20 (one H100) ran a, c and f; b, d, e and g remain (d: run scripts/fetch_wheels.sh here
+# first and carry .whl: the server packages and llguidance are not on the image).
 set -u
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -35,5 +40,8 @@ case "${1:-}" in
      PREFILL_SMOKE=0 timeout ${T_BENCH:-300} python3 scripts/bench_kernels.py --prefill --prefill-cases 8192,32768 \
        --prefill-kernels mosaic,mosaic@fp8,mosaic@fp8_e5m2,pallas,pallas@fp8,jax_cudnn,torch_cudnn \
        --out "$OUT/prefill_fp8.json" 2>&1 | tail -12 ;;
-  *) echo "usage: $0 a|b|c|d|e|f" >&2; exit 2 ;;
+  g) export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
+     timeout ${T_SHAPES:-120} python3 scripts/check_decode_shapes.py 2>&1 | tail -30
+     timeout ${T_INT:-90} python3 scripts/check_mosaic_quant.py --formats fp8,int8,int4 2>&1 | tail -40 ;;
+  *) echo "usage: $0 a|b|c|d|e|f|g" >&2; exit 2 ;;
 esac
