@@ -19,7 +19,6 @@ from hf_tiny import make, make_llm
 from jaxllm import SamplingParams
 from jaxllm.config import EngineConfig
 from jaxllm.quantization import checkpoints, methods
-from jaxllm.quantization.kernels import matmul
 from jaxllm.quantization.qarray import QArray
 from jaxllm.quantization.quantize import QUANTIZERS
 
