@@ -46,8 +46,9 @@ def fill_random(runner) -> None:
             meta = kv_quant.meta_offset(fmt, size, width)  # split layout: values, then the scales
             bits = jax.random.bits(jax.random.key(1), kv.shape[:-2] + (size * width,), jnp.uint8)
             scale = jax.lax.bitcast_convert_type(jnp.bfloat16(0.01), jnp.uint8)
+            planar = jnp.repeat(scale, size)  # each field's S low bytes, then its S high bytes
             n = size * width - meta
-            return bits.at[..., meta:].set(jnp.tile(scale, n // 2)).reshape(kv.shape)
+            return bits.at[..., meta:].set(jnp.tile(planar, n // (2 * size))).reshape(kv.shape)
         return jax.random.normal(jax.random.key(1), kv.shape, jnp.bfloat16).astype(kv.dtype)
 
     # Keep the pages' sharding (tensor parallel; one device: uncommitted, as the runner's):

@@ -146,7 +146,8 @@ def test_write_kv_encodes_new_rows(name):
 def test_int_pages_are_page_major(name, page_size, head_dim):
     """int8 / int4 pages in the split layout: a page's values are one contiguous [S, Dv] block
     (what a TMA box of the page viewed [S * W / 16, 16] copies into shared memory as linear
-    bytes), then its S bfloat16 scales, then (int4) its S bfloat16 minimums."""
+    bytes), then its S bfloat16 scales, then (int4) its S bfloat16 minimums, each field planar:
+    the S low bytes, then the S high bytes (contiguous runs, which the Mosaic kernel loads)."""
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.standard_normal((3, page_size, head_dim)), jnp.float32)  # 3 pages
     dtype, width = kv_quant.page_layout(name, jnp.float32, head_dim)
@@ -156,19 +157,24 @@ def test_int_pages_are_page_major(name, page_size, head_dim):
     dv = head_dim if name == "int8" else head_dim // 2
     assert (page_size * width) % 16 == 0 and (page_size * dv) % 16 == 0
     boxes = pages.reshape(3, page_size * width // 16, 16)  # the TMA view of the page array
+
+    def field(p: int, f: int) -> np.ndarray:  # [S] float32 from the field's planar bytes
+        at = page_size * dv + 2 * page_size * f
+        lo, hi = (pages[p].reshape(-1)[at + b * page_size:at + (b + 1) * page_size]
+                  for b in (0, 1))
+        np.testing.assert_array_equal(np.stack([lo, hi], -1),
+                                      records[p, :, dv + 2 * f:dv + 2 * f + 2])
+        return ((lo.astype(np.uint32) << 16) | (hi.astype(np.uint32) << 24)).view(np.float32)
+
     for p in range(3):
         vals = boxes[p, :page_size * dv // 16].reshape(page_size, dv)  # the values' box
         np.testing.assert_array_equal(vals, records[p, :, :dv])
-        scales = boxes[p, page_size * dv // 16:page_size * (dv + 2) // 16].reshape(page_size, 2)
-        np.testing.assert_array_equal(scales, records[p, :, dv:dv + 2])
         if name == "int4":
-            mins = boxes[p, page_size * (dv + 2) // 16:].reshape(page_size, 2)
-            np.testing.assert_array_equal(mins, records[p, :, dv + 2:])
-            got_min = (mins.view(np.uint16).astype(np.uint32) << 16).view(np.float32)[:, 0]
-            np.testing.assert_allclose(got_min, np.asarray(x[p]).min(-1), rtol=2 ** -8)
+            field(p, 0)  # the scales' bytes (their values: the decode check below)
+            np.testing.assert_allclose(field(p, 1), np.asarray(x[p]).min(-1), rtol=2 ** -8)
         else:
-            got_s = (scales.view(np.uint16).astype(np.uint32) << 16).view(np.float32)[:, 0]
-            np.testing.assert_allclose(got_s, np.abs(np.asarray(x[p])).max(-1) / 127, rtol=2 ** -8)
+            np.testing.assert_allclose(field(p, 0), np.abs(np.asarray(x[p])).max(-1) / 127,
+                                       rtol=2 ** -8)
     # a record's bytes land where record_index says, and decode inverts encode
     idx = kv_quant.record_index(name, page_size, width)
     assert sorted(idx.ravel().tolist()) == list(range(page_size * width))

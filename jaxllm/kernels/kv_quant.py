@@ -36,9 +36,12 @@ a whole number of 16-byte units when S % 8 == 0, which is what a TMA copy needs 
 D + 2 or D/2 + 4 bytes are no TMA shape). `encode` / `decode` work on pages (the last two
 axes [S, D] <-> [S, W]); `encode_rows` gives each new row's W bytes as a *record* (values,
 then scale, then minimum) and `record_index` where each record byte lives in its page
-(`ref.write_kv` scatters records there; the kernels read values at `off * Dv` and the
-scale of slot `off` at `meta_offset(...) + 2 * off`). Files that persist pages (the KV
-disk store) key them with `LAYOUT_VERSION` (kv_transfer/factory.py `fingerprint`).
+(`ref.write_kv` scatters records there; the kernels read values at `off * Dv`). Each meta
+field is stored *planar*: the S low bytes, then the S high bytes (the scale of slot `off`
+is bytes `meta_offset(...) + off` and `+ S + off`), so a kernel reads a run of slots' low
+(or high) bytes as one contiguous view (the Mosaic decode kernel's scale loads: a strided
+`[keys, 2]` byte view did not lower under jax 0.11). Files that persist pages (the KV disk
+store) key them with `LAYOUT_VERSION` (kv_transfer/factory.py `fingerprint`).
 
 Rotated int4 rows. Keys have a few channels much larger than the rest, and a per-row range
 set by them leaves 4 bits too coarse for the others. An orthonormal R [D, D] spreads every
@@ -118,7 +121,8 @@ def scale_from_bytes(b0: jax.Array, b1: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-LAYOUT_VERSION = {"int8": "split-1", "int4": "split-1"}  # page-major split layout (above)
+# page-major split layout, planar meta bytes (above); split-1 interleaved each scale's bytes
+LAYOUT_VERSION = {"int8": "split-2", "int4": "split-2"}
 
 
 def value_bytes(fmt: str, width: int) -> int:
@@ -134,13 +138,14 @@ def meta_offset(fmt: str, page_size: int, width: int, field: int = 0) -> int:
 @functools.lru_cache(maxsize=None)
 def record_index(fmt: str, page_size: int, width: int) -> np.ndarray:
     """int32 [S, W]: where byte w of slot s's record (`encode_rows`) lives in its page's S * W
-    bytes: values at s * Dv + w, then each meta field's two bytes in that field's block."""
+    bytes: values at s * Dv + w, then each meta field's bytes in that field's block, planar
+    (byte b of slot s's field at `meta_offset + b * S + s`)."""
     dv = value_bytes(fmt, width)
     s = np.arange(page_size)[:, None]
     idx = [s * dv + np.arange(dv)[None, :]]
     for field in range(META_BYTES[fmt] // SCALE_BYTES):
-        idx.append(meta_offset(fmt, page_size, width, field) + SCALE_BYTES * s
-                   + np.arange(SCALE_BYTES)[None, :])
+        idx.append(meta_offset(fmt, page_size, width, field) + s
+                   + page_size * np.arange(SCALE_BYTES)[None, :])
     return np.concatenate(idx, axis=1).astype(np.int32)
 
 

@@ -23,10 +23,13 @@ WGMMA layout, int8 -> float32 (bitcast u8 -> i8, exact) or int4 nibbles (`& 15`,
 pages). int4 keeps elements d (low nibble) and d + D/2 (high) apart: the two halves go to
 the staging tile's two column halves, each a whole tile column of its swizzle.
 
-The scale of key k = j * S + s sits at byte `j * window + (window - S * M) + 2 * s`: pages
-are `window` apart, so `[BK]` is not one strided view. For each page j a `[BK]` view
-starting `2 * j * S` bytes early puts page j's scales at rows j * S .. j * S + S - 1 (every
-such view stays inside the buffer); a select by `row // S` keeps each row's own.
+The scale of key k = j * S + s has its low byte at `j * window + (window - S * M) + s` and its
+high byte S further (kv_quant's planar meta bytes): pages are `window` apart, so `[BK]` is not
+one view. For each page j a contiguous `[BK]` byte view starting `j * S` bytes early puts page
+j's low (or high) bytes at rows j * S .. j * S + S - 1 (every such view stays inside the
+buffer); a select by `row // S` keeps each row's own. The views are 1-D and contiguous: a
+strided column of a `[BK, 2]` view (interleaved bytes, the first layout) failed Mosaic's
+layout inference under jax 0.11.2.
 
 The CPU interpreter has no rule for `plgpu.load` or ref reshapes, so there the same bytes
 are read as plain arrays and reshaped as values (`interpret=True`); the byte offsets, the
@@ -144,21 +147,20 @@ def _row_meta(g: IntPages, meta, field: int, interpret: bool) -> jax.Array:
     first = g.window - s * g.meta + 2 * field * s  # the field's first byte in a page's window
     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-    def byte_pairs(start: int) -> tuple[jax.Array, jax.Array]:
-        """Bytes start + 2k and start + 2k + 1 of the stage's meta buffer, k < BK (u8 [BK] each)."""
+    def run(start: int) -> jax.Array:
+        """Bytes start .. start + BK - 1 of the stage's meta buffer (u8 [BK])."""
         if interpret:
-            b = meta[...].reshape(-1)[start:start + 2 * keys].reshape(keys, 2)
-            return b[:, 0], b[:, 1]
-        view = meta.reshape(g.ppb * g.window).at[pl.ds(start, 2 * keys)].reshape(keys, 2)
-        return tuple(plgpu.load(view.at[:, i], (), layout=row_layout, optimized=False)
-                     for i in range(2))
+            return meta[...].reshape(-1)[start:start + keys]
+        view = meta.reshape(g.ppb * g.window).at[pl.ds(start, keys)]
+        return plgpu.load(view, (), layout=row_layout, optimized=False)
 
     row = lax.broadcasted_iota(jnp.int32, (keys,), 0)
     if not interpret:
         row = plgpu.layout_cast(row, row_layout)
     out = None
     for j in range(g.ppb):  # page j's field lands on rows j * S .. j * S + S - 1 of this view
-        v = kv_quant.scale_from_bytes(*byte_pairs(j * (g.window - 2 * s) + first))
+        start = j * (g.window - s) + first  # low bytes; the high bytes S further
+        v = kv_quant.scale_from_bytes(run(start), run(start + s))
         out = v if out is None else jnp.where(row // s == j, v, out)
     return out
 

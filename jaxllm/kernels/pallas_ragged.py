@@ -78,10 +78,10 @@ def _load_rows(kv_ref, layer, which: int, kvh, page, off, page_size: int, fmt: s
     c = jnp.arange(nval, dtype=jnp.int32)
     raw = kv_ref[layer, which, kvh, page[:, None], (off * nval)[:, None] + c[None, :]]  # [BK, Dv]
 
-    def meta(field: int):  # [BK] float32 from the field's two bytes of each slot
-        at = kv_quant.meta_offset(fmt, page_size, width, field) + 2 * off
+    def meta(field: int):  # [BK] float32 from the field's two bytes of each slot (planar)
+        at = kv_quant.meta_offset(fmt, page_size, width, field) + off
         return kv_quant.scale_from_bytes(kv_ref[layer, which, kvh, page, at],
-                                         kv_ref[layer, which, kvh, page, at + 1])
+                                         kv_ref[layer, which, kvh, page, at + page_size])
 
     if fmt == "int8":
         return [jax.lax.bitcast_convert_type(raw, jnp.int8).astype(dtype)], meta(0), None
