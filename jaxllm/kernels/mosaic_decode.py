@@ -56,7 +56,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxllm.kernels import kv_quant, mosaic_kv_quant
 from jaxllm.kernels.decode_schedule import active_splits, combine, default_config, items
-from jaxllm.kernels.mosaic_kv_quant import IntPages
 from jaxllm.kernels.metadata import AttentionMetadata
 
 ROWS = 64  # wgmma M: one warpgroup's accumulator rows
@@ -66,7 +65,8 @@ _LOG2E = math.log2(math.e)
 def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, tok0_ref, q_ref,
                    kv_ref, *refs, sm_scale: float, num_kv_heads: int, num_pages: int, page_size: int,
                    ppb: int, nst: int, num_splits: int, staged: bool, early_v: bool,
-                   interpret: bool, heads: int, qpi: int, ints: IntPages | None):
+                   interpret: bool, heads: int, qpi: int,
+                   ints: mosaic_kv_quant.IntPages | None):
     """Body; refs = outputs (o [, lse]) then the scoped SMEM / barriers.
 
     qpi > 1 (`queries_per_item`): CTA index `tok` is an item of up to qpi consecutive tokens

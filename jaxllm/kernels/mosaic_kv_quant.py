@@ -108,8 +108,10 @@ class IntPages:
 # Int page formats the engine routes to the decode kernel: none yet. The kernel reads them in
 # Mosaic's CPU interpreter and lowers for cuda under jax 0.10, but on the H100 (jax 0.11.2,
 # 2026-12-05, scripts/check_mosaic_quant.py) its lowering failed in Mosaic's layout inference
-# (`_conjure_transforms_for_smem_ref`: IndexError), so int pages stay with the Pallas kernel until
-# it compiles and checks out there. Kernel tests name the formats they exercise.
+# (`_conjure_transforms_for_smem_ref`: IndexError), with the scale bytes then interleaved; the
+# planar bytes read now are the candidate fix, unchecked there. Int pages stay with the Pallas
+# kernel until the kernel compiles and checks out on a GPU. Kernel tests name the formats they
+# exercise.
 KERNEL_FORMATS = ("int8", "int4")  # what the kernel reads (tests, scripts/check_mosaic_quant.py)
 INT_FORMATS: tuple[str, ...] = ()
 

@@ -51,44 +51,33 @@ INT4_SHRINK = ((1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.88, 0.86, 0.84, 0.82, 0.8), 
                (1.0, 0.95, 0.9, 0.85, 0.8))  # lo
 
 
-def _least_error(params, err, xp):
-    """Per slice, the first of the candidates with the least `err`: `params(i)` (i < n, a
-    Python int under numpy, a traced one under jnp) gives candidate i's tuple of small
-    per-slice parameters (scales, offsets); `params.n` is how many there are.
+def _least_error(factors: np.ndarray, make, err, xp):
+    """Per slice, the first candidate with the least `err`: candidate i is `make(factors[i])`,
+    a tuple of small per-slice parameters (scales, offsets).
 
     Only those parameters are carried between candidates; the quantized values are made once,
     from the winner, by the caller. Under jnp the candidates run in a `fori_loop`, so the
     search holds one candidate's temporaries at a time (unrolled, XLA kept every candidate's
     weight-sized temporaries live: 62x the float32 weight for int4, an OOM on an H100 for one
     4096 x 28672 matrix)."""
-    best = params(0)
-    best_err = err(*best)
+    table = factors if xp is np else xp.asarray(factors)
 
     def step(i, carry):
         best, best_err = carry
-        cand = params(i)
+        cand = make(table[i])
         cand_err = err(*cand)
         better = cand_err < best_err
         return (tuple(xp.where(better, c, b) for c, b in zip(cand, best)),
                 xp.where(better, cand_err, best_err))
 
+    best = make(table[0])
+    carry = (best, err(*best))
     if xp is np:
-        for i in range(1, params.n):
-            best, best_err = step(i, (best, best_err))
-        return best
+        for i in range(1, len(factors)):
+            carry = step(i, carry)
+        return carry[0]
     import jax
-    return jax.lax.fori_loop(1, params.n, step, (best, best_err))[0]
-
-
-class _Candidates:
-    """Candidate i's parameters from `make(factors[i])`, indexable by a traced i too."""
-
-    def __init__(self, factors: np.ndarray, make, xp):
-        self.n, self.factors, self.make, self.xp = len(factors), factors, make, xp
-
-    def __call__(self, i):
-        f = self.factors[i] if self.xp is np else self.xp.asarray(self.factors)[i]
-        return self.make(f)
+    return jax.lax.fori_loop(1, len(factors), step, carry)[0]
 
 
 def quantize_fp8(w, xp=np, search: int = FP8_SEARCH) -> QArray:
@@ -103,7 +92,7 @@ def quantize_fp8(w, xp=np, search: int = FP8_SEARCH) -> QArray:
         return ((values(s).astype(np.float32) * s - w) ** 2).sum(axis=-2, keepdims=True)
 
     factors = np.array([1 + i / search for i in range(max(search, 1))], np.float32)
-    (s,) = _least_error(_Candidates(factors, lambda f: (s0 * f,), xp), err, xp)
+    (s,) = _least_error(factors, lambda f: (s0 * f,), err, xp)
     return QArray(xp.swapaxes(values(s), -1, -2), xp.swapaxes(s, -1, -2), None, kind="fp8",
                   act="fp8")
 
@@ -142,8 +131,7 @@ def quantize_int4(w, xp=np, group: int | None = None, search: bool = True) -> QA
     shrink = [(1.0, 1.0)] + [(a, c) for a in INT4_SHRINK[0] for c in INT4_SHRINK[1]
                              if search and (a != 1.0 or c != 1.0)]  # (hi, lo) factors
     factors = np.array(shrink, np.float32)
-    s, o = _least_error(_Candidates(factors, lambda f: scale_offset(lo * f[1], hi * f[0]), xp),
-                        err, xp)
+    s, o = _least_error(factors, lambda f: scale_offset(lo * f[1], hi * f[0]), err, xp)
     q = values(s, o)[0]
     return QArray(pack_int4(q.astype(np.uint8).reshape(*lead, k, n), g), s, o, kind="int4")
 
