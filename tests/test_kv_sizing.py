@@ -50,6 +50,19 @@ def test_io_cap_keeps_xla_limit_positive():
     assert plan.num_blocks < plan_pool(100 * GiB, 16 * GiB, 0.9, BLOCK, pr).num_blocks
 
 
+def test_pool_fits_the_largest_free_block():
+    """The pool is one array: free memory split by holes (weights built with temporaries) holds
+    less than the sum says. H100, 8B dummy weights: 44 GiB free, the largest block 35 GiB."""
+    pr = probes(lambda p: GiB)
+    whole = plan_pool(60 * GiB, 15 * GiB, 0.9, BLOCK, pr, headroom_bytes=2 * GiB)
+    split = plan_pool(60 * GiB, 15 * GiB, 0.9, BLOCK, pr, headroom_bytes=2 * GiB, largest_free_bytes=35 * GiB)
+    assert whole.pool_bytes > 35 * GiB - 3 * GiB
+    assert split.pool_bytes + split.step_extra_bytes <= 35 * GiB - 2 * GiB
+    assert split.pool_bytes + BLOCK + GiB + (64 << 20) > 35 * GiB - 2 * GiB  # the largest that fits
+    roomy = plan_pool(60 * GiB, 15 * GiB, 0.9, BLOCK, pr, headroom_bytes=2 * GiB, largest_free_bytes=45 * GiB)
+    assert roomy == whole  # a block larger than what is free changes nothing
+
+
 def test_too_small_names_the_fix():
     with pytest.raises(ValueError, match="gpu_memory_utilization.*kv_cache_memory_bytes"):
         plan_pool(20 * GiB, 16 * GiB, 0.9, BLOCK, probes(lambda p: GiB), min_blocks=10_000)
@@ -84,7 +97,7 @@ def test_runner_sizes_from_its_compiled_step():
     per_block = r._bytes_per_block()
     traces = r.num_traces
     limit, in_use = 4 << 30, 8 << 20
-    blocks = r._profiled_blocks(limit, in_use, min_blocks=r.max_blocks)
+    blocks = r._profiled_blocks(limit, in_use, None, min_blocks=r.max_blocks)
     step = StepMemory.of(r._compile_probe(blocks, {}).memory_analysis())
     from jaxllm.engine.runner import SIZING_HEADROOM
     free = int(limit * 0.9) - in_use - SIZING_HEADROOM
@@ -101,7 +114,7 @@ def test_engine_starts_when_the_pool_is_sized_from_the_compiled_step(monkeypatch
     from jaxllm.engine.runner import ModelRunner
     from jaxllm.models.shapes import TINY
 
-    monkeypatch.setattr(ModelRunner, "_memory_stats", lambda self: (4 << 30, 8 << 20))
+    monkeypatch.setattr(ModelRunner, "_memory_stats", lambda self: (4 << 30, 8 << 20, None))
     monkeypatch.setattr(ModelRunner, "_num_blocks", lambda self, max_model_len: self._profiled_blocks(
         *self._memory_stats(), min_blocks=self.max_blocks))
     llm = LLM(hf_config=dict(TINY, max_position_embeddings=256), max_model_len=256, max_num_seqs=4,

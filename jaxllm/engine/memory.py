@@ -64,7 +64,7 @@ class PoolPlan:
     num_blocks: int
     pool_bytes: int
     step_extra_bytes: int  # the step's own buffers at num_blocks
-    free_bytes: int  # bytes_limit * utilization - bytes_in_use
+    free_bytes: int  # bytes_limit * utilization - bytes_in_use - headroom
     io_cap_bytes: int | None  # XLA's base limit the step's io stays under, if known
 
 
@@ -78,18 +78,26 @@ def base_limit(bytes_limit: int, client_fraction: float | None = None) -> int:
 
 def plan_pool(bytes_limit: int, bytes_in_use: int, utilization: float, bytes_per_block: int,
               probes: list[tuple[int, StepMemory]], min_blocks: int = 0,
-              io_cap_bytes: int | None = None) -> PoolPlan:
+              io_cap_bytes: int | None = None, largest_free_bytes: int | None = None,
+              headroom_bytes: int = 0) -> PoolPlan:
     """The largest pool that fits beside the step, from the step compiled at two pool sizes.
 
     `probes`: [(P1, memory at P1), (P2, memory at P2)] with P1 < P2 (one probe: no growth).
     `io_cap_bytes`: also keep the step's inputs + outputs below this (XLA's base limit).
+    `largest_free_bytes`: the allocator's largest free block. The pool is one array, so it must
+    fit in one block: on an H100 the holes left by building the weights (8B shape, dummy weights)
+    made the 36 GiB pool fail to allocate although 44 GiB were free in all.
+    `headroom_bytes`: kept free besides (counted in `bytes_in_use` and off the largest block).
     Raises ValueError if fewer than `min_blocks` fit.
     """
     (p1, m1), (p2, m2) = probes[0], probes[-1]
     slope = max((m2.extra_bytes - m1.extra_bytes) / (p2 - p1), 0.0) if p2 != p1 else 0.0
-    free = int(bytes_limit * utilization) - bytes_in_use
+    free = int(bytes_limit * utilization) - bytes_in_use - headroom_bytes
     # blocks * per_block + e1 + slope * (blocks - p1) <= free
     blocks = math.floor((free - m1.extra_bytes + slope * p1) / (bytes_per_block + slope))
+    if largest_free_bytes is not None:  # the pool in one block, the step's buffers beside it
+        contiguous = min(largest_free_bytes, free + headroom_bytes) - headroom_bytes
+        blocks = min(blocks, math.floor((contiguous - m1.extra_bytes + slope * p1) / (bytes_per_block + slope)))
     if io_cap_bytes is not None:
         io_slope = (m2.io_bytes - m1.io_bytes) / (p2 - p1) if p2 != p1 else float(bytes_per_block)
         blocks = min(blocks, math.floor(p1 + (0.95 * io_cap_bytes - m1.io_bytes) / max(io_slope, 1.0)))
@@ -98,7 +106,9 @@ def plan_pool(bytes_limit: int, bytes_in_use: int, utilization: float, bytes_per
     if blocks < min_blocks:
         raise ValueError(
             f"KV cache: {free / GiB:.2f} GiB free for the pool (gpu_memory_utilization={utilization} of "
-            f"{bytes_limit / GiB:.2f} GiB, {bytes_in_use / GiB:.2f} GiB in use) less the step's own "
+            f"{bytes_limit / GiB:.2f} GiB, {bytes_in_use / GiB:.2f} GiB in use"
+            f"{'' if largest_free_bytes is None else f', largest free block {largest_free_bytes / GiB:.2f} GiB'}"
+            f") less the step's own "
             f"{extra / GiB:.2f} GiB holds {blocks} blocks, fewer than one sequence of max_model_len "
             f"needs ({min_blocks}); raise gpu_memory_utilization, lower max_model_len or "
             f"max_num_batched_tokens, or set kv_cache_memory_bytes")

@@ -222,13 +222,15 @@ class ModelRunner:
         batch = Batch(i32(5, T), i32(R, self.max_blocks + 3 + self.spec_width), self.spec_width)
         return self._jit_step(options).lower(self.flat_params, pages, batch, i32(self.max_rows)).compile()
 
-    def _memory_stats(self) -> tuple[int, int]:
-        """(bytes_limit, bytes_in_use) of the tightest local device (weights already placed)."""
+    def _memory_stats(self) -> tuple[int, int, int | None]:
+        """(bytes_limit, bytes_in_use, largest free block or None) of the tightest local device
+        (weights already placed)."""
         devices = self.tp.local_devices if self.tp else jax.devices()[:1]
         stats = [d.memory_stats() or {} for d in devices]
         free = [s.get("bytes_limit", 16 << 30) - s.get("bytes_in_use", 0) for s in stats]
         s = stats[free.index(min(free))]
-        return s.get("bytes_limit", 16 << 30), s.get("bytes_in_use", 0)
+        largest = [t["largest_free_block_bytes"] for t in stats if "largest_free_block_bytes" in t]
+        return s.get("bytes_limit", 16 << 30), s.get("bytes_in_use", 0), min(largest) if largest else None
 
     def _step_io(self, num_blocks: int) -> tuple[int, int]:
         """(inputs + outputs with the pool once, outputs) of the step on one device, from shapes."""
@@ -240,19 +242,22 @@ class ModelRunner:
         return weights + pool + 4 * (5 * self.max_num_tokens + self.max_rows * (self.max_blocks + 4)) \
             + out - pool, out
 
-    def _profiled_blocks(self, bytes_limit: int, bytes_in_use: int, min_blocks: int) -> int:
+    def _profiled_blocks(self, bytes_limit: int, bytes_in_use: int, largest_free: int | None,
+                         min_blocks: int) -> int:
         """Blocks that fit beside the weights and the step's own buffers (`engine/memory.py`)."""
         options = lambda p: xla_limit_options(self.platform, bytes_limit, *self._step_io(p))
         p1 = max(self.max_blocks, 64)
         probes = [(p, StepMemory.of(self._compile_probe(p, options(p)).memory_analysis())) for p in (p1, 2 * p1)]
         cap = base_limit(bytes_limit) if self.platform == "gpu" else None
-        plan = plan_pool(bytes_limit, bytes_in_use + SIZING_HEADROOM, self.cfg.gpu_memory_utilization,
-                         self._bytes_per_block(), probes, min_blocks, io_cap_bytes=cap)
+        plan = plan_pool(bytes_limit, bytes_in_use, self.cfg.gpu_memory_utilization,
+                         self._bytes_per_block(), probes, min_blocks, io_cap_bytes=cap,
+                         largest_free_bytes=largest_free, headroom_bytes=SIZING_HEADROOM)
         self.compiler_options = options(plan.num_blocks)
         log.info("KV pool sized from the compiled step (tokens %d, rows %d): %.2f GiB free of %.2f GiB at "
-                 "gpu_memory_utilization %.2f, the step's own buffers %.2f GiB; XLA options %s",
-                 self.max_num_tokens, self.max_rows, plan.free_bytes / GiB, bytes_limit / GiB,
-                 self.cfg.gpu_memory_utilization, plan.step_extra_bytes / GiB, self.compiler_options)
+                 "gpu_memory_utilization %.2f (largest free block %s), the step's own buffers %.2f GiB; "
+                 "XLA options %s", self.max_num_tokens, self.max_rows, plan.free_bytes / GiB, bytes_limit / GiB,
+                 self.cfg.gpu_memory_utilization, "n/a" if largest_free is None else f"{largest_free / GiB:.2f} GiB",
+                 plan.step_extra_bytes / GiB, self.compiler_options)
         return plan.num_blocks
 
     def _bytes_per_block(self) -> int:
