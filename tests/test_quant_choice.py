@@ -46,13 +46,46 @@ def test_candidates_per_layout():
     assert fp8[0] == "xla" and len(fp8) > 2 and all(p.startswith("pallas/") for p in fp8[1:])
 
 
+def _reachable(hlo: str, root: str) -> str:
+    """The text of HLO computation `root` and every computation it calls, transitively."""
+    import re
+    comps = {m.group(1): m.group(0) for m in re.finditer(r"^%?([\w.\-]+) \(.*?^}", hlo, re.M | re.S)}
+    seen, todo = set(), [root]
+    while todo:
+        name = todo.pop()
+        if name in seen or name not in comps:
+            continue
+        seen.add(name)
+        todo += re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", comps[name])
+    return "\n".join(comps[n] for n in seen)
+
+
+def test_chained_calls_run_in_the_loop_not_hoisted():
+    """Timings of decode-sized matmuls run the path `chain` times in one jitted loop, each call
+    depending on the last: the loop's body holds the matmul and the weight's dequantization
+    (without the barrier, XLA hoisted the dequantization out of the loop), and x comes back."""
+    import re
+    from jaxllm.kernels.timing import chained, time_checked
+
+    w = _w("int8")
+    x = jnp.ones((4, 256), jnp.float32)
+    f = lambda x, w: kernels.matmul(x, w, "xla")
+    hlo = jax.jit(chained(f, 7)).lower(x, w).compile().as_text()
+    body = re.search(r"while\(.*?body=%?([\w.\-]+)", hlo).group(1)
+    inside = _reachable(hlo, body)
+    assert " dot(" in inside and " convert(" in inside
+    np.testing.assert_array_equal(np.asarray(jax.jit(chained(f, 3))(x, w)), np.asarray(x))
+    t = time_checked({"xla": f}, (x, w), 2, "quantized matmul", chain=5)
+    assert set(t) == {"xla"} and 0 < t["xla"] < 1
+
+
 def test_measure_keeps_a_checked_fastest_path_and_matmul_reads_it(monkeypatch):
     stacked = _w("int4", layers=3)  # as the scan layout holds it: one layer's slice is measured
     times = {"xla": 2e-3}
     seen = []
 
     def fake(x, w, paths, reps=10):  # the real check, fake clocks: the last tiling is fastest
-        checked = choice.__dict__["_real_time_paths"](x, w, paths, reps=1)
+        checked = choice.__dict__["_real_time_paths"](x, w, paths, reps=1, chain=2)
         seen.append((x.shape[0], list(paths)))
         tiled = [p for p in paths if p.startswith("pallas/")]
         return {p: times.get(p, 1.5e-3 if p != tiled[-1] else 1e-3) for p in checked}

@@ -14,12 +14,30 @@ import numpy as np
 log = logging.getLogger("jaxllm")
 
 
+def chained(fn: Callable, n: int) -> Callable:
+    """fn(x, *rest) run n times in one jitted loop, each call's x depending on the last call's
+    output (x + 0 * out[0]) and its other arguments passed through an optimization barrier
+    with x (else XLA hoists their loop-invariant work, a weight's dequantization, out of the
+    loop), so XLA neither hoists nor merges the calls: the loop's time / n is the kernel's time
+    without a host dispatch per call. A decode-sized matmul takes microseconds; timed one call
+    at a time (block_until_ready around each), the H100 warm-up of session 21 read 150-300 us
+    for every fp8 layout, the dispatch's time, and chose among the paths by noise."""
+    def loop(x, *rest):
+        def body(_, x):
+            x, args = jax.lax.optimization_barrier((x, rest))
+            out = fn(x, *args)
+            return x + (out.reshape(-1)[0] * 0).astype(x.dtype)
+        return jax.lax.fori_loop(0, n, body, x)
+    return loop
+
+
 def time_checked(fns: dict[str, Callable], args: tuple, reps: int, what: str, where: str = "",
-                 tol: float = 2e-2, catch: bool = False, ref=None) -> dict[str, float]:
+                 tol: float = 2e-2, catch: bool = False, ref=None, chain: int = 0) -> dict[str, float]:
     """Median seconds per call of each jitted fn(*args) after one checked run: its output must be
     finite and within `tol` (relative) of `ref` (default: the first fn's output), else it is
     logged and left out. `catch`: a fn that raises is logged and left out too (else the error
-    propagates)."""
+    propagates). `chain` > 0: each of the `reps` timings runs `chained(fn, chain)` and counts
+    one call as its time / chain (kernels shorter than a dispatch)."""
     first = None if ref is None else np.asarray(ref, np.float32)
     times = {}
     for name, fn in fns.items():
@@ -32,11 +50,13 @@ def time_checked(fns: dict[str, Callable], args: tuple, reps: int, what: str, wh
             if not np.isfinite(out).all() or err > tol:
                 log.warning("%s %s: wrong result%s (rel err %.3g), not timed", what, name, where, err)
                 continue
+            timed, per = (jax.jit(chained(fn, chain)), chain) if chain else (f, 1)
+            jax.block_until_ready(timed(*args))  # compiled before the clock starts
             ts = []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                jax.block_until_ready(f(*args))
-                ts.append(time.perf_counter() - t0)
+                jax.block_until_ready(timed(*args))
+                ts.append((time.perf_counter() - t0) / per)
             times[name] = statistics.median(ts)
         except Exception as e:  # noqa: BLE001 - only with `catch`: that candidate is never chosen
             if not catch:

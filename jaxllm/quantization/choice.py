@@ -8,7 +8,8 @@ K, N) and row count it runs every candidate path of `kernels.py` on random rows:
 weight-only: x is not rounded to fp8 there), all of them at the fewest rows and the fastest
 of those at the other row counts; "mgpu" for per-channel int8 on Hopper. It drops any whose
 output differs from x @ the dequantized weight by more than 2e-2 (relative; 5e-2 for fp8
-W8A8), times the rest (median of a few calls) and keeps the fastest. `kernels.matmul` then
+W8A8), times the rest (median of a few jitted loops of dependent calls, `timing.chained`) and
+keeps the fastest. `kernels.matmul` then
 reads the choice at trace time (`measured_path`); a shape never measured (prefill-sized
 buckets, tensor parallelism, CPU) keeps the static `TUNING` table. The choices and the
 figures are logged.
@@ -66,9 +67,10 @@ def candidates(x_shape: tuple[int, ...], w: QArray, tilings: list[str] | None = 
     return out
 
 
-def time_paths(x: jax.Array, w: QArray, paths: list[str], reps: int = 10) -> dict[str, float]:
-    """Median seconds per call of each path after a check against x @ the dequantized weight
-    (within 2e-2; 5e-2 for fp8 W8A8, whose "xla" path also rounds x to fp8: 2.7% measured)."""
+def time_paths(x: jax.Array, w: QArray, paths: list[str], reps: int = 5, chain: int = 20) -> dict[str, float]:
+    """Seconds per call of each path (median of `reps` loops of `chain` dependent calls: a
+    decode-sized matmul is shorter than a dispatch) after a check against x @ the dequantized
+    weight (within 2e-2; 5e-2 for fp8 W8A8, whose "xla" path also rounds x to fp8: 2.7% measured)."""
     from jaxllm.kernels.qmatmul import reference
     from jaxllm.quantization.kernels import matmul
 
@@ -76,10 +78,10 @@ def time_paths(x: jax.Array, w: QArray, paths: list[str], reps: int = 10) -> dic
     ref = jax.jit(reference)(x, w)
     tol = 5e-2 if w.act == "fp8" else 2e-2
     return time_checked(fns, (x, w), reps, "quantized matmul", f" {layout_key(x.shape, w)}", tol=tol,
-                        catch=True, ref=ref)
+                        catch=True, ref=ref, chain=chain)
 
 
-def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 10) -> dict[tuple, str]:
+def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 5) -> dict[tuple, str]:
     """Choose a path for each distinct layout of `weights` at each row count (module docstring)."""
     seen: dict[tuple, QArray] = {}
     for w in weights:
