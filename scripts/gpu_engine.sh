@@ -36,19 +36,19 @@ has() { case " $PARTS " in *" $1 "*) return 0;; esac; return 1; }
 
 if has engine; then
 echo "== 1a engine (jaxllm, defaults)"
-timeout ${T1:-150} python3 scripts/bench_engine.py --random-shape $SHAPE ${ENGINE_ARGS:-} --output-json "$OUT/engine_jax.json" \
+timeout -k 10 ${T1:-150} python3 scripts/bench_engine.py --random-shape $SHAPE ${ENGINE_ARGS:-} --output-json "$OUT/engine_jax.json" \
   > "$OUT/engine_jax.log" 2>&1; echo "rc $?"; grep "^== " "$OUT/engine_jax.log" | cut -c1-400
 
 if [ "${HF:-1}" = 1 ]; then
 echo "== 1b engine peer (HF transformers, sdpa)"
-timeout ${T2:-60} python3 scripts/bench_engine.py --random-shape $SHAPE --peer hf --output-json "$OUT/engine_hf.json" \
+timeout -k 10 ${T2:-60} python3 scripts/bench_engine.py --random-shape $SHAPE --peer hf --output-json "$OUT/engine_hf.json" \
   > "$OUT/engine_hf.log" 2>&1; echo "rc $?"; grep "^== " "$OUT/engine_hf.log" | cut -c1-400
 fi
 fi
 
 if has latency; then
 echo "== 2 decode latency"
-timeout ${T3:-60} python3 scripts/bench_latency.py --random-shape $SHAPE --batch-size 1 64 --input-len 2048 \
+timeout -k 10 ${T3:-60} python3 scripts/bench_latency.py --random-shape $SHAPE --batch-size 1 64 --input-len 2048 \
   --num-iters 10 --max-num-batched-tokens 64 --output-json "$OUT/latency.json" > "$OUT/latency.log" 2>&1
 echo "rc $?"; tail -5 "$OUT/latency.log"
 fi
@@ -67,7 +67,7 @@ SERVE="scripts/bench_serving.py --base-url http://127.0.0.1:$PORT --dataset-name
 for spec in "4 40" "16 100" "inf 100"; do
   set -- $spec
   echo "-- rate $1 ($2 prompts)"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.08 timeout ${T5:-30} python3 $SERVE --request-rate $1 --num-prompts $2 \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.08 timeout -k 10 ${T5:-30} python3 $SERVE --request-rate $1 --num-prompts $2 \
     --result-json "$OUT/serving_rate_$1.json" > "$OUT/serving_rate_$1.log" 2>&1
   echo "rc $?"; tail -7 "$OUT/serving_rate_$1.log"
 done

@@ -7,7 +7,7 @@
 set -u -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-JAXLLM_PREFILL_KERNEL=${PREFILL_KERNEL:-auto} timeout ${T:-290} python3 -c "
+JAXLLM_PREFILL_KERNEL=${PREFILL_KERNEL:-auto} timeout -k 10 ${T:-290} python3 -c "
 import logging, runpy, sys
 logging.basicConfig(level=logging.INFO, format='%(asctime)s %(name)s: %(message)s')
 sys.argv = ['bench_engine.py', '--ttft-lens', '2048', '32768', '--reps', '2', '--prefill-batch', '64',
@@ -19,7 +19,7 @@ cut -c1-260 "$OUT/ttft_jax.log" | tail -40
 # HF=1 (the default): the same TTFT and prefill calls through HF transformers (sdpa) in this call,
 # so the "x faster than HF" figures of issue 14 come from one run (T_HF seconds, default 150).
 if [ "${HF:-1}" = 1 ]; then
-  timeout ${T_HF:-150} python3 scripts/bench_engine.py --peer hf --ttft-lens 2048 32768 --reps 2 \
+  timeout -k 10 ${T_HF:-150} python3 scripts/bench_engine.py --peer hf --ttft-lens 2048 32768 --reps 2 \
     --prefill-batch 64 --prefill-len 2048 --output-json "$OUT/ttft_hf.json" > "$OUT/ttft_hf.log" 2>&1
   echo "hf rc=$?"
   python3 - "$OUT" <<'PY'

@@ -12,10 +12,10 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv,noheader
 echo "== check"
-timeout ${T1:-100} python3 scripts/check_prefill.py --variants ${VARIANTS:-mosaic} \
+timeout -k 10 ${T1:-100} python3 scripts/check_prefill.py --variants ${VARIANTS:-mosaic} \
   ${CASES:+--cases $CASES} --out "$OUT/check_prefill.json" 2>&1 | tee "$OUT/check.log" | grep -v '^{' | tail -16
 echo "== probe inside a trace"
-timeout ${T2:-30} python3 - <<'PY' 2>&1 | tail -3
+timeout -k 10 ${T2:-30} python3 - <<'PY' 2>&1 | tail -3
 import jax
 from jaxllm.kernels import prefill_choice
 @jax.jit
@@ -25,7 +25,7 @@ def f(x):
 f(1.0)
 PY
 echo "== bench"
-PREFILL_SMOKE=${PREFILL_SMOKE:-} timeout ${T3:-240} python3 scripts/bench_kernels.py --prefill \
+PREFILL_SMOKE=${PREFILL_SMOKE:-} timeout -k 10 ${T3:-240} python3 scripts/bench_kernels.py --prefill \
   --prefill-cases ${PCASES:-8192,32768,ragged8,mixed,2048} \
   --prefill-kernels ${KERNELS:-mosaic,mosaic_direct,mosaic:128:3,pallas,jax_cudnn,jax_mgpu,torch_cudnn,torch_flash} \
   --out "$OUT/prefill_kernels.json" 2>&1 | tee "$OUT/prefill_kernels.log" | grep -v "^    \|^  smoke" | tail -14

@@ -13,7 +13,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv 2>&1 | tee "$OUT/kvoffload_gpu.txt"
 for pin in ${PIN:-on off}; do
   echo "== kv offload: ${INPUT_LEN:-16384}-token prompt, host tier (pinned $pin) vs recompute"
-  timeout ${LIMIT:-170} "$PY" scripts/bench_kvoffload.py --random-shape "${SHAPE:-llama3-8b}" \
+  timeout -k 10 ${LIMIT:-170} "$PY" scripts/bench_kvoffload.py --random-shape "${SHAPE:-llama3-8b}" \
     --input-len "${INPUT_LEN:-16384}" --chunk "${CHUNK:-2048}" --cpu-gib "${CPU_GIB:-8}" --repeats 3 \
     --pin-host-memory $pin --output-json "$OUT/kvoffload_pin_$pin.json" 2>&1 \
     | tee "$OUT/kvoffload_pin_$pin.log" | tail -12

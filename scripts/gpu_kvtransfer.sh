@@ -13,7 +13,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 echo "== transfer transport sweep"
-timeout ${BW_LIMIT:-100} "$PY" scripts/transfer_bw.py --mib "${MIB:-512}" --chunk-mib 32 \
+timeout -k 10 ${BW_LIMIT:-100} "$PY" scripts/transfer_bw.py --mib "${MIB:-512}" --chunk-mib 32 \
   --connections "${CONNS:-1,2,4,8,16}" --transfer-mib "${XFER:-256}" --pinned "${PINNED:-0}" \
   --output-json "$OUT/transfer_bw.json" 2>&1 | tee "$OUT/transfer_bw.log" | tail -20
 BEST=$("$PY" - "$OUT/transfer_bw.json" <<'PY'
@@ -32,7 +32,7 @@ i=0
 IFS=';' read -ra TS <<< "$TRANSPORTS"
 for T in "${TS[@]}"; do
   echo "== kv transfer $i: ${INPUT_LEN:-4096}-token prompts, pulled vs recomputed; decode ITL; transport $T"
-  timeout ${LIMIT:-150} "$PY" scripts/bench_kvtransfer.py --random-shape "${SHAPE:-llama3-8b}" \
+  timeout -k 10 ${LIMIT:-150} "$PY" scripts/bench_kvtransfer.py --random-shape "${SHAPE:-llama3-8b}" \
     --input-len "${INPUT_LEN:-4096}" --chunk "${CHUNK:-2048}" --repeats 3 --transport "$T" \
     --itl-streams 8 --itl-tokens 64 --itl-arrivals 4 --output-json "$OUT/kvtransfer_$i.json" > "$OUT/kvtransfer_$i.log" 2>&1
   echo "rc=$?"

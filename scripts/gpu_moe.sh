@@ -46,26 +46,26 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,clocks.sm,clocks
 WORK="--random-shape $SHAPE --dtype bfloat16 --num-prompts $NP --input-len $IN --output-len $ON"
 {
   echo "== 1. grouped matmul alone, one $SHAPE layer, tokens $TOKENS"
-  timeout ${T1:-110} $PY scripts/bench_moe.py gmm --random-shape "$SHAPE" --tokens $TOKENS $GMM_FLAGS \
+  timeout -k 10 ${T1:-110} $PY scripts/bench_moe.py gmm --random-shape "$SHAPE" --tokens $TOKENS $GMM_FLAGS \
     --output-json "$OUT/moe_gmm.json" > "$OUT/moe_gmm.log" 2>&1 || echo "gmm: failed or timed out ($?)"
   grep "^T=" "$OUT/moe_gmm.log" | cut -c1-900
   echo "== 2. decode step, $SHAPE, context $CTX, batch 1 and 64"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${T2:-110} $PY scripts/bench_moe.py decode \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 10 ${T2:-110} $PY scripts/bench_moe.py decode \
     --random-shape "$SHAPE" --batch-size 1 64 --input-len $CTX --num-iters $ITERS \
     --output-json "$OUT/moe_decode.json" > "$OUT/moe_decode.log" 2>&1 || echo "decode: failed or timed out ($?)"
   grep -E "^decode|^engine grouped" "$OUT/moe_decode.log"
   echo "== 3. prefill $PB x $PL, MFU on active parameters"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${T3:-70} $PY scripts/bench_moe.py prefill \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 10 ${T3:-70} $PY scripts/bench_moe.py prefill \
     --random-shape "$SHAPE" --prefill-batch $PB --prefill-len $PL \
     --output-json "$OUT/moe_prefill.json" > "$OUT/moe_prefill.log" 2>&1 || echo "prefill: failed or timed out ($?)"
   grep "^prefill" "$OUT/moe_prefill.log"
   echo "== 4. offline throughput $NP x ($IN -> $ON): HF transformers peer (own process, experts grouped_mm)"
-  timeout ${T4:-140} $PY scripts/bench_throughput.py $WORK --hf-only --hf-batch $HFB --hf-experts grouped_mm \
+  timeout -k 10 ${T4:-140} $PY scripts/bench_throughput.py $WORK --hf-only --hf-batch $HFB --hf-experts grouped_mm \
     --output-json "$OUT/moe_tput_hf.json" > "$OUT/moe_tput_hf.log" 2>&1 || echo "hf peer: failed or timed out ($?)"
   grep -E "^HF experts|^hf-transformers" "$OUT/moe_tput_hf.log"
   echo "== 5. offline throughput $NP x ($IN -> $ON): jaxllm, ratio to the peer's file"
   PEER=""; [ -s "$OUT/moe_tput_hf.json" ] && PEER="--hf-result $OUT/moe_tput_hf.json"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout ${T5:-110} $PY scripts/bench_throughput.py $WORK $TPUT_FLAGS \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 10 ${T5:-110} $PY scripts/bench_throughput.py $WORK $TPUT_FLAGS \
     $PEER --output-json "$OUT/moe_tput.json" > "$OUT/moe_tput.log" 2>&1 || echo "jaxllm throughput: failed or timed out ($?)"
   grep -E "^(engine|jaxllm|hf-transformers) |roofline:|HF output tokens" "$OUT/moe_tput.log"
 } | tee "$OUT/moe.txt"

@@ -12,7 +12,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 echo "== multi-turn: ${CONV:-32} conversations x 4 turns, ${USER:-1024} user tokens a turn"
-timeout ${LIMIT:-280} "$PY" scripts/bench_multiturn.py --random-shape "${SHAPE:-llama3-8b}" \
+timeout -k 10 ${LIMIT:-280} "$PY" scripts/bench_multiturn.py --random-shape "${SHAPE:-llama3-8b}" \
   --conversations "${CONV:-32}" --turns 4 --user-tokens "${USER:-1024}" --output-tokens 32 \
   --pool-fraction 0.1 --chunk "${CHUNK:-2048}" ${DTYPE:+--dtype "$DTYPE"} ${MARGINS:+--margins} ${SCA:+--save-copies-ahead $SCA} --cpu-gib "${CPU_GIB:-24}" --repeats 2 \
   --output-json "$OUT/multiturn.json" 2>&1 | tee "$OUT/multiturn.log" | tail -8

@@ -17,16 +17,16 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 echo "== kernels"
-timeout ${T1:-170} python3 scripts/bench_kernels.py --prefill \
+timeout -k 10 ${T1:-170} python3 scripts/bench_kernels.py --prefill \
   --prefill-kernels ${KERNELS:-mosaic,mosaic:64:4,pallas,jax_cudnn,jax_mgpu,torch_cudnn,torch_flash} \
   --out "$OUT/prefill_kernels.json" 2>&1 | tee "$OUT/prefill_kernels.log" | tail -12
 echo "== ttft (jaxllm, default settings, prefill kernel by probe)"
-JAXLLM_PREFILL_KERNEL=${PREFILL_KERNEL:-auto} timeout ${T2:-120} python3 scripts/bench_engine.py \
+JAXLLM_PREFILL_KERNEL=${PREFILL_KERNEL:-auto} timeout -k 10 ${T2:-120} python3 scripts/bench_engine.py \
   --ttft-lens 2048 32768 --reps 2 --prefill-batch 1 --prefill-len 64 --num-prompts 2 \
   --random-input-len 32 --random-output-len 4 --output-json "$OUT/ttft_jax.json" > "$OUT/ttft_jax.log" 2>&1
 echo "rc=$?"; grep -i "prefill/mixed attention\|attention backend" "$OUT/ttft_jax.log" | head -3
 echo "== ttft (HF transformers, sdpa)"
-timeout ${T3:-70} python3 scripts/bench_engine.py --peer hf --ttft-lens 2048 32768 --reps 2 \
+timeout -k 10 ${T3:-70} python3 scripts/bench_engine.py --peer hf --ttft-lens 2048 32768 --reps 2 \
   --prefill-batch 1 --prefill-len 64 --output-json "$OUT/ttft_hf.json" > "$OUT/ttft_hf.log" 2>&1
 echo "rc=$?"
 python3 - "$OUT" <<'PY'

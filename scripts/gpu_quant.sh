@@ -19,14 +19,14 @@ want() { [[ "$PARTS" == *" $1 "* ]]; }
 
 if want 1; then
 echo "== 1. matmul"
-timeout ${T_MATMUL:-200} python3 scripts/bench_quant.py matmul ${MATMUL_FLAGS:-} --json "$OUT/quant_matmul.json" \
+timeout -k 10 ${T_MATMUL:-200} python3 scripts/bench_quant.py matmul ${MATMUL_FLAGS:-} --json "$OUT/quant_matmul.json" \
   > "$OUT/quant_matmul.log" 2>&1; echo "rc=$?"; sed -n '/^summary/,$p' "$OUT/quant_matmul.log" | show 80
 grep -i -e error -e Traceback "$OUT/quant_matmul.log" | head -5
 
 fi
 if want 2; then
 echo "== 2. decode attention B64 ctx 2048"
-timeout ${T_ATTN:-35} python3 scripts/bench_quant.py attention --batch 64 --ctx 2048 \
+timeout -k 10 ${T_ATTN:-35} python3 scripts/bench_quant.py attention --batch 64 --ctx 2048 \
   --json "$OUT/quant_attention.json" > "$OUT/quant_attention.log" 2>&1; echo "rc=$?"
 sed -n '/^summary/,$p' "$OUT/quant_attention.log" | show 10
 grep -i -e error -e Traceback "$OUT/quant_attention.log" | head -5
@@ -36,14 +36,14 @@ LAT="scripts/bench_latency.py --random-shape llama3-8b --input-len 2048 --num-it
 for q in $(want 3 && echo none fp8 int4); do
   echo "== 3. decode step batch 1, weights $q"
   flag=""; [ "$q" != none ] && flag="--quantization $q"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout ${T_LAT:-45} python3 $LAT --batch-size 1 $flag \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout -k 10 ${T_LAT:-45} python3 $LAT --batch-size 1 $flag \
     --output-json "$OUT/quant_latency_b1_$q.json" 2>&1 | tee "$OUT/quant_latency_b1_$q.log" | show 3
 done
 if [ "${QUANT_EXTRA:-0}" = 1 ]; then
   for q in none fp8; do
     echo "== 3b. decode step batch 64, weights $q, kv $q"
     flag=""; [ "$q" != none ] && flag="--quantization fp8 --kv-cache-dtype fp8"
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout ${T_LAT:-60} python3 $LAT --batch-size 64 $flag \
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout -k 10 ${T_LAT:-60} python3 $LAT --batch-size 64 $flag \
       --output-json "$OUT/quant_latency_b64_$q.json" 2>&1 | tee "$OUT/quant_latency_b64_$q.log" | show 3
   done
 fi

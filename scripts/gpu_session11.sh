@@ -7,7 +7,7 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 for n in 8 1; do
   echo "== pull interference, $n connections"
-  timeout 60 python3 scripts/transfer_bw.py --mib 512 --connections $n --interference $n \
+  timeout -k 10 60 python3 scripts/transfer_bw.py --mib 512 --connections $n --interference $n \
     --output-json "$OUT/interference_$n.json" 2>&1 | tail -6
 done
 LIMIT=${MT_LIMIT:-170} bash scripts/gpu_multiturn.sh

@@ -10,7 +10,7 @@ set -u -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 echo "== check_mosaic_verify"
-timeout 170 python3 scripts/check_mosaic_verify.py --batch 1 32 64 --ctx 1024 --k 4 \
+timeout -k 10 170 python3 scripts/check_mosaic_verify.py --batch 1 32 64 --ctx 1024 --k 4 \
   --json "$OUT/check_mosaic_verify.json" > /tmp/check_mosaic_verify.log 2>&1 || echo "check_mosaic_verify rc $?"
 grep -E '^\{|summary' /tmp/check_mosaic_verify.log | python3 -c '
 import json, sys
@@ -24,13 +24,13 @@ PARTS="${SPEC_PARTS:-step_b1 step_b32 e2e_zero_accept}" LOGS=/tmp bash scripts/g
 B="python3 scripts/bench_spec.py step --random-shape llama3-8b --dtype bfloat16 --proposer random --input-len 1024"
 if [ "${PROFILE:-1}" = 1 ]; then
   echo "== host profile, batch 1 (sync plain and speculative steps)"
-  timeout 75 $B --batch-size 1 --num-iters 40 --seq-buckets 8 --token-buckets 8 \
+  timeout -k 10 75 $B --batch-size 1 --num-iters 40 --seq-buckets 8 --token-buckets 8 \
     --max-num-batched-tokens 8 --profile 30 > /tmp/spec_profile.log 2>&1 || echo "profile rc $?"
   grep -A 45 '== host profile' /tmp/spec_profile.log | grep -v '^\s*$' | cut -c1-150
 fi
 if [ "${TRACE:-0}" = 1 ]; then
   echo "== step trace, batch 32"
-  timeout 120 $B --batch-size 32 --num-iters 30 --seq-buckets 32 160 --token-buckets 32 160 \
+  timeout -k 10 120 $B --batch-size 32 --num-iters 30 --seq-buckets 32 160 --token-buckets 32 160 \
     --max-num-batched-tokens 160 --trace /tmp/spec_trace \
     --output-json "$OUT/spec_step_trace_b32.json" > /tmp/spec_trace.log 2>&1 || echo "step trace rc $?"
   grep -E -A 10 '^== trace' /tmp/spec_trace.log | cut -c1-160

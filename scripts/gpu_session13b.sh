@@ -8,7 +8,7 @@ set -u -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 echo "== step trace, batch 1 and 32"
-timeout 200 python3 scripts/bench_spec.py step --random-shape llama3-8b --dtype bfloat16 --proposer random \
+timeout -k 10 200 python3 scripts/bench_spec.py step --random-shape llama3-8b --dtype bfloat16 --proposer random \
   --batch-size 1 32 --input-len 1024 --num-iters 30 --seq-buckets 8 32 160 --token-buckets 8 32 160 \
   --max-num-batched-tokens 160 --trace /tmp/spec_trace --profile 28 \
   --output-json "$OUT/spec_step_trace.json" > /tmp/spec_trace.log 2>&1 || echo "step trace rc $?"

@@ -16,7 +16,7 @@ case "${1:-}" in
   a) PARTS="step_b1 step_b32 e2e_zero_accept e2e_draft1b_zero_accept" bash scripts/gpu_spec.sh ;;
   b) PARTS="e2e_smollm2_ngram" bash scripts/gpu_spec.sh
      OUT=${OUT:-out}; mkdir -p "$OUT"  # the whole log kept there, its result lines shown here
-     timeout 200 python3 scripts/check_decode_shapes.py --engine --no-kernels > "$OUT/decode_shapes.log" 2>&1
+     timeout -k 10 200 python3 scripts/check_decode_shapes.py --engine --no-kernels > "$OUT/decode_shapes.log" 2>&1
      grep -E '^\{|^  ' "$OUT/decode_shapes.log" ;;
   c) PARTS="step_b32 e2e_zero_accept" bash scripts/gpu_spec.sh ;;
   d) PARTS="e2e_smollm2_ngram" bash scripts/gpu_spec.sh ;;

@@ -35,13 +35,13 @@ case "${1:-}" in
   d) MASK_ON="${MASK_ON:-thread engine dispatch}" T_UP=${T_UP:-100} T_BENCH=${T_BENCH:-60} \
      bash scripts/gpu_structured_serving.sh ;;
   f) export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off; OUT=${OUT:-out}; mkdir -p "$OUT"
-     timeout ${T_CHECK:-200} python3 scripts/check_prefill.py --variants mosaic --kv-cache-dtype auto fp8 fp8_e5m2 \
+     timeout -k 10 ${T_CHECK:-200} python3 scripts/check_prefill.py --variants mosaic --kv-cache-dtype auto fp8 fp8_e5m2 \
        --out "$OUT/check_prefill_fp8.json" 2>&1 | tail -45
-     PREFILL_SMOKE=0 timeout ${T_BENCH:-300} python3 scripts/bench_kernels.py --prefill --prefill-cases 8192,32768 \
+     PREFILL_SMOKE=0 timeout -k 10 ${T_BENCH:-300} python3 scripts/bench_kernels.py --prefill --prefill-cases 8192,32768 \
        --prefill-kernels mosaic,mosaic@fp8,mosaic@fp8_e5m2,pallas,pallas@fp8,jax_cudnn,torch_cudnn \
        --out "$OUT/prefill_fp8.json" 2>&1 | tail -12 ;;
   g) export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
-     timeout ${T_SHAPES:-120} python3 scripts/check_decode_shapes.py 2>&1 | tail -30
-     timeout ${T_INT:-90} python3 scripts/check_mosaic_quant.py --formats fp8,int8,int4 2>&1 | tail -40 ;;
+     timeout -k 10 ${T_SHAPES:-120} python3 scripts/check_decode_shapes.py 2>&1 | tail -30
+     timeout -k 10 ${T_INT:-90} python3 scripts/check_mosaic_quant.py --formats fp8,int8,int4 2>&1 | tail -40 ;;
   *) echo "usage: $0 a|b|c|d|e|f|g" >&2; exit 2 ;;
 esac

@@ -18,7 +18,7 @@ if ! python3 -c "import llguidance" 2>/dev/null; then
 fi
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 echo "== structured outputs: json schema vs unconstrained, llama3-8b shape"
-timeout ${T1:-170} python3 scripts/bench_structured.py --random-shape llama3-8b --load-format dummy \
+timeout -k 10 ${T1:-170} python3 scripts/bench_structured.py --random-shape llama3-8b --load-format dummy \
   --dtype bfloat16 --num-prompts 64 --input-len 64 --output-len 128 --max-num-seqs 64 \
   --max-model-len 2048 --max-num-batched-tokens 2048 --token-buckets 64 2048 --seq-buckets 64 \
   --rounds 2 --output-json "$OUT/structured.json" 2>&1 | tee "$OUT/structured.txt" | tail -8

@@ -21,7 +21,7 @@ runpy.run_module('jaxllm.cli', run_name='__main__')" > "$OUT/serve_$SW.log" 2>&1
   SRV=$!
   for _ in $(seq ${T_UP:-110}); do curl -sf localhost:$PORT/health > /dev/null && break; kill -0 $SRV 2>/dev/null || break; sleep 1; done
   grep -E "compiled|engine ready" "$OUT/serve_$SW.log" | cut -c1-200
-  timeout ${T_BENCH:-90} python3 scripts/bench_serving.py --base-url http://127.0.0.1:$PORT --structured-output json \
+  timeout -k 10 ${T_BENCH:-90} python3 scripts/bench_serving.py --base-url http://127.0.0.1:$PORT --structured-output json \
     --num-prompts 64 --max-concurrency 64 --input-len 64 --output-len ${OUTPUT_LEN:-128} --ignore-eos --temperature 1.0 \
     --result-json "$OUT/structured_$SW.json" > "$OUT/bench_$SW.log" 2>&1 &
   BENCH=$!

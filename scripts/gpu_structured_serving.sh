@@ -24,7 +24,7 @@ JAXLLM_MASK_ON=$MO JAXLLM_PREFILL_KERNEL=${PREFILL_KERNEL:-pallas} python3 -m ja
 SRV=$!
 for _ in $(seq ${T_UP:-150}); do curl -sf localhost:$PORT/health > /dev/null && break; kill -0 $SRV 2>/dev/null || break; sleep 1; done
 grep -E "prefill/mixed|compiled|engine ready" "$OUT/serve_$MO.log" | cut -c1-250
-timeout ${T_BENCH:-120} python3 scripts/bench_serving.py --base-url http://127.0.0.1:$PORT --structured-output json \
+timeout -k 10 ${T_BENCH:-120} python3 scripts/bench_serving.py --base-url http://127.0.0.1:$PORT --structured-output json \
   --num-prompts 64 --max-concurrency 64 --input-len 64 --output-len ${OUTPUT_LEN:-128} --ignore-eos --temperature 1.0 \
   --result-json "$OUT/structured_$MO.json" > "$OUT/bench_$MO.log" 2>&1; echo "rc=$?"
 grep -E "ratio|TPOT|TTFT|throughput|mask" "$OUT/bench_$MO.log" | tail -14

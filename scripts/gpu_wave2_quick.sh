@@ -19,20 +19,20 @@ part structured; mkdir -p "$OUT/structured"
 OUT="$OUT/structured" T1=${T_STRUCT:-160} bash scripts/gpu_structured.sh 2>&1 | tail -10
 part ttft; mkdir -p "$OUT/ttft"
 E="--ttft-lens 2048 32768 --reps 2 --prefill-batch 64 --prefill-len 2048 --num-prompts 2 --random-input-len 32 --random-output-len 4"
-JAXLLM_PREFILL_KERNEL=auto timeout ${T_TTFT:-120} python3 scripts/bench_engine.py $E \
+JAXLLM_PREFILL_KERNEL=auto timeout -k 10 ${T_TTFT:-120} python3 scripts/bench_engine.py $E \
   --output-json "$OUT/ttft/ttft_jax.json" > "$OUT/ttft/ttft_jax.log" 2>&1; echo "rc=$?"
 grep -E "^== |prefill/mixed attention|KV pool|Can't reduce" "$OUT/ttft/ttft_jax.log" | cut -c1-300
-timeout ${T_HF:-70} python3 scripts/bench_engine.py --peer hf $E --output-json "$OUT/ttft/ttft_hf.json" \
+timeout -k 10 ${T_HF:-70} python3 scripts/bench_engine.py --peer hf $E --output-json "$OUT/ttft/ttft_hf.json" \
   > "$OUT/ttft/ttft_hf.log" 2>&1; echo "rc=$?"; grep -E "^== " "$OUT/ttft/ttft_hf.log" | cut -c1-300
 part quant_attention; mkdir -p "$OUT/quant"
-timeout ${T_ATTN:-40} python3 scripts/bench_quant.py attention --batch 64 --ctx 2048 \
+timeout -k 10 ${T_ATTN:-40} python3 scripts/bench_quant.py attention --batch 64 --ctx 2048 \
   --json "$OUT/quant/quant_attention.json" > "$OUT/quant/quant_attention.log" 2>&1; echo "rc=$?"
 sed -n '/^summary/,$p' "$OUT/quant/quant_attention.log" | tail -10
 part moe_gmm; mkdir -p "$OUT/moe"
-timeout ${T_MOE:-80} python3 scripts/bench_moe.py gmm --tokens 1 64 512 8192 \
+timeout -k 10 ${T_MOE:-80} python3 scripts/bench_moe.py gmm --tokens 1 64 512 8192 \
   --output-json "$OUT/moe/moe_gmm.json" > "$OUT/moe/moe_gmm.log" 2>&1; echo "rc=$?"; tail -14 "$OUT/moe/moe_gmm.log"
 part spec_step_b1; mkdir -p "$OUT/spec"
-timeout ${T_SPEC:-60} python3 scripts/bench_spec.py step --random-shape llama3-8b --dtype bfloat16 --proposer random \
+timeout -k 10 ${T_SPEC:-60} python3 scripts/bench_spec.py step --random-shape llama3-8b --dtype bfloat16 --proposer random \
   --batch-size 1 --input-len 1024 --num-iters 40 --seq-buckets 8 --token-buckets 8 --max-num-batched-tokens 8 \
   --output-json "$OUT/spec/spec_step_b1.json" > "$OUT/spec/spec_step_b1.log" 2>&1; echo "rc=$?"
 tail -6 "$OUT/spec/spec_step_b1.log"

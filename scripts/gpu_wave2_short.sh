@@ -29,23 +29,23 @@ grep -E "prefill/mixed attention|compiled|engine ready|^== ttft|^== prefill|Can'
   "$OUT/engine/ttft_jax.log" | cut -c1-300
 
 part prefill_check; mkdir -p "$OUT/check"
-timeout ${T_CHECK:-50} python3 scripts/check_prefill.py --variants mosaic --out "$OUT/check/check_prefill.json" \
+timeout -k 10 ${T_CHECK:-50} python3 scripts/check_prefill.py --variants mosaic --out "$OUT/check/check_prefill.json" \
   > "$OUT/check/check.log" 2>&1; echo "rc=$?"; grep -v '^{' "$OUT/check/check.log" | tail -16
 
 part moe_gmm; mkdir -p "$OUT/moe"
-timeout ${T_MOE:-90} python3 scripts/bench_moe.py gmm --tokens 1 64 --output-json "$OUT/moe/moe_gmm.json" \
+timeout -k 10 ${T_MOE:-90} python3 scripts/bench_moe.py gmm --tokens 1 64 --output-json "$OUT/moe/moe_gmm.json" \
   > "$OUT/moe/moe_gmm.log" 2>&1; echo "rc=$?"; tail -22 "$OUT/moe/moe_gmm.log"
 
 part kvoffload; mkdir -p "$OUT/kv"
 OUT="$OUT/kv" LIMIT=${T_KV:-130} bash scripts/gpu_kvoffload.sh 2>&1 | tail -22
 
 part quant_attention; mkdir -p "$OUT/quant"
-timeout ${T_ATTN:-40} python3 scripts/bench_quant.py attention --batch 64 --ctx 2048 \
+timeout -k 10 ${T_ATTN:-40} python3 scripts/bench_quant.py attention --batch 64 --ctx 2048 \
   --json "$OUT/quant/quant_attention.json" > "$OUT/quant/quant_attention.log" 2>&1; echo "rc=$?"
 sed -n '/^summary/,$p' "$OUT/quant/quant_attention.log" | tail -10
 
 part spec_step_b1; mkdir -p "$OUT/spec"
-timeout ${T_SPEC:-60} python3 scripts/bench_spec.py step --random-shape llama3-8b --dtype bfloat16 --proposer random \
+timeout -k 10 ${T_SPEC:-60} python3 scripts/bench_spec.py step --random-shape llama3-8b --dtype bfloat16 --proposer random \
   --batch-size 1 --input-len 1024 --num-iters 40 --seq-buckets 8 --token-buckets 8 --max-num-batched-tokens 8 \
   --output-json "$OUT/spec/spec_step_b1.json" > "$OUT/spec/spec_step_b1.log" 2>&1; echo "rc=$?"
 tail -6 "$OUT/spec/spec_step_b1.log"
