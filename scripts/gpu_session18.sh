@@ -19,10 +19,14 @@
 #     bf16 / e4m3 / e5m2 pages (poisoned, every row), then bench_kernels.py --prefill at 1x8192 and
 #     1x32768 with the Mosaic and Pallas kernels on bf16 and fp8 pages beside cuDNN (jax, torch)
 #   g (~3 min): the decode kernel's shapes (check_decode_shapes.py: D 64 with several blocks a CTA,
-#     padded groups; until it passes, D != 128 decode steps avoid the kernel) and int8 / int4 pages
-#     in it (check_mosaic_quant.py; failed to lower under jax 0.11.2 in session 20, so not routed)
-# Session 20 (one H100) ran a, c and f; b, d, e and g remain (d: run scripts/fetch_wheels.sh here
-# first and carry .whl: the server packages and llguidance are not on the image).
+#     padded groups; all correct on the H100 in session 21) and int8 / int4 pages in it
+#     (check_mosaic_quant.py; failed to lower under jax 0.11.2 in sessions 20 and 21; the cause was
+#     found and fixed on the CPU with scripts/jax011_lowering.sh, unchecked on a GPU, so not routed)
+# Session 20 (one H100) ran a, c and f; session 21 (one H100) ran g and e (fp8 decode step 1.02x
+# bf16; its warm-up's matmul timings were the dispatch's, fixed since), b (failed: a hung
+# process held the GPU's memory; scripts fixed) and d (the server's KV pool did not fit the
+# allocator's largest free block; fixed). Next: g, then e, d, b (d: run scripts/fetch_wheels.sh
+# here first and carry .whl: the server packages and llguidance are not on the image).
 set -u
 cd "$(dirname "$0")/.."
 case "${1:-}" in

@@ -78,6 +78,7 @@ def test_mosaic_decode_on_fp8_pages_lowers_for_cuda(name, splits, early):
 INT_CASES = [
     ("int8", 1, [(27, 1), (70, 1), (3, 1)], 2, 4, 8, 64, False),
     ("int8", 2, [(70, 1), (9, 1)], 1, 8, 16, 128, True),
+    ("int8", 1, [(70, 1), (9, 1)], 1, 4, 32, 128, False),  # one copy of 256 rows a page
     ("int4", 1, [(27, 1), (70, 1), (3, 1)], 2, 4, 8, 64, True),
     ("int4", 3, [(130, 1), (9, 1)], 1, 4, 16, 128, False),
 ]
@@ -86,7 +87,7 @@ INT_CASES = [
 @pytest.mark.parametrize("name,splits,reqs,kv_heads,group,page_size,head_dim,early", INT_CASES)
 def test_mosaic_decode_on_int_pages_matches_reference(name, splits, reqs, kv_heads, group,
                                                       page_size, head_dim, early):
-    """The kernel reads int8 / int4 pages as stored (values and scale bytes bulk-copied),
+    """The kernel reads int8 / int4 pages as stored (values and scale bytes copied),
     dequantizes each tile in registers into its f16 staging tile and matches the reference on
     the same pages; in the interpreter with its race detector."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
@@ -116,7 +117,7 @@ def test_mosaic_decode_on_int_pages_matches_reference(name, splits, reqs, kv_hea
 
 
 @pytest.mark.parametrize("name,splits,page_size,head_dim,early", [
-    ("int8", 1, 16, 128, False), ("int8", 4, 16, 128, True), ("int8", 1, 64, 128, True),
+    ("int8", 1, 16, 128, False), ("int8", 4, 16, 128, True), ("int8", 1, 32, 128, True),
     ("int8", 2, 8, 64, True), ("int4", 1, 16, 128, True), ("int4", 4, 32, 128, False),
     ("int4", 2, 8, 64, True)])
 def test_mosaic_decode_on_int_pages_lowers_for_cuda(name, splits, page_size, head_dim, early):
@@ -156,10 +157,10 @@ def test_mosaic_backend_routes_decode_steps_by_page_format(monkeypatch, name, de
 
 
 def test_mosaic_backend_routes_int_pages_by_shape(monkeypatch):
-    """int8 / int4 pages go to the decode kernel only for routed formats (none by default: the
-    kernel failed to lower under jax 0.11.2 on the H100) and in shapes it reads (pages dividing
-    its 64-key tile, whose values and scale bytes the bulk copies can move); others take the
-    prefill/mixed path on decode steps too."""
+    """int8 / int4 pages go to the decode kernel only for routed formats (none by default: not
+    yet checked on a GPU) and in shapes it reads (pages dividing its 64-key tile, whose values
+    and scale bytes the copies can move); others take the prefill/mixed path on decode steps
+    too."""
     from jaxllm.kernels import kv_quant, mosaic_attention, mosaic_decode, mosaic_kv_quant
 
     def pages(name, page_size, head_dim):
@@ -178,6 +179,8 @@ def test_mosaic_backend_routes_int_pages_by_shape(monkeypatch):
     assert not reads(pages("int4", 128, 128), 128)
     assert not reads(pages("int8", 128, 128), 128)  # > one 64-key tile
     assert not reads(pages("int8", 12, 128), 128)  # not 16-byte aligned
+    assert reads(pages("int8", 32, 128), 128) and reads(pages("int4", 64, 128), 128)
+    assert not reads(pages("int8", 64, 128), 128)  # values over one copy (512 rows of 16 bytes)
     assert not reads(pages("fp8", 16, 128), 128)  # (fp8: not an int format)
     assert not mosaic_kv_quant.reads_pages(pages("int8", 16, 128), 128)  # not routed by default
     assert not mosaic_kv_quant.reads_pages(pages("int4", 16, 128), 128)

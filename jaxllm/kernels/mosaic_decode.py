@@ -29,7 +29,7 @@ before its f16 cast (so |q| up to ~5e5 fits f16's 65504), and the probabilities 
 are cast to f16 (3 more mantissa bits than bf16).
 
 int8 / int4 pages (kv_quant.py's page-major split layout: a page's [S, Dv] values, then its
-scales, then int4's minimums) take the same f16 path: the producer bulk-copies each page's
+scales, then int4's minimums) take the same f16 path: the producer copies each page's
 values and the tail of bytes holding its scales into shared memory as stored, and the consumer
 converts the integer tile in registers, multiplies each key row by its scale (int4: plus its
 minimum) and stores it into the f16 staging tile (kernels/mosaic_kv_quant.py).
@@ -54,7 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxllm.kernels import kv_quant, mosaic_kv_quant
+from jaxllm.kernels import kv_quant, mgpu_compat, mosaic_kv_quant
 from jaxllm.kernels.decode_schedule import active_splits, combine, default_config, items
 from jaxllm.kernels.metadata import AttentionMetadata
 
@@ -111,7 +111,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
     def keys_t(ref):
         """wgmma B operand K^T: a transposed view on the GPU, a staged copy in the interpreter."""
         if not interpret:
-            return plgpu.transpose_ref(ref, (1, 0))
+            return ref.transpose((1, 0))
         a_bufs[2][...] = ref[...].T
         return a_bufs[2]
     group, head_dim = q_ref.shape[2], q_ref.shape[3]  # G rows a token (qpi > 1: G = heads)
@@ -157,11 +157,11 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
             for j in range(ppb):
                 col = jnp.minimum(p0 + step * ppb + j, p1 - 1)  # tail pages repeat, masked
                 page = base + bt_ref[req, col]
-                if ints is not None:  # values and scale bytes: two copies a page
+                if ints is not None:  # values (in chunks) and scale bytes
                     mosaic_kv_quant.copy_page(ints, kv_ref, page, k_smem.at[slot],
-                                              k_meta.at[slot], j, k_bar.at[slot])
+                                              k_meta.at[slot], j, k_bar.at[slot], interpret)
                     mosaic_kv_quant.copy_page(ints, kv_ref, page + v_off, v_smem.at[slot],
-                                              v_meta.at[slot], j, v_bar.at[slot])
+                                              v_meta.at[slot], j, v_bar.at[slot], interpret)
                     continue
                 dst = pl.ds(j * page_size, page_size)
                 plgpu.copy_gmem_to_smem(kv_ref.at[page], k_smem.at[slot, dst], k_bar.at[slot])
@@ -187,8 +187,8 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
             plgpu.copy_gmem_to_smem(q_ref.at[tok, kvh], q_smem.at[pl.ds(0, group)], q_bar.at[0])
         plgpu.barrier_wait(q_bar.at[0])
         # The CPU interpreter has no rule for plgpu.load; a plain read is equivalent there.
-        q = q_smem[...] if interpret else plgpu.load(
-            q_smem, (), layout=plgpu.Layout.WGMMA, optimized=False)
+        q = q_smem[...] if interpret else mgpu_compat.load(
+            q_smem, layout=plgpu.Layout.WGMMA, optimized=False)
         if staged:  # f16 operands (module docstring); the score scale moves into q
             q = (q.astype(jnp.float32) * (sm_scale * _LOG2E)).astype(jnp.float16)
         q_src = q_smem  # where `reload_q` reads q from
@@ -224,8 +224,8 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
             def qk(acc_ref):
                 a = q
                 if reload_q:
-                    a = q_src[...] if interpret else plgpu.load(
-                        q_src, (), layout=plgpu.Layout.WGMMA, optimized=False)
+                    a = q_src[...] if interpret else mgpu_compat.load(
+                        q_src, layout=plgpu.Layout.WGMMA, optimized=False)
                 plgpu.wgmma(acc_ref, operand(a, 0), keys_t(k_tile))
                 if early_v:  # convert the V tile while the async QK wgmma runs
                     plgpu.barrier_wait(v_bar.at[slot])
@@ -369,9 +369,10 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         meta_bufs, staging, copies = (None, None), tiled, ppb
     else:  # each page's bytes in 16-byte rows (split layout); values and meta buffers apart
         flat_kv = kv_pages.reshape(-1, page_size * width // 16, 16)
-        (k_vals, k_meta), (v_vals, v_meta) = ints.scratch(num_stages), ints.scratch(num_stages)
+        (k_vals, k_meta), (v_vals, v_meta) = (ints.scratch(num_stages, interpret),
+                                              ints.scratch(num_stages, interpret))
         kv_bufs, meta_bufs = (k_vals, v_vals), (k_meta, v_meta)
-        staging, copies = ints.staging_transforms(), 2 * ppb  # values + meta copies a page
+        staging, copies = ints.staging_transforms(), ppb * ints.copies_per_page
     scratch = (  # 16 KB + nst * BK * D * 4 bytes (+ 32 KB f32 partials when split)
         plgpu.SMEM((ROWS, head_dim), q.dtype),
         *kv_bufs,

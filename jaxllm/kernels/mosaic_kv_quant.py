@@ -6,15 +6,15 @@ values (Dv = D for int8, D / 2 for int4), then S bfloat16 scales, then (int4) S 
 minimums. The kernel sees the page array as `[pages, S * W / 16, 16]` bytes (a free reshape);
 with S % 8 == 0 every page starts on a 16-byte boundary.
 
-Producer (`copy_page`), two bulk copies per page (`cp.async.bulk`: contiguous, unswizzled,
-so no TMA descriptor and no 256-row box limit; the pages are always in bounds):
-  * values: the page's first S * Dv bytes into the slot's `[BK * Dv / 16, 16]` buffer at
-    page j's place, i.e. linear `[BK, Dv]` row-major bytes;
+Producer (`copy_page`), asynchronous copies of `[rows, 16]` bytes (the pages are always in
+bounds; a copy moves at most 256 rows under jax 0.11.2):
+  * values: the page's first S * Dv bytes (at most 4,096) into the slot's `[BK, Dv]` buffer
+    at page j's keys (the destination viewed as `[rows, 16]`), i.e. linear row-major bytes;
   * meta: Pallas' Mosaic GPU lowering wants every copy a multiple of 128 bytes (each thread
     of the warpgroup arrives with 1/128 of them), and a page's scale (and minimum) bytes are
     only 2S (4S), so the copy takes the last `window` = roundup(S * M, 128) bytes of the
-    page (M = 2 int8, 4 int4): some value bytes, then the page's meta, into `window` bytes
-    per page.
+    page (M = 2 int8, 4 int4): some value bytes, then the page's meta, into the slot's 1-D
+    `[ppb * window]` buffer, `window` bytes a page.
 
 Consumer (`dequant_tile`): the per-key scale (and minimum) as float32 `[BK]` in the layout
 of the tile's rows (`WGMMA.reduce(1)`), the values loaded from linear shared memory in the
@@ -46,10 +46,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxllm.kernels import kv_quant
+from jaxllm.kernels import kv_quant, mgpu_compat
 
 _COPY_UNIT = 128  # bytes: Pallas' Mosaic GPU copies move a multiple of the warpgroup size
 _IN_BOUNDS = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
+# Rows of 16 bytes a copy moves along one dimension (jax 0.11.2's async copies). A page's values
+# are one copy: an int8 page of 64 keys x 128 bytes (512 rows) would need two, and copied in
+# two chunks the kernel's layout inference found no solution within its search budget (jax
+# 0.11.2, exported for cuda on the CPU), so such pages stay with the Pallas kernel.
+_MAX_COPY_ROWS = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,19 +86,27 @@ class IntPages:
     def keys(self) -> int:
         return self.ppb * self.page_size
 
+    copies_per_page = 2  # the values, then the meta window
+
     def check(self) -> None:
         s = self.page_size
-        if s % 8 or (s * self.dv) % _COPY_UNIT or self.window > s * self.width:
-            raise ValueError(f"{self.fmt} pages of {s} rows x {self.width} bytes: no bulk-copy "
-                             f"shape (needs S % 8 == 0 and S * Dv % 128 == 0)")
+        if (s % 8 or (s * self.dv) % _COPY_UNIT or self.window > s * self.width
+                or s * self.dv // 16 > _MAX_COPY_ROWS):
+            raise ValueError(f"{self.fmt} pages of {s} rows x {self.width} bytes: no copy "
+                             f"shape (needs S % 8 == 0, S * Dv % 128 == 0 and S * Dv <= 4096)")
         if kv_quant.meta_offset(self.fmt, s, self.width) + s * self.meta != s * self.width:
             raise AssertionError("the meta bytes must end the page")
 
-    def scratch(self, num_stages: int) -> tuple:
-        """SMEM for one of K / V: values [nst, BK * Dv / 16, 16], meta [nst, ppb * window / 16,
-        16]."""
-        return (plgpu.SMEM((num_stages, self.keys * self.dv // 16, 16), jnp.uint8),
-                plgpu.SMEM((num_stages, self.ppb * self.window // 16, 16), jnp.uint8))
+    def scratch(self, num_stages: int, interpret: bool = False) -> tuple:
+        """SMEM for one of K / V: values [nst, BK, Dv], meta [nst, ppb * window], each in the
+        shape its loads read (no reshaped SMEM view: see `copy_page`). The CPU interpreter has
+        no rule for ref reshapes: there the buffers are 16-byte rows ([nst, BK * Dv / 16, 16],
+        [nst, ppb * window / 16, 16]) holding the same bytes, read as values and reshaped."""
+        if interpret:
+            return (plgpu.SMEM((num_stages, self.keys * self.dv // 16, 16), jnp.uint8),
+                    plgpu.SMEM((num_stages, self.ppb * self.window // 16, 16), jnp.uint8))
+        return (plgpu.SMEM((num_stages, self.keys, self.dv), jnp.uint8),
+                plgpu.SMEM((num_stages, self.ppb * self.window), jnp.uint8))
 
     def smem_bytes(self, num_stages: int) -> int:
         return 2 * num_stages * (self.keys * self.dv + self.ppb * self.window)
@@ -105,13 +118,14 @@ class IntPages:
         return plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols)
 
 
-# Int page formats the engine routes to the decode kernel: none yet. The kernel reads them in
-# Mosaic's CPU interpreter and lowers for cuda under jax 0.10, but on the H100 (jax 0.11.2,
-# 2026-12-05, scripts/check_mosaic_quant.py) its lowering failed in Mosaic's layout inference
-# (`_conjure_transforms_for_smem_ref`: IndexError), with the scale bytes then interleaved; the
-# planar bytes read now are the candidate fix, unchecked there. Int pages stay with the Pallas
-# kernel until the kernel compiles and checks out on a GPU. Kernel tests name the formats they
-# exercise.
+# Int page formats the engine routes to the decode kernel: none yet. On the H100 (jax 0.11.2,
+# 2026-12-05, scripts/check_mosaic_quant.py) the kernel failed to lower in Mosaic's layout
+# inference (`_conjure_transforms_for_smem_ref`: IndexError), with the interleaved scale bytes
+# and again with the planar ones. The cause was the values' SMEM buffer read through a
+# reshaped view; it now has the shape its loads read (`copy_page`), and every int case exports
+# for cuda under jax 0.11.2 on the CPU (scripts/jax011_lowering.sh). Int pages stay with the
+# Pallas kernel until the kernel is checked against the reference and timed on a GPU
+# (scripts/gpu_session18.sh g). Kernel tests name the formats they exercise.
 KERNEL_FORMATS = ("int8", "int4")  # what the kernel reads (tests, scripts/check_mosaic_quant.py)
 INT_FORMATS: tuple[str, ...] = ()
 
@@ -120,7 +134,7 @@ def reads_pages(kv_pages: jax.Array, head_dim: int,
                 formats: tuple[str, ...] | None = None) -> bool:
     """Whether the Mosaic decode kernel takes these int8 / int4 pages (kernels/__init__.py): a
     routed format (`formats`, default INT_FORMATS), pages that divide its 64-key tile and whose
-    values and scale bytes the bulk copies can move (`IntPages.check`)."""
+    values and scale bytes the copies can move (`IntPages.check`)."""
     *_, page_size, width = kv_pages.shape
     fmt = kv_quant.page_format(kv_pages.dtype, width, head_dim)
     if fmt not in (INT_FORMATS if formats is None else formats) or 64 % page_size:
@@ -132,14 +146,26 @@ def reads_pages(kv_pages: jax.Array, head_dim: int,
     return True
 
 
-def copy_page(g: IntPages, src, page, vals, meta, j: int, barrier) -> None:
-    """Page `page` of `src` [pages, S * W / 16, 16] into page slot j of a stage's `vals` and
-    `meta` buffers (two copies: the barrier expects 2 arrivals a page)."""
-    n = g.page_size * g.dv // 16
-    plgpu.copy_gmem_to_smem(src.at[page, pl.ds(0, n)], vals.at[pl.ds(j * n, n)], barrier,
-                            oob_mode=_IN_BOUNDS)
-    m = g.window // 16
-    plgpu.copy_gmem_to_smem(src.at[page, pl.ds(g.rows - m, m)], meta.at[pl.ds(j * m, m)], barrier,
+def copy_page(g: IntPages, src, page, vals, meta, j: int, barrier, interpret: bool = False) -> None:
+    """Page `page` of `src` [pages, S * W / 16, 16] (bytes) into page slot j of a stage's `vals`
+    [BK, Dv] and `meta` [ppb * window] buffers (two copies: the barrier's arrivals). The buffers
+    have the shapes their loads read; only the copies' destinations are reshaped views. Loads
+    from a reshaped view (a [BK * Dv / 16, 16] buffer read as [BK, Dv]) gave the buffer an empty
+    tiling constraint, on which Mosaic's layout inference fails under jax 0.11.2
+    (`_conjure_transforms_for_smem_ref`: IndexError; reproduced on the CPU by exporting for cuda
+    under jax 0.11.2); global-memory refs take no reshape in a copy there. The interpreter's
+    buffers are 16-byte rows (`IntPages.scratch`): the same bytes at the same offsets."""
+    s, n, m = g.page_size, g.page_size * g.dv // 16, g.window // 16
+    if interpret:
+        plgpu.copy_gmem_to_smem(src.at[page, pl.ds(0, n)], vals.at[pl.ds(j * n, n)], barrier,
+                                oob_mode=_IN_BOUNDS)
+        plgpu.copy_gmem_to_smem(src.at[page, pl.ds(g.rows - m, m)], meta.at[pl.ds(j * m, m)],
+                                barrier, oob_mode=_IN_BOUNDS)
+        return
+    plgpu.copy_gmem_to_smem(src.at[page, pl.ds(0, n)], vals.at[pl.ds(j * s, s)].reshape(n, 16),
+                            barrier, oob_mode=_IN_BOUNDS)
+    plgpu.copy_gmem_to_smem(src.at[page, pl.ds(g.rows - m, m)],
+                            meta.at[pl.ds(j * g.window, g.window)].reshape(m, 16), barrier,
                             oob_mode=_IN_BOUNDS)
 
 
@@ -153,8 +179,7 @@ def _row_meta(g: IntPages, meta, field: int, interpret: bool) -> jax.Array:
         """Bytes start .. start + BK - 1 of the stage's meta buffer (u8 [BK])."""
         if interpret:
             return meta[...].reshape(-1)[start:start + keys]
-        view = meta.reshape(g.ppb * g.window).at[pl.ds(start, keys)]
-        return plgpu.load(view, (), layout=row_layout, optimized=False)
+        return mgpu_compat.load(meta.at[pl.ds(start, keys)], layout=row_layout, optimized=False)
 
     row = lax.broadcasted_iota(jnp.int32, (keys,), 0)
     if not interpret:
@@ -174,7 +199,7 @@ def dequant_tile(g: IntPages, vals, meta, deq, interpret: bool) -> None:
     if interpret:
         raw = vals[...].reshape(keys, dv)
     else:
-        raw = plgpu.load(vals.reshape(keys, dv), (), layout=plgpu.Layout.WGMMA, optimized=False)
+        raw = mgpu_compat.load(vals, layout=plgpu.Layout.WGMMA, optimized=False)
     scale = _row_meta(g, meta, 0, interpret)
 
     def rows(x):  # [BK] -> [BK, Dv] along the tile's rows

@@ -161,7 +161,7 @@ def _kernel(sched_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, side_ref, q_smem
                     plgpu.wgmma(acc_ref, q_wg, stage[0])
                 else:
                     plgpu.wgmma(acc_ref, q_wg,
-                                plgpu.transpose_ref(k16w if fp8 else k_smem.at[slot], (1, 0)))
+                                (k16w if fp8 else k_smem.at[slot]).transpose((1, 0)))
                 if fp8:  # convert V(s) while QK(s) runs and the other warpgroup's softmax
                     plgpu.barrier_arrive(turn)
                     plgpu.barrier_wait(v_bar.at[slot])

@@ -19,15 +19,18 @@ def chained(fn: Callable, n: int) -> Callable:
     output (x + 0 * out[0]) and its other arguments passed through an optimization barrier
     with x (else XLA hoists their loop-invariant work, a weight's dequantization, out of the
     loop), so XLA neither hoists nor merges the calls: the loop's time / n is the kernel's time
-    without a host dispatch per call. A decode-sized matmul takes microseconds; timed one call
-    at a time (block_until_ready around each), the H100 warm-up of session 21 read 150-300 us
-    for every fp8 layout, the dispatch's time, and chose among the paths by noise."""
+    without a host dispatch per call. Returns (x, the last call's output): one compile serves
+    the check and the timing. A decode-sized matmul takes microseconds; timed one call at a
+    time (block_until_ready around each), the H100 warm-up of session 21 read 150-300 us for
+    every fp8 layout, the dispatch's time, and chose among the paths by noise."""
     def loop(x, *rest):
-        def body(_, x):
+        def body(_, carry):
+            x, _ = carry
             x, args = jax.lax.optimization_barrier((x, rest))
             out = fn(x, *args)
-            return x + (out.reshape(-1)[0] * 0).astype(x.dtype)
-        return jax.lax.fori_loop(0, n, body, x)
+            return x + (out.reshape(-1)[0] * 0).astype(x.dtype), out
+        first = jax.eval_shape(fn, x, *rest)
+        return jax.lax.fori_loop(0, n, body, (x, jax.numpy.zeros(first.shape, first.dtype)))
     return loop
 
 
@@ -42,7 +45,12 @@ def time_checked(fns: dict[str, Callable], args: tuple, reps: int, what: str, wh
     times = {}
     for name, fn in fns.items():
         try:
-            f = jax.jit(fn)
+            if chain:  # one program, checked on its last call's output, then timed
+                timed, per = jax.jit(chained(fn, chain)), chain
+                f = lambda *a: timed(*a)[1]  # noqa: E731
+            else:
+                f = timed = jax.jit(fn)
+                per = 1
             out = np.asarray(jax.block_until_ready(f(*args)), np.float32)
             if first is None:
                 first = out
@@ -50,8 +58,6 @@ def time_checked(fns: dict[str, Callable], args: tuple, reps: int, what: str, wh
             if not np.isfinite(out).all() or err > tol:
                 log.warning("%s %s: wrong result%s (rel err %.3g), not timed", what, name, where, err)
                 continue
-            timed, per = (jax.jit(chained(fn, chain)), chain) if chain else (f, 1)
-            jax.block_until_ready(timed(*args))  # compiled before the clock starts
             ts = []
             for _ in range(reps):
                 t0 = time.perf_counter()

@@ -1,0 +1,20 @@
+"""Mosaic GPU calls whose signature differs between the JAX versions jaxllm runs on: 0.10 (the
+CPU machines and CI) and 0.11 (the GPU machine). Each helper is the one spelling both accept
+without a deprecation warning."""
+
+from __future__ import annotations
+
+import inspect
+
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# 0.11 made `load`'s index optional and deprecated passing it ("index the reference via
+# ref.at[idx] before passing it"); 0.10 requires it.
+_LOAD_TAKES_NO_INDEX = inspect.signature(plgpu.load).parameters["idx"].default is not inspect.Parameter.empty
+
+
+def load(ref, *, layout=None, optimized: bool = True):
+    """`plgpu.load` of a whole (already indexed) SMEM ref into registers of `layout`."""
+    if _LOAD_TAKES_NO_INDEX:
+        return plgpu.load(ref, layout=layout, optimized=optimized)
+    return plgpu.load(ref, (), layout=layout, optimized=optimized)
