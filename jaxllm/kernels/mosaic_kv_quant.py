@@ -27,13 +27,16 @@ The scale of key k = j * S + s has its low byte at `j * window + (window - S * M
 high byte S further (kv_quant's planar meta bytes): pages are `window` apart, so `[BK]` is not
 one view. For each page j a contiguous `[BK]` byte view starting `j * S` bytes early puts page
 j's low (or high) bytes at rows j * S .. j * S + S - 1 (every such view stays inside the
-buffer); a select by `row // S` keeps each row's own. The views are 1-D and contiguous: a
-strided column of a `[BK, 2]` view (interleaved bytes, the first layout) failed Mosaic's
-layout inference under jax 0.11.2.
+buffer); a select by `row // S` keeps each row's own. The views are 1-D and contiguous (the
+first layout interleaved each scale's bytes and read a strided column of a `[BK, 2]` view;
+under jax 0.11.2 the kernel failed in layout inference then, but the values' reshaped view,
+fixed in `copy_page`, failed first, so that view was never tried alone).
 
-The CPU interpreter has no rule for `plgpu.load` or ref reshapes, so there the same bytes
-are read as plain arrays and reshaped as values (`interpret=True`); the byte offsets, the
-per-page views and the select are the same code on both paths.
+The CPU interpreter has no rule for `plgpu.load` or ref reshapes, so there the buffers are
+16-byte rows (`IntPages.scratch`) whose bytes are read as plain arrays and reshaped as values
+(`interpret=True`); the byte offsets, the per-page views and the select are the same code on
+both paths. The compiled path's buffer shapes and copies are covered by the cuda exports
+(tests/test_mosaic_quant.py, also under jax 0.11.2: scripts/jax011_lowering.sh).
 """
 
 from __future__ import annotations
