@@ -93,11 +93,10 @@ def plan_pool(bytes_limit: int, bytes_in_use: int, utilization: float, bytes_per
     (p1, m1), (p2, m2) = probes[0], probes[-1]
     slope = max((m2.extra_bytes - m1.extra_bytes) / (p2 - p1), 0.0) if p2 != p1 else 0.0
     free = int(bytes_limit * utilization) - bytes_in_use - headroom_bytes
-    # blocks * per_block + e1 + slope * (blocks - p1) <= free
-    blocks = math.floor((free - m1.extra_bytes + slope * p1) / (bytes_per_block + slope))
-    if largest_free_bytes is not None:  # the pool in one block, the step's buffers beside it
-        contiguous = min(largest_free_bytes, free + headroom_bytes) - headroom_bytes
-        blocks = min(blocks, math.floor((contiguous - m1.extra_bytes + slope * p1) / (bytes_per_block + slope)))
+    room = free if largest_free_bytes is None else min(free, largest_free_bytes - headroom_bytes)
+    # blocks * per_block + e1 + slope * (blocks - p1) <= room (the pool in one block with the
+    # step's buffers: counted against the largest block too, conservatively)
+    blocks = math.floor((room - m1.extra_bytes + slope * p1) / (bytes_per_block + slope))
     if io_cap_bytes is not None:
         io_slope = (m2.io_bytes - m1.io_bytes) / (p2 - p1) if p2 != p1 else float(bytes_per_block)
         blocks = min(blocks, math.floor(p1 + (0.95 * io_cap_bytes - m1.io_bytes) / max(io_slope, 1.0)))

@@ -157,7 +157,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
             for j in range(ppb):
                 col = jnp.minimum(p0 + step * ppb + j, p1 - 1)  # tail pages repeat, masked
                 page = base + bt_ref[req, col]
-                if ints is not None:  # values (in chunks) and scale bytes
+                if ints is not None:  # values and scale bytes: two copies a page
                     mosaic_kv_quant.copy_page(ints, kv_ref, page, k_smem.at[slot],
                                               k_meta.at[slot], j, k_bar.at[slot], interpret)
                     mosaic_kv_quant.copy_page(ints, kv_ref, page + v_off, v_smem.at[slot],

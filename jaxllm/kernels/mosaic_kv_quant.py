@@ -160,15 +160,12 @@ def copy_page(g: IntPages, src, page, vals, meta, j: int, barrier, interpret: bo
     buffers are 16-byte rows (`IntPages.scratch`): the same bytes at the same offsets."""
     s, n, m = g.page_size, g.page_size * g.dv // 16, g.window // 16
     if interpret:
-        plgpu.copy_gmem_to_smem(src.at[page, pl.ds(0, n)], vals.at[pl.ds(j * n, n)], barrier,
-                                oob_mode=_IN_BOUNDS)
-        plgpu.copy_gmem_to_smem(src.at[page, pl.ds(g.rows - m, m)], meta.at[pl.ds(j * m, m)],
-                                barrier, oob_mode=_IN_BOUNDS)
-        return
-    plgpu.copy_gmem_to_smem(src.at[page, pl.ds(0, n)], vals.at[pl.ds(j * s, s)].reshape(n, 16),
-                            barrier, oob_mode=_IN_BOUNDS)
-    plgpu.copy_gmem_to_smem(src.at[page, pl.ds(g.rows - m, m)],
-                            meta.at[pl.ds(j * g.window, g.window)].reshape(m, 16), barrier,
+        vals_dst, meta_dst = vals.at[pl.ds(j * n, n)], meta.at[pl.ds(j * m, m)]
+    else:
+        vals_dst = vals.at[pl.ds(j * s, s)].reshape(n, 16)
+        meta_dst = meta.at[pl.ds(j * g.window, g.window)].reshape(m, 16)
+    plgpu.copy_gmem_to_smem(src.at[page, pl.ds(0, n)], vals_dst, barrier, oob_mode=_IN_BOUNDS)
+    plgpu.copy_gmem_to_smem(src.at[page, pl.ds(g.rows - m, m)], meta_dst, barrier,
                             oob_mode=_IN_BOUNDS)
 
 
