@@ -136,11 +136,12 @@ def test_mosaic_decode_on_int_pages_lowers_for_cuda(name, splits, page_size, hea
 
 
 @pytest.mark.parametrize("name,decode_kernel", [
-    ("auto", True), ("fp8", True), ("fp8_e5m2", True), ("int8", False), ("int4", False)])
+    ("auto", True), ("fp8", True), ("fp8_e5m2", True), ("int8", False), ("int4", True)])
 def test_mosaic_backend_routes_decode_steps_by_page_format(monkeypatch, name, decode_kernel):
-    """On Hopper decode steps (T <= R), bf16 and fp8 pages go to the Mosaic decode kernel, int8
-    and int4 pages (not routed: mosaic_kv_quant.INT_FORMATS) to the prefill/mixed path; prefill
-    steps (T > R) always go to the prefill/mixed path."""
+    """On Hopper decode steps (T <= R), bf16, fp8 and int4 pages go to the Mosaic decode kernel,
+    int8 pages (not routed: slower there than the Pallas kernel on an H200,
+    mosaic_kv_quant.INT_FORMATS) to the prefill/mixed path; prefill steps (T > R) always go to
+    the prefill/mixed path."""
     from jaxllm.kernels import mosaic_attention, mosaic_decode
 
     calls = []
@@ -157,8 +158,8 @@ def test_mosaic_backend_routes_decode_steps_by_page_format(monkeypatch, name, de
 
 
 def test_mosaic_backend_routes_int_pages_by_shape(monkeypatch):
-    """int8 / int4 pages go to the decode kernel only for routed formats (none by default: not
-    yet checked on a GPU) and in shapes it reads (pages dividing its 64-key tile, whose values
+    """int8 / int4 pages go to the decode kernel only for routed formats (int4 by default: int8
+    measured slower there than in the Pallas kernel) and in shapes it reads (pages dividing its 64-key tile, whose values
     and scale bytes the copies can move); others take the prefill/mixed path on decode steps
     too."""
     from jaxllm.kernels import kv_quant, mosaic_attention, mosaic_decode, mosaic_kv_quant
@@ -183,7 +184,8 @@ def test_mosaic_backend_routes_int_pages_by_shape(monkeypatch):
     assert not reads(pages("int8", 64, 128), 128)  # values over one copy (512 rows of 16 bytes)
     assert not reads(pages("fp8", 16, 128), 128)  # (fp8: not an int format)
     assert not mosaic_kv_quant.reads_pages(pages("int8", 16, 128), 128)  # not routed by default
-    assert not mosaic_kv_quant.reads_pages(pages("int4", 16, 128), 128)
+    assert mosaic_kv_quant.reads_pages(pages("int4", 16, 128), 128)  # routed by default
+    assert mosaic_kv_quant.INT_FORMATS == ("int4",)
     calls = []
     monkeypatch.setattr(mosaic_decode, "paged_decode_attention",
                         lambda q, *a, **k: calls.append("decode") or q)

@@ -5,7 +5,7 @@ Backends:
   pallas     portable Pallas kernel (pallas_ragged.py): Triton on GPU, interpret mode on CPU;
   mosaic     Hopper: the decode kernel (mosaic_decode.py) for steps whose token bucket is no
              larger than the request bucket (T <= R: decode steps) on bf16, fp8, int8 and int4
-             pages (int pages only for formats in `mosaic_kv_quant.INT_FORMATS`, none today, and
+             pages (int pages only for formats in `mosaic_kv_quant.INT_FORMATS`: int4, and
              in the shapes `mosaic_kv_quant.reads_pages` names; others: the
              Pallas kernel for every step), the ragged prefill kernel
              (mosaic_prefill.py) for prefill/mixed steps when prefill_choice.py picks it

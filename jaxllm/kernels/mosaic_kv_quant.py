@@ -121,16 +121,15 @@ class IntPages:
         return plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols)
 
 
-# Int page formats the engine routes to the decode kernel: none yet. On the H100 (jax 0.11.2,
-# 2026-12-05, scripts/check_mosaic_quant.py) the kernel failed to lower in Mosaic's layout
-# inference (`_conjure_transforms_for_smem_ref`: IndexError), with the interleaved scale bytes
-# and again with the planar ones. The cause was the values' SMEM buffer read through a
-# reshaped view; it now has the shape its loads read (`copy_page`), and every int case exports
-# for cuda under jax 0.11.2 on the CPU (scripts/jax011_lowering.sh). Int pages stay with the
-# Pallas kernel until the kernel is checked against the reference and timed on a GPU
-# (scripts/gpu_session18.sh g). Kernel tests name the formats they exercise.
+# Int page formats the engine routes to the decode kernel, by measurement. On one H200 (jax
+# 0.11.2, 2026-12-05, `python scripts/check_mosaic_quant.py --formats fp8,int8,int4`, batch 64,
+# context 2,048, page 16, 32/8 heads x 128) both int formats were correct against the reference
+# (rel err 0.0014 int8, 0.0012 int4); int4 pages took 0.58x the Pallas kernel's time on the same
+# pages, int8 pages 1.21x (slower: int8 stays with the Pallas kernel). Sessions 20 and 21 failed
+# to lower them (layout inference, the values' buffer read through a reshaped view; fixed in
+# `copy_page`). Kernel tests name the formats they exercise.
 KERNEL_FORMATS = ("int8", "int4")  # what the kernel reads (tests, scripts/check_mosaic_quant.py)
-INT_FORMATS: tuple[str, ...] = ()
+INT_FORMATS: tuple[str, ...] = ("int4",)
 
 
 def reads_pages(kv_pages: jax.Array, head_dim: int,
