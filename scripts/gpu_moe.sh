@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# MoE on one H200, issue 15's benchmarks in one call (< 9 minutes): each part has its own limit,
-# T1..T5 seconds (default 110/110/70/140/110 = 540 s), so one failure or hang costs only its part.
+# MoE on one H200, issue 15's benchmarks: each part has its own limit, T1..T5 seconds (default
+# 300/200/150/240/240), so one failure or hang costs only its part. All five take more than one
+# call's 10 minutes on a fresh machine (session 22, H200: the gmm part alone took 163 s at 64 and
+# 8,192 tokens, compiling Mosaic kernels cold; the decode part 92 s with a warm compilation
+# cache): MOE_PARTS picks the parts of one call, e.g. "1 2", then "4 5", then "3" (default all).
 # Shape: $SHAPE (qwen3-30b-a3b), random bf16 weights drawn on the device. Results in $OUT (./out):
 # one JSON and one whole log (nothing filtered) per part, the summary lines in $OUT/moe.txt.
 #  1. gmm (moe_gmm.json): the grouped matmul of one layer alone (128 experts, top-8, hidden
@@ -50,28 +53,40 @@ else
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 WORK="--random-shape $SHAPE --dtype bfloat16 --num-prompts $NP --input-len $IN --output-len $ON"
+PARTS=" ${MOE_PARTS:-1 2 3 4 5} "
+part() { [[ "$PARTS" == *" $1 "* ]]; }
 {
+  if part 1; then
   echo "== 1. grouped matmul alone, one $SHAPE layer, tokens $TOKENS"
-  timeout -k 10 ${T1:-110} $PY scripts/bench_moe.py gmm --random-shape "$SHAPE" --tokens $TOKENS $GMM_FLAGS \
+  timeout -k 10 ${T1:-300} $PY scripts/bench_moe.py gmm --random-shape "$SHAPE" --tokens $TOKENS $GMM_FLAGS \
     --output-json "$OUT/moe_gmm.json" > "$OUT/moe_gmm.log" 2>&1 || echo "gmm: failed or timed out ($?)"
   grep "^T=" "$OUT/moe_gmm.log" | cut -c1-900
+  fi
+  if part 2; then
   echo "== 2. decode step, $SHAPE, context $CTX, batch 1 and 64"
-  timeout -k 10 ${T2:-110} $PY scripts/bench_moe.py decode \
+  timeout -k 10 ${T2:-200} $PY scripts/bench_moe.py decode \
     --random-shape "$SHAPE" --batch-size 1 64 --input-len $CTX --num-iters $ITERS \
     --output-json "$OUT/moe_decode.json" > "$OUT/moe_decode.log" 2>&1 || echo "decode: failed or timed out ($?)"
   grep -E "^decode|^engine grouped" "$OUT/moe_decode.log"
+  fi
+  if part 3; then
   echo "== 3. prefill $PB x $PL, MFU on active parameters"
-  timeout -k 10 ${T3:-70} $PY scripts/bench_moe.py prefill \
+  timeout -k 10 ${T3:-150} $PY scripts/bench_moe.py prefill \
     --random-shape "$SHAPE" --prefill-batch $PB --prefill-len $PL \
     --output-json "$OUT/moe_prefill.json" > "$OUT/moe_prefill.log" 2>&1 || echo "prefill: failed or timed out ($?)"
   grep "^prefill" "$OUT/moe_prefill.log"
+  fi
+  if part 4; then
   echo "== 4. offline throughput $NP x ($IN -> $ON): HF transformers peer (own process, experts grouped_mm)"
-  timeout -k 10 ${T4:-140} $PY scripts/bench_throughput.py $WORK --hf-only --hf-batch $HFB --hf-experts grouped_mm \
+  timeout -k 10 ${T4:-240} $PY scripts/bench_throughput.py $WORK --hf-only --hf-batch $HFB --hf-experts grouped_mm \
     --output-json "$OUT/moe_tput_hf.json" > "$OUT/moe_tput_hf.log" 2>&1 || echo "hf peer: failed or timed out ($?)"
   grep -E "^HF experts|^hf-transformers" "$OUT/moe_tput_hf.log"
+  fi
+  if part 5; then
   echo "== 5. offline throughput $NP x ($IN -> $ON): jaxllm, ratio to the peer's file"
   PEER=""; [ -s "$OUT/moe_tput_hf.json" ] && PEER="--hf-result $OUT/moe_tput_hf.json"
-  timeout -k 10 ${T5:-110} $PY scripts/bench_throughput.py $WORK $TPUT_FLAGS \
+  timeout -k 10 ${T5:-240} $PY scripts/bench_throughput.py $WORK $TPUT_FLAGS \
     $PEER --output-json "$OUT/moe_tput.json" > "$OUT/moe_tput.log" 2>&1 || echo "jaxllm throughput: failed or timed out ($?)"
   grep -E "^(engine|jaxllm|hf-transformers) |roofline:|HF output tokens" "$OUT/moe_tput.log"
+  fi
 } | tee "$OUT/moe.txt"

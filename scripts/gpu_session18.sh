@@ -5,7 +5,9 @@
 #     per bucket by measurement (gpu_ttft.sh; the log's "prefill/mixed attention" lines, now
 #     that the bench scripts set up logging); then issue 18 -- the batch-32 verification step
 #     again (160-row and 256-token buckets)
-#   b (~9 min): issue 15 -- scripts/gpu_moe.sh (grouped matmul, decode, prefill, offline vs HF)
+#   b (~8 min): issue 15 -- scripts/gpu_moe.sh parts 1 and 2 (grouped matmul, decode step);
+#   b2 (~8 min): its parts 4 and 5 (offline throughput: HF peer, then jaxllm); b3 (~3 min): part 3
+#     (prefill MFU). All five in one call did not fit 10 minutes on a fresh machine (session 22).
 #   c (~9 min): issue 17 -- qmatmul tilings swept at 1 token, fp8 (weight-only, new) / int8 / int4
 #     (bench_quant.py matmul --tilings all: kernel time apart from the XLA ops around it)
 #   e (~8 min): issue 17 -- decode step batch 1 with bf16 / fp8 / int4 weights, the path
@@ -25,14 +27,19 @@
 # Session 20 (one H100) ran a, c and f; session 21 (one H100) ran g and e (fp8 decode step 1.02x
 # bf16; its warm-up's matmul timings were the dispatch's, fixed since), b (failed: a hung
 # process held the GPU's memory; scripts fixed) and d (the server's KV pool did not fit the
-# allocator's largest free block; fixed). Next: g, then e, d, b (d: run scripts/fetch_wheels.sh
-# here first and carry .whl: the server packages and llguidance are not on the image).
+# allocator's largest free block; fixed). Session 22 (one H200) ran g (int8 / int4 correct; int4
+# routed), e, d (run scripts/fetch_wheels.sh here first and carry .whl: the server packages and
+# llguidance are not on the image) and b, which timed out part by part and was then run as
+# separate calls (the commands in docs/benchmarks.md). Next: b2 (the offline MoE throughput vs HF,
+# never measured), then a, f.
 set -u
 cd "$(dirname "$0")/.."
 case "${1:-}" in
   a) T1=${T1:-230} bash scripts/gpu_ttft.sh
      PARTS="step_b32 step_b32_t256" bash scripts/gpu_spec.sh ;;
-  b) bash scripts/gpu_moe.sh ;;
+  b) MOE_PARTS="1 2" bash scripts/gpu_moe.sh ;;
+  b2) MOE_PARTS="4 5" bash scripts/gpu_moe.sh ;;
+  b3) MOE_PARTS="3" bash scripts/gpu_moe.sh ;;
   c) MATMUL_FLAGS="${MATMUL_FLAGS:---tilings all --tokens 1 --shapes qkv gate_up down --modes fp8 int8 int4 --no-peers}" \
      T_MATMUL=${T_MATMUL:-540} QUANT_PARTS=1 bash scripts/gpu_quant.sh ;;
   e) QUANT_PARTS=3 T_LAT=${T_LAT:-150} bash scripts/gpu_quant.sh ;;
@@ -47,5 +54,5 @@ case "${1:-}" in
   g) export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
      timeout -k 10 ${T_SHAPES:-120} python3 scripts/check_decode_shapes.py 2>&1 | tail -30
      timeout -k 10 ${T_INT:-90} python3 scripts/check_mosaic_quant.py --formats fp8,int8,int4 2>&1 | tail -40 ;;
-  *) echo "usage: $0 a|b|c|d|e|f|g" >&2; exit 2 ;;
+  *) echo "usage: $0 a|b|b2|b3|c|d|e|f|g" >&2; exit 2 ;;
 esac
