@@ -271,7 +271,8 @@ def decode_bench(args) -> dict:
     print("engine grouped matmul by measurement (rows -> impl):", res["gmm_choice"], flush=True)
     for b in args.batch_size:
         loads.clear()
-        r = decode_steps(llm, b, args.input_len, args.num_iters, rng)
+        r = decode_steps(llm, b, args.input_len, args.num_iters, rng, args.profile_steps,
+                         args.profile_dir)
         touched = [int(np.count_nonzero(np.asarray(jax.device_get(lo)))) for lo in loads[2:args.num_iters]]
         t_mean = float(np.mean(touched)) if touched else float("nan")
         step = (b, [(1, args.input_len, True)] * b)  # one new token per row at context input_len
@@ -284,6 +285,10 @@ def decode_bench(args) -> dict:
         print(f"decode b={b} ctx={args.input_len}: {r['median_s'] * 1e3:.2f} ms, floor {floor * 1e3:.2f} ms "
               f"({row['x_floor']:.2f}x), touched experts {t_mean:.0f} of {row['touched_of']} "
               f"(uniform routing: {row['touched_uniform']:.0f}, floor {uniform * 1e3:.2f} ms)", flush=True)
+        if r.get("profile"):
+            from trace_stats import print_summary
+            row["profile"] = r["profile"]
+            print_summary(r["profile"], top=8)
         save(res, args.output_json)
     res["compiles_after_warmup"] = llm.stats()["compiles_after_warmup"]
     return res
@@ -364,6 +369,10 @@ def main() -> None:
                    help="prefill: tokens per step (default: batch x len, at most 8192)")
     p.add_argument("--reps", type=int, default=3, help="prefill: timed calls after the warm one (best)")
     p.add_argument("--spec-tflops", type=float, default=989.4, help="the card's dense bf16 peak (H200)")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="decode: this many more steps per batch under jax.profiler (trace_stats.py): "
+                        "GPU busy vs wall, kernel time by kind, the costliest kernels")
+    p.add_argument("--profile-dir", default="/tmp/jaxllm-moe-trace")
     p.add_argument("--output-json", default=None)
     p.add_argument("--copy-gib", type=float, default=4.0, help="size of the copy-bandwidth pass")
     p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,

@@ -19,7 +19,10 @@
 #     against (non-expert weights + the distinct experts the step's tokens touched, counted on
 #     the device + K/V) / copy bandwidth; prints the touched count beside the uniform-routing
 #     expectation E * (1 - (1 - k/E)^batch) per layer and the grouped-matmul implementation
-#     the engine picked by measurement (target: batch 1 <= 1.5x, batch 64 <= 1.3x).
+#     the engine picked by measurement (target: batch 1 <= 1.5x, batch 64 <= 1.3x); then
+#     $PROFILE_STEPS (3) more steps per batch under jax.profiler: GPU busy vs wall, kernel time by
+#     kind (routing = sorts, top-k, scatters, gathers) and the 8 costliest kernels (batch 1 was
+#     4.0x its floor on an H200 in session 22, 77 us a layer above the dense model's overhead).
 #  3. prefill (moe_prefill.json): 8 prompts x 2,048 tokens, max_tokens 1, steps of 8,192
 #     tokens; MFU = FLOPs of the ACTIVE parameters (roofline.ModelCost: attention, router,
 #     top-8 experts; attention pairs; LM head) / time / the bf16 matmul rate measured in the
@@ -65,9 +68,9 @@ part() { [[ "$PARTS" == *" $1 "* ]]; }
   if part 2; then
   echo "== 2. decode step, $SHAPE, context $CTX, batch 1 and 64"
   timeout -k 10 ${T2:-200} $PY scripts/bench_moe.py decode \
-    --random-shape "$SHAPE" --batch-size 1 64 --input-len $CTX --num-iters $ITERS \
+    --random-shape "$SHAPE" --batch-size 1 64 --input-len $CTX --num-iters $ITERS --profile-steps ${PROFILE_STEPS:-3} \
     --output-json "$OUT/moe_decode.json" > "$OUT/moe_decode.log" 2>&1 || echo "decode: failed or timed out ($?)"
-  grep -E "^decode|^engine grouped" "$OUT/moe_decode.log"
+  grep -E "^decode|^engine grouped|^  /device|^    " "$OUT/moe_decode.log"
   fi
   if part 3; then
   echo "== 3. prefill $PB x $PL, MFU on active parameters"

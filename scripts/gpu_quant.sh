@@ -8,7 +8,8 @@
 #      bf16 peers; x of the 8-bit / 4-bit byte floor (4.25 TB/s and C measured here), TFLOP/s;
 #   2. decode attention B64 ctx 2048: Mosaic on bf16 / fp8 pages, Pallas on bf16 / fp8 / int8 / int4,
 #      each checked against the reference on the same pages;
-#   3. Llama-3-8B-shape decode step, batch 1, ctx 2048: bf16 vs fp8 vs int4 weights
+#   3. Llama-3-8B-shape decode step, batch 1, ctx 2048: bf16 vs fp8 vs int4 weights, then
+#      $PROFILE_STEPS (3) steps under jax.profiler each: kernel time by kind, the 8 costliest kernels
 #      (QUANT_EXTRA=1 adds batch 64 with fp8 weights + fp8 KV vs bf16; about 2 more minutes).
 set -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -37,7 +38,8 @@ for q in $(want 3 && echo none fp8 int4); do
   echo "== 3. decode step batch 1, weights $q"
   flag=""; [ "$q" != none ] && flag="--quantization $q"
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout -k 10 ${T_LAT:-45} python3 $LAT --batch-size 1 $flag \
-    --output-json "$OUT/quant_latency_b1_$q.json" 2>&1 | tee "$OUT/quant_latency_b1_$q.log" | show 3
+    --profile-steps ${PROFILE_STEPS:-3} \
+    --output-json "$OUT/quant_latency_b1_$q.json" 2>&1 | tee "$OUT/quant_latency_b1_$q.log" | show 12
 done
 if [ "${QUANT_EXTRA:-0}" = 1 ]; then
   for q in none fp8; do

@@ -26,6 +26,8 @@ KINDS = (  # first match wins; names are lower-cased kernel or op names
                     "reduce-scatter", "collective")),
     ("attention", ("mosaic", "attention", "paged", "pallas", "flash", "fmha", "sdpa")),
     ("matmul", ("gemm", "cutlass", "nvjet", "cublas", "sm90_xmma", "matmul", "dot", "wgmma")),
+    # MoE routing and the rows' reordering (sort, top-k, scatters, gathers): many small kernels
+    ("routing", ("sort", "topk", "top_k", "top-k", "scatter", "gather", "cub::")),
 )
 
 
@@ -116,7 +118,9 @@ def profile(fn, steps: int, log_dir: str, python_tracer: bool = True) -> dict:
         return {"error": f"{type(e).__name__}: {e}"}
 
 
-def print_summary(s: dict) -> None:
+def print_summary(s: dict, top: int = 0) -> None:
+    """One line per device (wall, GPU busy, kernel time by kind, kernels per step), then its
+    `top` costliest kernels (ms per step)."""
     if "error" in s:
         print(f"  profile: {s['error']}")
         return
@@ -124,6 +128,8 @@ def print_summary(s: dict) -> None:
         kinds = ", ".join(f"{k} {v * 1e3:.2f}" for k, v in d["by_kind_s"].items())
         print(f"  {d['device']}: wall {s.get('wall_s', 0) * 1e3:.2f} ms/step, GPU busy "
               f"{d['busy_s'] * 1e3:.2f} ms ({kinds}), {d['kernels_per_step']:.0f} kernels")
+        for name, sec in list(d["top_kernels_s"].items())[:top]:
+            print(f"    {sec * 1e3:8.3f} ms  {name}")
 
 
 if __name__ == "__main__":

@@ -57,6 +57,10 @@ def test_kinds():
     assert kind_of("gemm_fusion_dot_546") == "matmul"
     assert kind_of("anonymous_mosaic_gpu_kernel") == "attention"
     assert kind_of("input_reduce_fusion_82") == "other"
+    assert kind_of("sort_3") == "routing"
+    assert kind_of("input_scatter_fusion_2") == "routing"
+    assert kind_of("loop_gather_fusion_7") == "routing"
+    assert kind_of("all-gather-start") == "collective"  # collectives first
 
 
 def test_no_trace_is_reported_not_raised(tmp_path):
@@ -64,3 +68,14 @@ def test_no_trace_is_reported_not_raised(tmp_path):
 
     with pytest.raises(FileNotFoundError):
         load_events(str(tmp_path))
+
+
+def test_print_summary_lists_top_kernels(capsys):
+    from trace_stats import print_summary
+
+    s = summarize(events(), steps=2, wall_s=0.002)
+    print_summary(s, top=2)
+    lines = capsys.readouterr().out.splitlines()
+    assert "4 kernels" not in lines[0] and "2 kernels" in lines[0]
+    assert len(lines) == 3
+    assert lines[1].split()[-1] == "anonymous_mosaic_gpu_kernel" and "0.100 ms" in lines[1]
