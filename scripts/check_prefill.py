@@ -2,14 +2,18 @@
 
     python3 scripts/check_prefill.py [--variants mosaic,mosaic:64:4,mosaic_wg,jax_mgpu]
     python3 scripts/check_prefill.py --kv-cache-dtype fp8 fp8_e5m2   # the same cases on fp8 pages
+    python3 scripts/check_prefill.py --kv-cache-dtype int8 int4      # ... on int8 / int4 pages
 
 Each case (ragged requests, chunks over a cached prefix, decode rows, GQA 1/4/8, page sizes
 16-128) runs every variant twice: with random q, and with q = 0 (uniform attention over the
 visible keys: isolates the V/mask/PV path from the QK path). Outputs poisoned (NaN) first.
 Per case: rel err vs the float32 reference (`ref.py` on upcast inputs), NaN rows (unwritten),
 and where the error sits: per query head in the group, per request, per row index mod 128.
-With `--kv-cache-dtype`, each case also runs on its pages stored in that format (scale 1.0,
-`bench_prefill.page_case`), against the reference on the same stored pages.
+With `--kv-cache-dtype`, each case also runs on its pages stored in that format (fp8: scale 1.0;
+int8 / int4: per-token scales in the pages; `bench_prefill.page_case`), against the reference on
+the same stored pages (int pages the kernel's copies cannot move, e.g. int8 pages of 64 keys at
+D = 128, report the kernel's refusal). A variant without `:BK:stages` takes the kernel's default
+block (128 keys for bf16 pages, 64 for fp8 and int pages at D = 128).
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ def variant(name: str):
         from jaxllm.kernels import pallas_prefill
         return jax.jit(lambda q, kv, md: pallas_prefill.ragged_prefill_attention(
             q, kv, jnp.int32(0), md, sm_scale=0.1))
-    bk, st = (int(parts[0]), int(parts[1])) if parts else (128, 2)
+    bk, st = (int(parts[0]), int(parts[1])) if parts else (None, 2)
     sem = "Warpgroup" if kind == "mosaic_wg" else None
     f = functools.partial(mosaic_prefill.ragged_prefill_attention, sm_scale=0.1,
                           block_keys=bk, num_stages=st, semantics=sem)
@@ -88,7 +92,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--variants", default="mosaic,mosaic:64:4")
     p.add_argument("--cases", default=",".join(CASES))
-    p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8", "fp8_e5m2"],
+    p.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], choices=["auto", "fp8", "fp8_e5m2", "int8", "int4"],
                    help="page formats to run every case on")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "check_prefill.json"))
     args = p.parse_args()
@@ -100,9 +104,10 @@ def main() -> None:
         for fmt, zero_q in [(f, z) for f in args.kv_cache_dtype for z in (False, True)]:
             case = cases[fmt]
             q = jnp.zeros_like(case["q"]) if zero_q else case["q"]
+            kv = case["kv"]  # int pages: the reference dequantizes them as the kernels do
             want = np.asarray(ref.ragged_paged_attention(
-                q.astype(jnp.float32), case["kv"].astype(jnp.float32), jnp.int32(0), case["md"],
-                sm_scale=0.1))
+                q.astype(jnp.float32), kv if kv.dtype == jnp.uint8 else kv.astype(jnp.float32),
+                jnp.int32(0), case["md"], sm_scale=0.1))
             for vname in args.variants.split(","):
                 tag = f"{cname} {'q=0' if zero_q else 'q~N'} {vname}" + ("" if fmt == "auto" else f" {fmt}")
                 try:

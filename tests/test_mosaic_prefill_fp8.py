@@ -77,9 +77,9 @@ def test_mosaic_prefill_on_fp8_pages_lowers_for_cuda(name, group, page_size, hea
     assert text.count("@mosaic_gpu_v2") == 1  # one kernel call site
 
 
-def test_mosaic_prefill_fp8_shape_rules_and_int_pages():
-    """D = 256 fp8 tiles do not fit SMEM (module docstring); int8 / int4 pages (which only the
-    decode kernel reads, mosaic_kv_quant.py): refused by name, for the Pallas kernel."""
+def test_mosaic_prefill_fp8_shape_rules():
+    """D = 256 fp8 tiles do not fit SMEM (module docstring); int pages:
+    tests/test_mosaic_prefill_int.py."""
     from jaxllm.kernels import mosaic_prefill
 
     assert mosaic_prefill.supported(32, 8, 128, 16, 64, fp8=True)
@@ -88,13 +88,6 @@ def test_mosaic_prefill_fp8_shape_rules_and_int_pages():
     assert mosaic_prefill.default_block_keys(128, fp8=True) == 64
     assert mosaic_prefill.default_block_keys(64, fp8=True) == 128
     assert mosaic_prefill.default_block_keys(128, fp8=False) == 128
-    rng = np.random.default_rng(6)
-    q, kv, md = make_batch(rng, [(9, 3)], page_size=8, num_kv_heads=1, group=4, head_dim=64,
-                           pad_reqs=0, pad_tokens=1, dtype=jnp.bfloat16)
-    for name in ("int8", "int4"):
-        with pytest.raises(ValueError, match="Pallas kernel"):
-            mosaic_prefill.ragged_prefill_attention(q, quantized_pages(kv, name), jnp.int32(1), md,
-                                                    sm_scale=0.3, interpret=True)
 
 
 @pytest.mark.parametrize("name,kernel", [
@@ -102,7 +95,8 @@ def test_mosaic_prefill_fp8_shape_rules_and_int_pages():
     ("int4", "pallas")])
 def test_gpu_prefill_path_routes_fp8_pages_to_the_mosaic_kernel(monkeypatch, name, kernel):
     """Where the choice picks the Mosaic kernel, bf16 and fp8 pages go to it, int8 / int4 pages
-    (not read by the prefill kernel) to the Pallas kernel; the choice sees the page dtype (fp8 is probed and
+    (read by the kernel, but not routed to it before a GPU check: mosaic_prefill.INT_FORMATS)
+    to the Pallas kernel; the choice sees the page dtype (fp8 is probed and
     measured on fp8 pages, its own key)."""
     import jaxllm.kernels as kernels
     from jaxllm.kernels import mosaic_prefill, prefill_choice

@@ -48,11 +48,12 @@ def _pallas_fn(interpret: bool | None = None) -> AttentionFn:
 def gpu_prefill_attention(q, kv_pages, layer, md, *, sm_scale: float) -> jax.Array:
     """Prefill/mixed step on a GPU: the Mosaic prefill kernel where its probe passed, else
     the portable Pallas kernel (chosen from static shapes at trace time)."""
-    from jaxllm.kernels import kv_quant, prefill_choice
-    # The Mosaic prefill kernel reads pages in q's dtype and fp8 pages; int8 / int4 pages: Pallas.
+    from jaxllm.kernels import kv_quant, mosaic_prefill, prefill_choice
+    # The Mosaic prefill kernel reads pages in q's dtype, fp8, int8 and int4 pages; int formats go
+    # to it only once routed (mosaic_prefill.INT_FORMATS, after a GPU check), others: Pallas.
     fmt = kv_quant.page_format(kv_pages.dtype, kv_pages.shape[-1], q.shape[-1])
-    if fmt in ("plain", "fp8") and prefill_choice.prefill_kernel(q, kv_pages) == "mosaic":
-        from jaxllm.kernels import mosaic_prefill
+    if (fmt in ("plain", "fp8") or fmt in mosaic_prefill.INT_FORMATS) and \
+            prefill_choice.prefill_kernel(q, kv_pages) == "mosaic":
         return mosaic_prefill.ragged_prefill_attention(q, kv_pages, layer, md, sm_scale=sm_scale)
     return _pallas_fn()(q, kv_pages, layer, md, sm_scale=sm_scale)
 

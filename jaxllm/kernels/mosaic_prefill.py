@@ -36,9 +36,16 @@ the kernel q * sm_scale * log2(e) as f16 (the softmax skips its scale) and casts
 back. Default block at D = 128: 64 keys (128 KB of SMEM; 128 keys, 224 KB, ran too: 1.91 vs
 1.98 ms at 1x8192, 0.40 vs 0.33 at 1x2048); D = 256 does not fit. H200, jax 0.11.2, H 32 K 8
 D 128: 1.98 ms at 1x8192 (bf16 pages 1.23, Pallas on fp8 3.67), rel err 1.2-1.6e-3 against ref
-on the same pages. int8 / int4 pages stay with the Pallas kernel: their split layout
-(kv_quant.py) is bulk-copyable, and the decode kernel reads it (mosaic_kv_quant.py), but this
-kernel's producer and consumers do not yet.
+on the same pages.
+
+int8 / int4 pages (kv_quant.py's split layout: a page's values, then its per-token scales and
+int4 minimums) are read as the decode kernel reads them (mosaic_kv_quant.py): the producer
+copies each page's value bytes and its scale bytes (two copies a page, 64-key blocks), each
+consumer dequantizes the tiles in registers into its f16 K and V tiles (`page_tile`) at the
+fp8 path's places, and q comes pre-scaled in f16 as for fp8. q's buffer takes the K tiles'
+swizzle (QK's wgmma wants both operands alike: int4 at D = 64 has 32-column tiles). Checked in
+the CPU interpreter against the reference and lowered for cuda (jax 0.10 and 0.11.2); the engine
+routes them here only once a GPU has checked them (`INT_FORMATS`).
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxllm.kernels import kv_quant, mosaic_kv_quant
 from jaxllm.kernels import prefill_schedule as ps
 from jaxllm.kernels.metadata import AttentionMetadata
 
@@ -73,16 +81,47 @@ def supported(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
             and (block_keys % page_size == 0 or page_size % block_keys == 0))
 
 
-def default_block_keys(head_dim: int, fp8: bool) -> int:
-    """Keys per step: 128; fp8 pages at D > 64: 64 (the f16 tiles' SMEM, module docstring)."""
-    return 64 if fp8 and head_dim > 64 else 128
+def default_block_keys(head_dim: int, fp8: bool, fmt: str = "") -> int:
+    """Keys per step: 128; fp8 pages at D > 64: 64 (the f16 tiles' SMEM, module docstring);
+    int8 / int4 pages (`fmt`): 64, the decode kernel's tile (`mosaic_kv_quant.IntPages`)."""
+    return 64 if (fp8 and head_dim > 64) or fmt in INT_FORMATS_READ else 128
+
+
+# Int page formats this kernel reads (interpreter-checked against the reference, lowered for
+# cuda under jax 0.10 and 0.11.2) and the ones the engine routes to it: none until
+# scripts/check_prefill.py --kv-cache-dtype int8 int4 has checked them on a GPU.
+INT_FORMATS_READ = ("int8", "int4")
+INT_FORMATS: tuple[str, ...] = ()
+
+
+def int_pages(kv_pages: jax.Array, head_dim: int, block_keys: int | None = None
+              ) -> mosaic_kv_quant.IntPages | None:
+    """The int8 / int4 geometry of these pages for this kernel (None: not int pages); raises
+    ValueError naming the reason where the kernel cannot read them."""
+    *_, page_size, width = kv_pages.shape
+    fmt = kv_quant.page_format(kv_pages.dtype, width, head_dim)
+    if fmt not in INT_FORMATS_READ:
+        return None
+    bk = block_keys or default_block_keys(head_dim, True, fmt)
+    if bk % page_size:
+        raise ValueError(f"{fmt} pages of {page_size} keys: the kernel copies whole pages into "
+                         f"its {bk}-key tiles; use the Pallas kernel")
+    g = mosaic_kv_quant.IntPages(fmt, page_size, width, head_dim, bk // page_size)
+    try:
+        g.check()
+    except ValueError as e:
+        raise ValueError(f"{e}; use the Pallas kernel") from None
+    return g
 
 
 def _kernel(sched_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, side_ref, q_smem, k_smem,
             v_smem, q_bar, k_bar, v_bar, k_free, v_free, turn, *rest, sm_scale: float,
             bq: int, bk: int, page_size: int, num_kv_heads: int, num_pages: int, nst: int,
-            fp8: bool, interpret: bool):
-    k16, v16, *stage = rest if fp8 else (None, None, *rest)  # fp8: [2, BK, D] f16 tiles
+            fp8: bool, interpret: bool, ints: mosaic_kv_quant.IntPages | None):
+    # fp8 (here: any 8/4-bit pages, converted into f16 tiles): k16 / v16 [2, BK, D] f16;
+    # int pages: then their scale (and minimum) bytes, k_meta / v_meta [nst, ppb * window]
+    k16, v16, *rest = rest if fp8 else (None, None, *rest)
+    k_meta, v_meta, *stage = rest if ints is not None else (None, None, *rest)
     b, kvh, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
     req, t0, lo = sched_ref[ps.REQ, b], sched_ref[ps.T0, b], sched_ref[ps.LO, b]
     count, pos0, key_end = sched_ref[ps.COUNT, b], sched_ref[ps.POS0, b], sched_ref[ps.KEY_END, b]
@@ -110,9 +149,16 @@ def _kernel(sched_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, side_ref, q_smem
         q_wg = q_smem.at[wg]
         k16w, v16w = (k16.at[wg], v16.at[wg]) if fp8 else (None, None)
 
-        def page_tile(src, deq):
-            """fp8: the [BK, D] tile `src` converted (scale 1.0) in registers into the f16 `deq`."""
-            deq[...] = src[...].astype(deq.dtype)
+        def page_tile(which: int, slot, deq):
+            """The slot's [BK, D] K (which 0) or V (1) tile converted in registers into the f16
+            `deq`: fp8 pages (scale 1.0) as they are, int8 / int4 pages with each key's scale
+            (and minimum) bytes (`mosaic_kv_quant.dequant_tile`)."""
+            src = (k_smem, v_smem)[which].at[slot]
+            if ints is not None:
+                meta = (k_meta, v_meta)[which].at[slot]
+                mosaic_kv_quant.dequant_tile(ints, src, meta, deq, interpret)
+            else:
+                deq[...] = src[...].astype(deq.dtype)
             plgpu.commit_smem()  # the generic-proxy stores, before the async wgmma reads them
 
         @pl.when(key_end > 0)
@@ -147,7 +193,7 @@ def _kernel(sched_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, side_ref, q_smem
         def _():
             plgpu.barrier_wait(k_bar.at[0])
             if fp8:
-                page_tile(k_smem.at[0], k16w)
+                page_tile(0, 0, k16w)
 
         pl.when(wg == 1)(turn_sync)
 
@@ -165,7 +211,7 @@ def _kernel(sched_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, side_ref, q_smem
                 if fp8:  # convert V(s) while QK(s) runs and the other warpgroup's softmax
                     plgpu.barrier_arrive(turn)
                     plgpu.barrier_wait(v_bar.at[slot])
-                    page_tile(v_smem.at[slot], v16w)
+                    page_tile(1, slot, v16w)
                     plgpu.barrier_wait(turn)
                 else:
                     turn_sync()
@@ -195,7 +241,7 @@ def _kernel(sched_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, side_ref, q_smem
                     nxt = lax.rem(step + 1, jnp.int32(nst))
                     plgpu.barrier_wait(k_bar.at[nxt])
                     if fp8:  # K(s + 1), while PV(s) runs (K(s)'s tile is free: QK(s) is done)
-                        page_tile(k_smem.at[nxt], k16w)
+                        page_tile(0, nxt, k16w)
 
             if interpret:  # the interpreter takes wgmma's A operand from SMEM only
                 stage[1][...] = p16
@@ -244,7 +290,14 @@ def _kernel(sched_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, side_ref, q_smem
         max_col = bt_ref.shape[1] - 1
 
         def copies(step, slot, which, dst, bar):
-            if page_size <= bk:
+            if ints is not None:  # values and scale bytes: two copies a page
+                meta = (k_meta, v_meta)[which]
+                for j in range(ints.ppb):
+                    col = jnp.minimum(step * ints.ppb + j, max_col)
+                    page = base + bt_ref[req, col] + which * v_off
+                    mosaic_kv_quant.copy_page(ints, kv_ref, page, dst.at[slot], meta.at[slot], j,
+                                              bar.at[slot], interpret)
+            elif page_size <= bk:
                 for j in range(bk // page_size):
                     col = jnp.minimum(step * (bk // page_size) + j, max_col)
                     page = base + bt_ref[req, col] + which * v_off
@@ -335,17 +388,23 @@ def ragged_prefill_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array
     call for already aligned batches put two kernels in each layer (every call site of a Mosaic
     kernel compiles on its own: about 1.4 s each on an H200 host, `scripts/mosaic_compile_time.py`)
     and made each layer read its predicate back to the host.
-    Pages in q's dtype or fp8 (module docstring); block_keys None: `default_block_keys`."""
+    Pages in q's dtype, fp8, int8 or int4 (module docstring); block_keys None:
+    `default_block_keys`."""
     num_tokens, num_heads, head_dim = q.shape
     _, _, num_kv_heads, _, page_size, width = kv_pages.shape
-    fp8 = kv_pages.dtype in FP8
-    if (kv_pages.dtype != q.dtype and not fp8) or width != head_dim:
+    try:
+        fmt = kv_quant.page_format(kv_pages.dtype, width, head_dim)
+    except ValueError:
+        fmt = "unknown"
+    fp8 = fmt != "plain"  # pages converted into f16 tiles: fp8, int8, int4
+    if (fmt == "plain" and kv_pages.dtype != q.dtype) or fmt == "unknown":
         raise ValueError(f"{kv_pages.dtype} pages, rows of {width}: the Mosaic prefill kernel "
-                         f"reads {q.dtype} and fp8 pages; use the Pallas kernel")
-    block_keys = block_keys or default_block_keys(head_dim, fp8)
+                         f"reads {q.dtype}, fp8, int8 and int4 pages; use the Pallas kernel")
+    block_keys = block_keys or default_block_keys(head_dim, fp8, fmt)
+    int_pages(kv_pages, head_dim, block_keys)  # raises where int pages do not fit the copies
     if not supported(num_heads, num_kv_heads, head_dim, page_size, block_keys, fp8):
         raise ValueError(f"unsupported shape: H={num_heads} K={num_kv_heads} D={head_dim} "
-                         f"S={page_size} BK={block_keys}" + (" (fp8 pages)" if fp8 else ""))
+                         f"S={page_size} BK={block_keys}" + (f" ({fmt} pages)" if fp8 else ""))
     qsl = md.query_start_loc.astype(jnp.int32)
     new_qsl, new_pos, dest, src, _ = aligned_layout(qsl, md.positions, num_tokens)
     q_pad = q.at[src].get(mode="promise_in_bounds", indices_are_sorted=True)
@@ -361,9 +420,11 @@ def _attend(q: jax.Array, qsl: jax.Array, positions: jax.Array, *, kv_pages: jax
             layer: jax.Array, md: AttentionMetadata, sm_scale: float, block_keys: int,
             num_stages: int, interpret: bool, semantics: str | None) -> jax.Array:
     """The kernel on a batch whose segments start at multiples of 8 (`qsl`, `positions`
-    replace md's); q [T, H, D] -> [T, H, D] (fp8 pages: q f16, pre-scaled, see the wrapper)."""
+    replace md's); q [T, H, D] -> [T, H, D] (fp8 / int pages: q f16, pre-scaled, see the
+    wrapper)."""
     num_tokens, num_heads, head_dim = q.shape
-    _, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
+    _, _, num_kv_heads, num_pages, page_size, width = kv_pages.shape
+    ints = int_pages(kv_pages, head_dim, block_keys)
     group = num_heads // num_kv_heads
     bq, bk = _ROWS // group, block_keys
     # the block window needs T >= bq; TMA on the [T, K, G, D] view needs T % 8 == 0
@@ -373,15 +434,25 @@ def _attend(q: jax.Array, qsl: jax.Array, positions: jax.Array, *, kv_pages: jax
         positions = jnp.pad(positions, (0, pad), constant_values=-1)
     total = num_tokens + pad
     sched = ps.prefill_schedule(qsl, positions, total, bq)
-    copies_per_step = max(1, bk // page_size)
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    fp8 = kv_pages.dtype in FP8
-    rb = min(head_dim, 128)  # fp8 tiles: 1-byte rows of D, <= 128 bytes swizzled
-    kv_tiled = (plgpu.TilingTransform((8, rb)), plgpu.SwizzleTransform(rb)) if fp8 else tiled
-    scratch = [
-        plgpu.SMEM((2, _WG_ROWS, head_dim), q.dtype, transforms=tiled),
-        plgpu.SMEM((num_stages, bk, head_dim), kv_pages.dtype, transforms=kv_tiled),
-        plgpu.SMEM((num_stages, bk, head_dim), kv_pages.dtype, transforms=kv_tiled),
+    fp8 = kv_pages.dtype in FP8 or ints is not None  # f16 tiles converted in registers
+    if ints is None:
+        copies_per_step = max(1, bk // page_size)
+        rb = min(head_dim, 128)  # fp8 tiles: 1-byte rows of D, <= 128 bytes swizzled
+        kv_tiled = (plgpu.TilingTransform((8, rb)), plgpu.SwizzleTransform(rb)) if fp8 else tiled
+        kv_bufs = [plgpu.SMEM((num_stages, bk, head_dim), kv_pages.dtype, transforms=kv_tiled)] * 2
+        meta_bufs, staging = [], tiled
+        flat_kv = kv_pages.reshape(-1, page_size, head_dim)
+    else:  # each page's bytes in 16-byte rows (split layout); values and meta buffers apart
+        copies_per_step = ints.ppb * ints.copies_per_page
+        (k_vals, k_meta), (v_vals, v_meta) = (ints.scratch(num_stages, interpret),
+                                              ints.scratch(num_stages, interpret))
+        kv_bufs, meta_bufs, staging = [k_vals, v_vals], [k_meta, v_meta], ints.staging_transforms()
+        flat_kv = kv_pages.reshape(-1, page_size * width // 16, 16)
+    scratch = [  # q (and the output's staging) in the K tiles' swizzle: QK's wgmma wants both
+        # operands alike (int4 at D = 64: 32-column tiles, 64-byte swizzle)
+        plgpu.SMEM((2, _WG_ROWS, head_dim), q.dtype, transforms=staging),
+        *kv_bufs,
         plgpu.Barrier(num_arrivals=_WG_ROWS // min(bq, _WG_ROWS), num_barriers=2),
         plgpu.Barrier(num_arrivals=copies_per_step, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=copies_per_step, num_barriers=num_stages),
@@ -390,13 +461,14 @@ def _attend(q: jax.Array, qsl: jax.Array, positions: jax.Array, *, kv_pages: jax
         plgpu.Barrier(num_arrivals=2),
     ]
     if fp8:  # each consumer's f16 K and V tiles (`page_tile`)
-        scratch += [plgpu.SMEM((2, bk, head_dim), q.dtype, transforms=tiled) for _ in range(2)]
+        scratch += [plgpu.SMEM((2, bk, head_dim), q.dtype, transforms=staging) for _ in range(2)]
+    scratch += meta_bufs  # int pages: the scale (and minimum) bytes
     if interpret:  # wgmma operand staging (see the kernel)
         scratch += [plgpu.SMEM((head_dim, bk), q.dtype), plgpu.SMEM((_WG_ROWS, bk), q.dtype)]
     body = functools.partial(
         _kernel, sm_scale=float(sm_scale), bq=bq, bk=bk, page_size=page_size,
         num_kv_heads=num_kv_heads, num_pages=num_pages, nst=num_stages, fp8=fp8,
-        interpret=interpret)
+        interpret=interpret, ints=ints)
     num_reqs = qsl.shape[0] - 1
     out, side = plgpu.kernel(
         body,
@@ -411,7 +483,7 @@ def _attend(q: jax.Array, qsl: jax.Array, positions: jax.Array, *, kv_pages: jax
         interpret=_interpret_params() if interpret else None,
     )(sched, md.block_tables.astype(jnp.int32), jnp.reshape(layer, (1,)).astype(jnp.int32),
       q.reshape(total, num_kv_heads, group, head_dim),
-      kv_pages.reshape(-1, page_size, head_dim))
+      flat_kv)
     # rows of the partial blocks: side [R + 1, K, G * bq, D] -> their tokens
     rows = ps.short_segment_rows(qsl, total, bq)  # [R + 1, bq]
     side = side.reshape(num_reqs + 1, num_kv_heads, group, bq, head_dim).transpose(0, 3, 1, 2, 4)

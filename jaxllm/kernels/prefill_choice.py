@@ -6,8 +6,9 @@ compiled and run on a small mixed batch (prefill chunk over a cached prefix, dec
 padding) and compared with `ref.py`; a lowering error, a runtime error or a wrong answer
 logs why and falls back to the portable Pallas kernel (`pallas_ragged.py`, Triton), which
 is also what non-Hopper GPUs use. The probe runs during start-up compilation (warm-up),
-so no compile happens after it. fp8 pages (float8_e4m3fn / e5m2, `kv_cache_dtype="fp8*"`) are
-probed and measured on their own (the page dtype joins the key): the kernel's fp8 path.
+so no compile happens after it. fp8 pages (float8_e4m3fn / e5m2, `kv_cache_dtype="fp8*"`) and
+int8 / int4 pages (once routed: `mosaic_prefill.INT_FORMATS`) are probed and measured on their
+own (the page format joins the key: `page_name`), on pages of that format.
 
 "auto" then chooses per token bucket by measurement (`measured_choice`): the first time a step
 of T tokens is traced, both kernels run on one T-token prompt of this head shape (checked
@@ -40,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.envs import env_int
-from jaxllm.kernels import ref
+from jaxllm.kernels import kv_quant, ref
 from jaxllm.kernels.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,24 @@ def probe_case(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
     return q, kv, md, len(pos)
 
 
+def page_name(kv_pages: jax.Array, head_dim: int) -> str:
+    """The key's page format: the dtype's name ("float8_e4m3fn", ...), "int8" / "int4" for the
+    uint8 split layouts (kv_quant.py)."""
+    fmt = kv_quant.page_format(kv_pages.dtype, kv_pages.shape[-1], head_dim)
+    return fmt if fmt in ("int8", "int4") else jnp.dtype(kv_pages.dtype).name
+
+
+def as_pages(kv: jax.Array, name: str | None) -> jax.Array:
+    """Model-dtype pages `kv` stored as `name` pages (None: as they are): fp8 by a cast (scale
+    1.0, as the engine stores them), int8 / int4 quantized into their split layout."""
+    if not name:
+        return kv
+    if name in ("int8", "int4"):
+        dtype, width = kv_quant.page_layout(name, kv.dtype, kv.shape[-1])
+        return kv_quant.encode(kv, dtype, width)
+    return kv.astype(jnp.dtype(name))
+
+
 def run_probe(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
               dtype_name: str, interpret: bool = False,
               page_dtype_name: str | None = None) -> tuple[bool, str]:
@@ -105,8 +124,7 @@ def run_probe(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
     def body():
         q, kv, md, real = probe_case(num_heads, num_kv_heads, head_dim, page_size,
                                      jnp.dtype(dtype_name))
-        if page_dtype_name:  # fp8 pages, the reference reading the same ones
-            kv = kv.astype(jnp.dtype(page_dtype_name))
+        kv = as_pages(kv, page_dtype_name)  # fp8 / int pages: the reference reads the same ones
         scale = head_dim ** -0.5
         block_keys = 64 if interpret else None  # None: the kernel's default (128 for bf16)
         got = jax.jit(lambda q, kv, md: mosaic_prefill.ragged_prefill_attention(
@@ -131,18 +149,26 @@ def run_probe(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
 def mosaic_prefill_ok(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                       dtype_name: str, page_dtype_name: str | None = None) -> tuple[bool, str]:
     """(usable, reason): the probe described in the module docstring; page_dtype_name: pages
-    in another dtype than q's (fp8)."""
+    in another format than q's dtype (`page_name`: fp8, int8, int4)."""
     from jaxllm.kernels import mosaic_prefill
     if not is_hopper():
         return False, "not a Hopper GPU"
     if dtype_name not in ("bfloat16", "float16"):
         return False, f"dtype {dtype_name} (the kernel takes 16-bit pages)"
-    fp8 = page_dtype_name is not None
-    if fp8 and page_dtype_name not in ("float8_e4m3fn", "float8_e5m2"):
-        return False, f"{page_dtype_name} pages (the kernel takes q's dtype and fp8)"
-    if not mosaic_prefill.supported(num_heads, num_kv_heads, head_dim, page_size,
-                                    mosaic_prefill.default_block_keys(head_dim, fp8), fp8):
+    fp8 = page_dtype_name is not None  # pages converted into f16 tiles: fp8, int8, int4
+    ints = page_dtype_name in mosaic_prefill.INT_FORMATS_READ
+    if fp8 and page_dtype_name not in ("float8_e4m3fn", "float8_e5m2") and not ints:
+        return False, f"{page_dtype_name} pages (the kernel takes q's dtype, fp8, int8, int4)"
+    block_keys = mosaic_prefill.default_block_keys(head_dim, fp8, page_dtype_name or "")
+    if not mosaic_prefill.supported(num_heads, num_kv_heads, head_dim, page_size, block_keys, fp8):
         return False, f"shape H={num_heads} K={num_kv_heads} D={head_dim} S={page_size}"
+    if ints:
+        try:
+            kv = as_pages(jnp.zeros((1, 2, num_kv_heads, 1, page_size, head_dim), dtype_name),
+                          page_dtype_name)
+            mosaic_prefill.int_pages(kv, head_dim, block_keys)
+        except ValueError as e:
+            return False, str(e)
     return run_probe(num_heads, num_kv_heads, head_dim, page_size, dtype_name,
                      page_dtype_name=page_dtype_name)
 
@@ -186,8 +212,7 @@ def _measure(T: int, num_heads: int, num_kv_heads: int, head_dim: int, page_size
         with _measure_lock:
             q, kv, md = prompt_case(T, num_heads, num_kv_heads, head_dim, page_size,
                                     jnp.dtype(dtype_name))
-            if page_dtype_name:  # fp8 pages: both kernels read them
-                kv = kv.astype(jnp.dtype(page_dtype_name))
+            kv = as_pages(kv, page_dtype_name)  # fp8 / int pages: both kernels read them
             return time_kernels(fns, q, kv, md)
 
     # A thread of its own, as the probe's: reached while a step is traced (`run_probe`).
@@ -227,8 +252,8 @@ def prefill_kernel(q: jax.Array, kv_pages: jax.Array) -> str:
     if mode not in ("auto", "mosaic", "pallas"):
         raise ValueError(f"JAXLLM_PREFILL_KERNEL must be auto, mosaic or pallas, got {mode!r}")
     key = (q.shape[1], kv_pages.shape[2], q.shape[2], kv_pages.shape[4], jnp.dtype(q.dtype).name)
-    if jnp.dtype(kv_pages.dtype) != jnp.dtype(q.dtype):  # fp8 pages: probed, measured as such
-        key += (jnp.dtype(kv_pages.dtype).name,)
+    if jnp.dtype(kv_pages.dtype) != jnp.dtype(q.dtype):  # fp8 / int pages: probed, measured as such
+        key += (page_name(kv_pages, q.shape[2]),)
     shape = "H=%d K=%d D=%d S=%d %s" % key[:5] + (f", {key[5]} pages" if len(key) > 5 else "")
     T = q.shape[0]
     if mode == "auto" and T < mosaic_min_tokens():
