@@ -126,8 +126,8 @@ def jax_fns(names: list[str]) -> dict:
     fns = {}
     for name in names:
         kind, *parts = name.split(":")
-        if kind == "mosaic":
-            bk, st = (int(parts[0]), int(parts[1])) if parts else (128, 2)
+        if kind == "mosaic":  # no parts: the kernel's default block (bf16 128 keys, fp8 / int 64)
+            bk, st = (int(parts[0]), int(parts[1])) if parts else (None, 2)
             f = functools.partial(mosaic_prefill.ragged_prefill_attention, sm_scale=SCALE,
                                   block_keys=bk, num_stages=st)
         elif kind == "mosaic_direct":  # the kernel without the alignment cond (aligned batches)
@@ -290,7 +290,7 @@ def torch_peers(case, names, rows, want) -> dict:
     return res
 
 
-PAGE_FORMATS = ("fp8", "fp8_e5m2")  # "KERNEL@FORMAT": a paged kernel on pages of that format
+PAGE_FORMATS = ("fp8", "fp8_e5m2", "int8", "int4")  # "KERNEL@FORMAT": a paged kernel on such pages
 
 
 def by_format(names: list[str]) -> dict[str, list[tuple[str, str]]]:
@@ -307,13 +307,15 @@ def by_format(names: list[str]) -> dict[str, list[tuple[str, str]]]:
 
 
 def page_case(case: dict, fmt: str) -> dict:
-    """`case` with its pages stored in `fmt` (kernels/kv_quant.py, scale 1.0) and its contiguous
-    K/V rounded the same way, so the float32 reference sees the values the kernels read."""
+    """`case` with its pages stored in `fmt` (kernels/kv_quant.py: fp8 scale 1.0, int8 / int4
+    per-token scales) and its contiguous K/V rounded the same way, so the float32 reference sees
+    the values the kernels read."""
     if fmt == "auto":
         return case
     from jaxllm.kernels import kv_quant
     dtype, width = kv_quant.page_layout(fmt, jnp.bfloat16, D)
-    rnd = lambda x: kv_quant.encode(x, dtype, width).astype(jnp.bfloat16)
+    rnd = lambda x: kv_quant.decode_rows(kv_quant.encode_rows(x, dtype, width), D,  # noqa: E731
+                                         jnp.bfloat16)
     return dict(case, kv=kv_quant.encode(case["kv"], dtype, width), k=rnd(case["k"]), v=rnd(case["v"]))
 
 

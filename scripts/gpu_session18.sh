@@ -24,14 +24,20 @@
 #     padded groups; all correct on the H100 in session 21) and int8 / int4 pages in it
 #     (check_mosaic_quant.py; failed to lower under jax 0.11.2 in sessions 20 and 21; the cause was
 #     found and fixed on the CPU with scripts/jax011_lowering.sh, unchecked on a GPU, so not routed)
+#   h (~6 min): issue 17 -- int8 / int4 pages in the Mosaic prefill kernel (session 22, on the CPU:
+#     interpreter-checked, lowered for cuda under jax 0.11.2; not routed): check_prefill.py on
+#     int8 / int4 pages (poisoned, every row), then bench_kernels.py --prefill at 1x8192 with the
+#     Mosaic kernel on bf16 / fp8 / int8 / int4 pages and Pallas on the int ones. Correct and
+#     faster than Pallas: add the format to mosaic_prefill.INT_FORMATS.
 # Session 20 (one H100) ran a, c and f; session 21 (one H100) ran g and e (fp8 decode step 1.02x
 # bf16; its warm-up's matmul timings were the dispatch's, fixed since), b (failed: a hung
 # process held the GPU's memory; scripts fixed) and d (the server's KV pool did not fit the
 # allocator's largest free block; fixed). Session 22 (one H200) ran g (int8 / int4 correct; int4
 # routed), e, d (run scripts/fetch_wheels.sh here first and carry .whl: the server packages and
 # llguidance are not on the image) and b, which timed out part by part and was then run as
-# separate calls (the commands in docs/benchmarks.md). Next: b2 (the offline MoE throughput vs HF,
-# never measured), then a, f.
+# separate calls (the commands in docs/benchmarks.md). Next: h, then b2 (the offline MoE
+# throughput vs HF, never measured), e and b again (both now print a profile of the step: kernel
+# time by kind and the costliest kernels), a.
 set -u
 cd "$(dirname "$0")/.."
 case "${1:-}" in
@@ -51,8 +57,14 @@ case "${1:-}" in
      PREFILL_SMOKE=0 timeout -k 10 ${T_BENCH:-300} python3 scripts/bench_kernels.py --prefill --prefill-cases 8192,32768 \
        --prefill-kernels mosaic,mosaic@fp8,mosaic@fp8_e5m2,pallas,pallas@fp8,jax_cudnn,torch_cudnn \
        --out "$OUT/prefill_fp8.json" 2>&1 | tail -12 ;;
+  h) export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off; OUT=${OUT:-out}; mkdir -p "$OUT"
+     timeout -k 10 ${T_CHECK:-240} python3 scripts/check_prefill.py --variants mosaic --kv-cache-dtype int8 int4 \
+       --out "$OUT/check_prefill_int.json" 2>&1 | tail -35
+     PREFILL_SMOKE=0 timeout -k 10 ${T_BENCH:-240} python3 scripts/bench_kernels.py --prefill --prefill-cases 8192 \
+       --prefill-kernels mosaic,mosaic@fp8,mosaic@int8,mosaic@int4,pallas@int8,pallas@int4 \
+       --out "$OUT/prefill_int.json" 2>&1 | tail -12 ;;
   g) export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
      timeout -k 10 ${T_SHAPES:-120} python3 scripts/check_decode_shapes.py 2>&1 | tail -30
      timeout -k 10 ${T_INT:-90} python3 scripts/check_mosaic_quant.py --formats fp8,int8,int4 2>&1 | tail -40 ;;
-  *) echo "usage: $0 a|b|b2|b3|c|d|e|f|g" >&2; exit 2 ;;
+  *) echo "usage: $0 a|b|b2|b3|c|d|e|f|g|h" >&2; exit 2 ;;
 esac
