@@ -132,20 +132,34 @@ KERNEL_FORMATS = ("int8", "int4")  # what the kernel reads (tests, scripts/check
 INT_FORMATS: tuple[str, ...] = ("int4",)
 
 
+def block_pages(kv_pages: jax.Array, head_dim: int, block_keys: int = 64) -> IntPages | None:
+    """The geometry of int8 / int4 pages for a kernel reading `block_keys`-key tiles (None: not
+    int pages); ValueError naming the reason where its copies cannot move them (pages that do
+    not divide the tile, `IntPages.check`)."""
+    *_, page_size, width = kv_pages.shape
+    fmt = kv_quant.page_format(kv_pages.dtype, width, head_dim)
+    if fmt not in KERNEL_FORMATS:
+        return None
+    if block_keys % page_size:
+        raise ValueError(f"{fmt} pages of {page_size} keys: the kernel copies whole pages into "
+                         f"its {block_keys}-key tiles")
+    g = IntPages(fmt, page_size, width, head_dim, block_keys // page_size)
+    g.check()
+    return g
+
+
 def reads_pages(kv_pages: jax.Array, head_dim: int,
                 formats: tuple[str, ...] | None = None) -> bool:
     """Whether the Mosaic decode kernel takes these int8 / int4 pages (kernels/__init__.py): a
-    routed format (`formats`, default INT_FORMATS), pages that divide its 64-key tile and whose
-    values and scale bytes the copies can move (`IntPages.check`)."""
-    *_, page_size, width = kv_pages.shape
-    fmt = kv_quant.page_format(kv_pages.dtype, width, head_dim)
-    if fmt not in (INT_FORMATS if formats is None else formats) or 64 % page_size:
+    routed format (`formats`, default INT_FORMATS) in a shape its copies can move
+    (`block_pages`)."""
+    fmt = kv_quant.page_format(kv_pages.dtype, kv_pages.shape[-1], head_dim)
+    if fmt not in (INT_FORMATS if formats is None else formats):
         return False
     try:
-        IntPages(fmt, page_size, width, head_dim, 64 // page_size).check()
+        return block_pages(kv_pages, head_dim) is not None
     except ValueError:
         return False
-    return True
 
 
 def copy_page(g: IntPages, src, page, vals, meta, j: int, barrier, interpret: bool = False) -> None:

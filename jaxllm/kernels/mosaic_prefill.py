@@ -61,6 +61,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxllm.kernels import kv_quant, mosaic_kv_quant
 from jaxllm.kernels import prefill_schedule as ps
+from jaxllm.kernels.prefill_schedule import aligned_layout
 from jaxllm.kernels.metadata import AttentionMetadata
 
 _WG_ROWS = 64  # rows per consumer warpgroup (wgmma M)
@@ -84,13 +85,12 @@ def supported(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
 def default_block_keys(head_dim: int, fp8: bool, fmt: str = "") -> int:
     """Keys per step: 128; fp8 pages at D > 64: 64 (the f16 tiles' SMEM, module docstring);
     int8 / int4 pages (`fmt`): 64, the decode kernel's tile (`mosaic_kv_quant.IntPages`)."""
-    return 64 if (fp8 and head_dim > 64) or fmt in INT_FORMATS_READ else 128
+    return 64 if (fp8 and head_dim > 64) or fmt in mosaic_kv_quant.KERNEL_FORMATS else 128
 
 
-# Int page formats this kernel reads (interpreter-checked against the reference, lowered for
-# cuda under jax 0.10 and 0.11.2) and the ones the engine routes to it: none until
-# scripts/check_prefill.py --kv-cache-dtype int8 int4 has checked them on a GPU.
-INT_FORMATS_READ = ("int8", "int4")
+# Int page formats the engine routes to this kernel (it reads mosaic_kv_quant.KERNEL_FORMATS:
+# interpreter-checked against the reference, lowered for cuda under jax 0.10 and 0.11.2): none
+# until scripts/check_prefill.py --kv-cache-dtype int8 int4 has checked them on a GPU.
 INT_FORMATS: tuple[str, ...] = ()
 
 
@@ -98,20 +98,12 @@ def int_pages(kv_pages: jax.Array, head_dim: int, block_keys: int | None = None
               ) -> mosaic_kv_quant.IntPages | None:
     """The int8 / int4 geometry of these pages for this kernel (None: not int pages); raises
     ValueError naming the reason where the kernel cannot read them."""
-    *_, page_size, width = kv_pages.shape
-    fmt = kv_quant.page_format(kv_pages.dtype, width, head_dim)
-    if fmt not in INT_FORMATS_READ:
-        return None
-    bk = block_keys or default_block_keys(head_dim, True, fmt)
-    if bk % page_size:
-        raise ValueError(f"{fmt} pages of {page_size} keys: the kernel copies whole pages into "
-                         f"its {bk}-key tiles; use the Pallas kernel")
-    g = mosaic_kv_quant.IntPages(fmt, page_size, width, head_dim, bk // page_size)
+    fmt = kv_quant.page_format(kv_pages.dtype, kv_pages.shape[-1], head_dim)
     try:
-        g.check()
+        return mosaic_kv_quant.block_pages(
+            kv_pages, head_dim, block_keys or default_block_keys(head_dim, True, fmt))
     except ValueError as e:
         raise ValueError(f"{e}; use the Pallas kernel") from None
-    return g
 
 
 def _kernel(sched_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, side_ref, q_smem, k_smem,
@@ -334,47 +326,6 @@ def _kernel(sched_ref, bt_ref, layer_ref, q_ref, kv_ref, o_ref, side_ref, q_smem
 def _interpret_params():
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
     return InterpretGPUParams(detect_races=True)
-
-
-ALIGN = 8  # TMA row granularity of the [T, K, G, D] q/out views (their (8, 64) tiling)
-
-
-def aligned_layout(query_start_loc: jax.Array, positions: jax.Array, num_tokens: int,
-                   align: int = ALIGN) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, int]:
-    """Relabel a batch so that every segment (request rows, then the padding tail) starts
-    at a multiple of `align` -> (qsl' [R + 1], positions' [Tp], dest [T], src [Tp], Tp).
-
-    The TMA copies of q and out address rows through the views' (8, 64) tiling, so a copy
-    whose first row is not a multiple of 8 runs out of its tile: rows come back as zeros
-    and stores are dropped (seen on the H200: every ragged batch wrong, every batch of one
-    aligned prompt right). Token t goes to row dest[t]; the gap rows after a request
-    continue its positions (garbage queries whose rows nobody reads; the real rows' causal
-    mask hides the extra keys) and the tail rows have position -1 (zeros).
-
-    `src` is the inverse map, for a gather (`q[src]`) instead of a scatter into zeros: row p
-    takes token src[p], its segment's token at the same offset, clipped into the segment (gap
-    rows repeat the segment's last token: queries nobody reads). On the H200 the wrapper
-    with the gather ran 1.20x faster than with the scatter at 1x8192, 1.05x at 1x32768
-    (docs/benchmarks.md, session 9)."""
-    qsl = query_start_loc.astype(jnp.int32)
-    num_reqs = qsl.shape[0] - 1
-    seg_start = qsl
-    seg_end = jnp.concatenate([qsl[1:], jnp.array([num_tokens], jnp.int32)])
-    seg_n = seg_end - seg_start
-    new_n = (seg_n + align - 1) // align * align
-    new_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(new_n)[:-1]])
-    padded = -(-(num_tokens + align * (num_reqs + 1)) // align) * align
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seg_t = jnp.searchsorted(seg_end, t, side="right").astype(jnp.int32)
-    dest = new_start[seg_t] + t - seg_start[seg_t]
-    p = jnp.arange(padded, dtype=jnp.int32)
-    seg_p = jnp.searchsorted(new_start[1:], p, side="right").astype(jnp.int32)  # 0..R
-    first = positions[jnp.clip(seg_start[seg_p], 0, num_tokens - 1)]
-    new_pos = jnp.where((seg_p < num_reqs) & (seg_n[seg_p] > 0),
-                        first + p - new_start[seg_p], -1)
-    offset = jnp.minimum(p - new_start[seg_p], jnp.maximum(seg_n[seg_p] - 1, 0))
-    src = jnp.clip(seg_start[seg_p] + offset, 0, num_tokens - 1)
-    return new_start, new_pos.astype(jnp.int32), dest, src.astype(jnp.int32), padded
 
 
 def ragged_prefill_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,

@@ -150,13 +150,13 @@ def mosaic_prefill_ok(num_heads: int, num_kv_heads: int, head_dim: int, page_siz
                       dtype_name: str, page_dtype_name: str | None = None) -> tuple[bool, str]:
     """(usable, reason): the probe described in the module docstring; page_dtype_name: pages
     in another format than q's dtype (`page_name`: fp8, int8, int4)."""
-    from jaxllm.kernels import mosaic_prefill
+    from jaxllm.kernels import mosaic_kv_quant, mosaic_prefill
     if not is_hopper():
         return False, "not a Hopper GPU"
     if dtype_name not in ("bfloat16", "float16"):
         return False, f"dtype {dtype_name} (the kernel takes 16-bit pages)"
     fp8 = page_dtype_name is not None  # pages converted into f16 tiles: fp8, int8, int4
-    ints = page_dtype_name in mosaic_prefill.INT_FORMATS_READ
+    ints = page_dtype_name in mosaic_kv_quant.KERNEL_FORMATS
     if fp8 and page_dtype_name not in ("float8_e4m3fn", "float8_e5m2") and not ints:
         return False, f"{page_dtype_name} pages (the kernel takes q's dtype, fp8, int8, int4)"
     block_keys = mosaic_prefill.default_block_keys(head_dim, fp8, page_dtype_name or "")

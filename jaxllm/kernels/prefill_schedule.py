@@ -22,6 +22,9 @@ pos0 + i and sees keys [0, pos0 + i] (pos0 < 0 when the window starts before the
 the block needs `key_end = pos0 + lo + count` keys (0 for the padding tail), and key steps
 below its first valid position pos0 + lo need no mask. Blocks are ordered heaviest first (largest key_end), so the
 long causal tiles start in the first wave and short ones fill the tail.
+
+`aligned_layout` relabels a batch so every segment starts at a multiple of 8 rows (the Hopper
+kernel's TMA copies of q and out address rows through an (8, 64) tiling).
 """
 
 from __future__ import annotations
@@ -85,3 +88,44 @@ def short_segment_rows(query_start_loc: jax.Array, num_tokens: int, bq: int) -> 
     i = jnp.arange(bq, dtype=jnp.int32)[None, :]
     valid = (n < bq)[:, None] & (i >= lo[:, None]) & (i < (lo + n)[:, None])
     return jnp.where(valid, win[:, None] + i, num_tokens)
+
+
+ALIGN = 8  # TMA row granularity of the [T, K, G, D] q/out views (their (8, 64) tiling)
+
+
+def aligned_layout(query_start_loc: jax.Array, positions: jax.Array, num_tokens: int,
+                   align: int = ALIGN) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, int]:
+    """Relabel a batch so that every segment (request rows, then the padding tail) starts
+    at a multiple of `align` -> (qsl' [R + 1], positions' [Tp], dest [T], src [Tp], Tp).
+
+    The TMA copies of q and out address rows through the views' (8, 64) tiling, so a copy
+    whose first row is not a multiple of 8 runs out of its tile: rows come back as zeros
+    and stores are dropped (seen on the H200: every ragged batch wrong, every batch of one
+    aligned prompt right). Token t goes to row dest[t]; the gap rows after a request
+    continue its positions (garbage queries whose rows nobody reads; the real rows' causal
+    mask hides the extra keys) and the tail rows have position -1 (zeros).
+
+    `src` is the inverse map, for a gather (`q[src]`) instead of a scatter into zeros: row p
+    takes token src[p], its segment's token at the same offset, clipped into the segment (gap
+    rows repeat the segment's last token: queries nobody reads). On the H200 the wrapper
+    with the gather ran 1.20x faster than with the scatter at 1x8192, 1.05x at 1x32768
+    (docs/benchmarks.md, session 9)."""
+    qsl = query_start_loc.astype(jnp.int32)
+    num_reqs = qsl.shape[0] - 1
+    seg_start = qsl
+    seg_end = jnp.concatenate([qsl[1:], jnp.array([num_tokens], jnp.int32)])
+    seg_n = seg_end - seg_start
+    new_n = (seg_n + align - 1) // align * align
+    new_start = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(new_n)[:-1]])
+    padded = -(-(num_tokens + align * (num_reqs + 1)) // align) * align
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    seg_t = jnp.searchsorted(seg_end, t, side="right").astype(jnp.int32)
+    dest = new_start[seg_t] + t - seg_start[seg_t]
+    p = jnp.arange(padded, dtype=jnp.int32)
+    seg_p = jnp.searchsorted(new_start[1:], p, side="right").astype(jnp.int32)  # 0..R
+    first = positions[jnp.clip(seg_start[seg_p], 0, num_tokens - 1)]
+    new_pos = jnp.where((seg_p < num_reqs) & (seg_n[seg_p] > 0),
+                        first + p - new_start[seg_p], -1)
+    offset = jnp.minimum(p - new_start[seg_p], jnp.maximum(seg_n[seg_p] - 1, 0))
+    src = jnp.clip(seg_start[seg_p] + offset, 0, num_tokens - 1)
+    return new_start, new_pos.astype(jnp.int32), dest, src.astype(jnp.int32), padded
