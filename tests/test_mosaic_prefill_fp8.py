@@ -1,8 +1,10 @@
-"""The Mosaic GPU prefill/mixed kernel on fp8 pages (kernels/mosaic_prefill.py): in Mosaic GPU's
-CPU interpreter with its race detector against the reference on the same fp8 pages (ragged:
-a prefill chunk over a cached prefix, a decode row, padding), and lowered for the cuda platform
-(the compiled path, which converts the fp8 tiles to f16: Hopper has no fp8 -> bf16 conversion).
-The interpreter costs about a second per CTA: few tokens, D = 64."""
+"""The Mosaic GPU prefill/mixed kernel on fp8 (and int8 / int4) pages (kernels/mosaic_prefill.py):
+in Mosaic GPU's CPU interpreter with its race detector against the reference on the same pages
+(ragged: a prefill chunk over a cached prefix, a decode row, padding), and lowered for the cuda
+platform (the compiled path, which converts the tiles to f16: Hopper has no fp8 -> bf16
+conversion; int pages: the decode kernel's byte copies and dequantization, mosaic_kv_quant.py).
+The interpreter costs about a second per CTA: few tokens, D = 64. Int pages' own rules and
+routing: tests/test_mosaic_prefill_int.py."""
 
 from __future__ import annotations
 
@@ -16,20 +18,24 @@ from test_kv_quant import quantized_pages
 
 from jaxllm.kernels import ref
 
-# (format, requests [(context, new)], kv heads, GQA group, page size, block keys):
+# (format, requests [(context, new)], kv heads, GQA group, page size, block keys, how far the
+# result must be from the reference on the unquantized data):
 # e4m3: G 4 (32 tokens a block), a 40-token chunk over 110 cached tokens (a full block and a
 # partial one, 3 steps of 64 keys: unmasked and masked) and a decode row;
-# e5m2: G 2 (64 tokens a block), pages of 8, two kv heads, the default 128-key block.
+# e5m2: G 2 (64 tokens a block), pages of 8, two kv heads, the default 128-key block;
+# int8 as e4m3 (pages of 16: 4 a 64-key block); int4 as e5m2 (pages of 8: 8 a block).
 CASES = [
-    ("fp8", [(150, 40), (40, 1)], 1, 4, 16, 64),
-    ("fp8_e5m2", [(70, 13), (33, 1)], 2, 2, 8, None),
+    ("fp8", [(150, 40), (40, 1)], 1, 4, 16, 64, 2e-2),
+    ("fp8_e5m2", [(70, 13), (33, 1)], 2, 2, 8, None, 2e-2),
+    ("int8", [(150, 40), (40, 1)], 1, 4, 16, None, 5e-3),
+    ("int4", [(70, 13), (33, 1)], 2, 2, 8, None, 5e-2),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,reqs,kv_heads,group,page_size,block_keys", CASES)
-def test_mosaic_prefill_on_fp8_pages_matches_reference(name, reqs, kv_heads, group, page_size,
-                                                       block_keys):
+@pytest.mark.parametrize("name,reqs,kv_heads,group,page_size,block_keys,apart", CASES)
+def test_mosaic_prefill_on_quantized_pages_matches_reference(name, reqs, kv_heads, group,
+                                                             page_size, block_keys, apart):
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
     from jaxllm.kernels import mosaic_prefill
 
@@ -37,7 +43,7 @@ def test_mosaic_prefill_on_fp8_pages_matches_reference(name, reqs, kv_heads, gro
     q, kv, md = make_batch(rng, reqs, page_size=page_size, num_kv_heads=kv_heads, group=group,
                            head_dim=64, pad_reqs=1, pad_tokens=2, dtype=jnp.bfloat16)
     pages = quantized_pages(kv, name)
-    assert pages.dtype.itemsize == 1 and pages.shape == kv.shape
+    assert pages.dtype.itemsize == 1 and pages.shape[:-1] == kv.shape[:-1]
     got = mosaic_prefill.ragged_prefill_attention(q, pages, jnp.int32(1), md, sm_scale=0.3,
                                                   block_keys=block_keys, num_stages=2,
                                                   interpret=True)
@@ -46,24 +52,28 @@ def test_mosaic_prefill_on_fp8_pages_matches_reference(name, reqs, kv_heads, gro
     n = sum(new for _, new in reqs)
     want = np.asarray(ref.ragged_paged_attention(q, pages, jnp.int32(1), md, sm_scale=0.3),
                       np.float32)
-    assert rel_err(got[:n], want[:n]) < 5e-3  # measured 1.4e-3 / 1.4e-3
-    # The tolerance separates the fp8 pages from the bf16 data they were made from (the
-    # reference on those differs by 5e-2 / 1e-1): the kernel read the fp8 values.
+    assert rel_err(got[:n], want[:n]) < 5e-3  # measured 1.4e-3 (fp8), 1.7e-3 / 1.4e-3 (int8 / int4)
+    # `apart` separates the stored pages from the bf16 data they were made from (the reference
+    # on those differs by 5e-2 / 1e-1 fp8, 1.1e-2 int8, 1.6e-1 int4): the kernel read the
+    # stored values (int pages: with their scales and minimums).
     unquantized = np.asarray(ref.ragged_paged_attention(q, kv, jnp.int32(1), md, sm_scale=0.3),
                              np.float32)
-    assert rel_err(got[:n], unquantized[:n]) > 2e-2
+    assert rel_err(got[:n], unquantized[:n]) > apart
     assert not got[n:].any()  # the padding tokens
     assert not ipc.get_races().races_found
 
 
 @pytest.mark.parametrize("name,group,page_size,head_dim,block_keys", [
     ("fp8", 4, 16, 128, None), ("fp8_e5m2", 8, 16, 64, None), ("fp8", 1, 128, 128, 64),
-    ("fp8", 2, 32, 128, 128)])
-def test_mosaic_prefill_on_fp8_pages_lowers_for_cuda(name, group, page_size, head_dim,
-                                                     block_keys):
+    ("fp8", 2, 32, 128, 128), ("int8", 4, 16, 128, None), ("int4", 4, 16, 128, None),
+    ("int8", 8, 8, 64, None), ("int4", 1, 32, 128, None), ("int4", 2, 64, 64, None)])
+def test_mosaic_prefill_on_quantized_pages_lowers_for_cuda(name, group, page_size, head_dim,
+                                                           block_keys):
     """The compiled path (no interpreter), lowered for cuda on the CPU: lowering to the Mosaic
     GPU dialect runs every layout and conversion rule (an fp8 -> bf16 cast fails here, as it
-    did on the H200). Ragged batch, T not a multiple of 8; pages larger than the block too."""
+    did on the H200; the decode kernel's int path failed its layout inference here under jax
+    0.11.2 until session 21's fix). Ragged batch, T not a multiple of 8; pages larger than the
+    block too; int4 at D = 64 (32-column tiles: q takes the K tiles' swizzle)."""
     from jaxllm.kernels import mosaic_prefill
 
     rng = np.random.default_rng(group)

@@ -1,80 +1,19 @@
 """The Mosaic GPU prefill/mixed kernel on int8 / int4 pages (kernels/mosaic_prefill.py, the
 byte copies and register dequantization of kernels/mosaic_kv_quant.py that the decode kernel
-uses): in Mosaic GPU's CPU interpreter with its race detector against the reference on the same
-pages (ragged: a prefill chunk over a cached prefix, a decode row, padding), and lowered for the
-cuda platform (the compiled path's buffer shapes and layouts; also under jax 0.11.2 with
-scripts/jax011_lowering.sh). The interpreter costs about a second per CTA: few tokens, D = 64."""
+uses): the shapes it refuses, and how the engine routes, probes and measures such pages. Its
+results against the reference (interpreter) and its lowering for cuda:
+tests/test_mosaic_prefill_fp8.py, beside the fp8 cases."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from test_kernels import make_batch, rel_err
+from test_kernels import make_batch
 from test_kv_quant import quantized_pages
 
 from jaxllm.kernels import ref
-
-# (format, requests [(context, new)], kv heads, GQA group, page size):
-# int8: G 4 (32 tokens a block), a 40-token chunk over 110 cached tokens (a full block and a
-# partial one, 3 steps of 64 keys: unmasked and masked), a decode row, pages of 16 (4 a tile);
-# int4: G 2 (64 tokens a block), pages of 8 (8 a tile), two kv heads.
-CASES = [
-    ("int8", [(150, 40), (40, 1)], 1, 4, 16, 5e-3),
-    ("int4", [(70, 13), (33, 1)], 2, 2, 8, 5e-2),
-]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name,reqs,kv_heads,group,page_size,apart", CASES)
-def test_mosaic_prefill_on_int_pages_matches_reference(name, reqs, kv_heads, group, page_size,
-                                                       apart):
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
-    from jaxllm.kernels import mosaic_prefill
-
-    rng = np.random.default_rng(5)
-    q, kv, md = make_batch(rng, reqs, page_size=page_size, num_kv_heads=kv_heads, group=group,
-                           head_dim=64, pad_reqs=1, pad_tokens=2, dtype=jnp.bfloat16)
-    pages = quantized_pages(kv, name)
-    assert pages.dtype == jnp.uint8 and pages.shape[-1] != kv.shape[-1]
-    got = mosaic_prefill.ragged_prefill_attention(q, pages, jnp.int32(1), md, sm_scale=0.3,
-                                                  num_stages=2, interpret=True)
-    assert got.dtype == q.dtype and got.shape == q.shape
-    got = np.asarray(got, np.float32)
-    n = sum(new for _, new in reqs)
-    want = np.asarray(ref.ragged_paged_attention(q, pages, jnp.int32(1), md, sm_scale=0.3),
-                      np.float32)
-    assert rel_err(got[:n], want[:n]) < 3e-3  # measured 1.7e-3 (int8) / 1.4e-3 (int4)
-    # The kernel read the quantized values (the reference on the bf16 data they were made from
-    # differs by 1.1e-2 / 1.6e-1), with their scales (and minimums).
-    unquantized = np.asarray(ref.ragged_paged_attention(q, kv, jnp.int32(1), md, sm_scale=0.3),
-                             np.float32)
-    assert rel_err(got[:n], unquantized[:n]) > apart
-    assert not got[n:].any()  # the padding tokens
-    assert not ipc.get_races().races_found
-
-
-@pytest.mark.parametrize("name,group,page_size,head_dim", [
-    ("int8", 4, 16, 128), ("int4", 4, 16, 128), ("int8", 8, 8, 64), ("int4", 1, 32, 128),
-    ("int4", 2, 64, 64)])
-def test_mosaic_prefill_on_int_pages_lowers_for_cuda(name, group, page_size, head_dim):
-    """The compiled path (no interpreter), lowered for cuda on the CPU: every layout and
-    conversion rule of the byte copies, the scale rows and the dequantization runs here (the
-    decode kernel's int path failed exactly there under jax 0.11.2 until session 21's fix).
-    Ragged batch, T not a multiple of 8."""
-    from jaxllm.kernels import mosaic_prefill
-
-    rng = np.random.default_rng(group)
-    q, kv, md = make_batch(rng, [(300, 45), (20, 1), (9, 9)], page_size=page_size,
-                           num_kv_heads=2, group=group, head_dim=head_dim, num_layers=1,
-                           pad_tokens=2, dtype=jnp.bfloat16)
-    pages = quantized_pages(kv, name)
-    f = jax.jit(lambda q, kv, md: mosaic_prefill.ragged_prefill_attention(
-        q, kv, jnp.int32(0), md, sm_scale=0.1))
-    text = f.trace(q, pages, md).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("@mosaic_gpu_v2") == 1  # one kernel call site
 
 
 def test_mosaic_prefill_int_page_rules():
