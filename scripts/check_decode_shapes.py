@@ -5,10 +5,12 @@ and the engine on the small models' shapes with and without it:
 
 Kernel: (K kv heads, G query heads per KV head, head dim D) in Llama-3-8B's (8, 4, 128),
 Llama-3.2-1B's (8, 4, 64), SmolLM2's (3, 3, 64) padded to G = 4 (`kernels.padded_group`), and
-(3, 3, 128) padded; bf16 pages, and fp8 pages at (8, 4, 128) / (8, 4, 64); B decode tokens at
-context 512 (B = 1: one 64-key block per split; B = 8 and 64: several blocks per CTA), 16-token
-pages. One JSON line per case; ok = rel err < 1e-2 (fp8: < 5e-2, against the reference on the
-same fp8 pages).
+(3, 3, 128) padded; bf16 pages, fp8 pages at (8, 4, 128) / (8, 4, 64), int4 pages at (8, 4, 128),
+(8, 4, 64) and (3, 3, 64) padded, int8 at (8, 4, 128) / (8, 4, 64) (int pages: the byte copies and
+register dequantization of mosaic_kv_quant.py; int4 at D = 64 has its own staging tiles); B decode
+tokens at context 512 (B = 1: one 64-key block per split; B = 8 and 64: several blocks per CTA),
+16-token pages. One JSON line per case; ok = rel err < 1e-2 (fp8: < 5e-2), against the
+reference on the same stored pages.
 
 --engine: `LLM(random_shape=...)` for llama3.2-1b and smollm2-135m (dummy weights, bf16),
 greedy decoding of 128 tokens from 64-token prompts at batch 1 and 8, with decode steps on the
@@ -37,13 +39,14 @@ import numpy as np  # noqa: E402
 import check_padded_group as cpg  # noqa: E402
 from bench_kernels import check  # noqa: E402
 import jaxllm.kernels as kernels  # noqa: E402
-from jaxllm.kernels import mosaic_decode, ref  # noqa: E402
+from jaxllm.kernels import kv_quant, mosaic_decode, ref  # noqa: E402
 
 
 def kernel_rows() -> int:
     bad = 0
     shapes = [(8, 4, 128, "bf16"), (8, 4, 64, "bf16"), (3, 3, 64, "bf16"), (3, 3, 128, "bf16"),
-              (8, 4, 128, "fp8"), (8, 4, 64, "fp8")]
+              (8, 4, 128, "fp8"), (8, 4, 64, "fp8"), (8, 4, 128, "int4"), (8, 4, 64, "int4"),
+              (3, 3, 64, "int4"), (8, 4, 128, "int8"), (8, 4, 64, "int8")]
     for K, G, D, pages in shapes:
         cpg.K, cpg.G, cpg.D = K, G, D
         scale = D ** -0.5
@@ -53,6 +56,9 @@ def kernel_rows() -> int:
             c = cpg.case(batch, 512, 1, layers=2)
             if pages == "fp8":
                 c["kv"] = c["kv"].astype(jnp.float8_e4m3fn)
+            elif pages in ("int8", "int4"):
+                dtype, width = kv_quant.page_layout(pages, c["kv"].dtype, D)
+                c["kv"] = kv_quant.encode(c["kv"], dtype, width)
             want = np.asarray(jax.jit(functools.partial(ref.ragged_paged_attention, sm_scale=scale))(
                 c["qs"][-1], c["kv"], jnp.int32(0), c["md"]).astype(jnp.float32))
             tol = 5e-2 if pages == "fp8" else 1e-2

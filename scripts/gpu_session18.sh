@@ -21,7 +21,9 @@
 #     bf16 / e4m3 / e5m2 pages (poisoned, every row), then bench_kernels.py --prefill at 1x8192 and
 #     1x32768 with the Mosaic and Pallas kernels on bf16 and fp8 pages beside cuDNN (jax, torch)
 #   g (~3 min): the decode kernel's shapes (check_decode_shapes.py: D 64 with several blocks a CTA,
-#     padded groups; all correct on the H100 in session 21) and int8 / int4 pages in it
+#     padded groups; all correct on the H100 in session 21; since session 22 also int4 / int8 pages
+#     at D 128 and 64, and SmolLM2's padded group: int4 correct at D 64 -> add 64 to
+#     mosaic_kv_quant.INT_HEAD_DIMS) and int8 / int4 pages in it
 #     (check_mosaic_quant.py; failed to lower under jax 0.11.2 in sessions 20 and 21; the cause was
 #     found and fixed on the CPU with scripts/jax011_lowering.sh, unchecked on a GPU, so not routed)
 #   h (~6 min): issue 17 -- int8 / int4 pages in the Mosaic prefill kernel (session 22, on the CPU:
@@ -35,7 +37,8 @@
 # allocator's largest free block; fixed). Session 22 (one H200) ran g (int8 / int4 correct; int4
 # routed), e, d (run scripts/fetch_wheels.sh here first and carry .whl: the server packages and
 # llguidance are not on the image) and b, which timed out part by part and was then run as
-# separate calls (the commands in docs/benchmarks.md). Next: h, then b2 (the offline MoE
+# separate calls (the commands in docs/benchmarks.md). Next: h, g (its shapes part: int pages at
+# D 64), then b2 (the offline MoE
 # throughput vs HF, never measured), e and b again (both now print a profile of the step: kernel
 # time by kind and the costliest kernels), a.
 set -u

@@ -158,8 +158,9 @@ def test_mosaic_backend_routes_decode_steps_by_page_format(monkeypatch, name, de
 
 
 def test_mosaic_backend_routes_int_pages_by_shape(monkeypatch):
-    """int8 / int4 pages go to the decode kernel only for routed formats (int4 by default: int8
-    measured slower there than in the Pallas kernel) and in shapes it reads (pages dividing its 64-key tile, whose values
+    """int8 / int4 pages go to the decode kernel only for routed formats (int4 at D = 128 by
+    default: int8 measured slower there than in the Pallas kernel; D = 64 unchecked on a GPU)
+    and in shapes it reads (pages dividing its 64-key tile, whose values
     and scale bytes the copies can move); others take the prefill/mixed path on decode steps
     too."""
     from jaxllm.kernels import kv_quant, mosaic_attention, mosaic_decode, mosaic_kv_quant
@@ -185,6 +186,7 @@ def test_mosaic_backend_routes_int_pages_by_shape(monkeypatch):
     assert not reads(pages("fp8", 16, 128), 128)  # (fp8: not an int format)
     assert not mosaic_kv_quant.reads_pages(pages("int8", 16, 128), 128)  # not routed by default
     assert mosaic_kv_quant.reads_pages(pages("int4", 16, 128), 128)  # routed by default
+    assert not mosaic_kv_quant.reads_pages(pages("int4", 8, 64), 64)  # ... at D = 128 only
     assert mosaic_kv_quant.INT_FORMATS == ("int4",)
     calls = []
     monkeypatch.setattr(mosaic_decode, "paged_decode_attention",

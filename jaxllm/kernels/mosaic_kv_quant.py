@@ -130,6 +130,9 @@ class IntPages:
 # `copy_page`). Kernel tests name the formats they exercise.
 KERNEL_FORMATS = ("int8", "int4")  # what the kernel reads (tests, scripts/check_mosaic_quant.py)
 INT_FORMATS: tuple[str, ...] = ("int4",)
+# ... at the head dims checked there: D = 64 (its int4 staging tiles are 32 columns, a path of
+# its own) waits for scripts/check_decode_shapes.py's int rows on a GPU.
+INT_HEAD_DIMS: tuple[int, ...] = (128,)
 
 
 def block_pages(kv_pages: jax.Array, head_dim: int, block_keys: int = 64) -> IntPages | None:
@@ -151,9 +154,11 @@ def block_pages(kv_pages: jax.Array, head_dim: int, block_keys: int = 64) -> Int
 def reads_pages(kv_pages: jax.Array, head_dim: int,
                 formats: tuple[str, ...] | None = None) -> bool:
     """Whether the Mosaic decode kernel takes these int8 / int4 pages (kernels/__init__.py): a
-    routed format (`formats`, default INT_FORMATS) in a shape its copies can move
-    (`block_pages`)."""
+    routed format (`formats`; default INT_FORMATS at INT_HEAD_DIMS) in a shape its copies can
+    move (`block_pages`)."""
     fmt = kv_quant.page_format(kv_pages.dtype, kv_pages.shape[-1], head_dim)
+    if formats is None and head_dim not in INT_HEAD_DIMS:
+        return False
     if fmt not in (INT_FORMATS if formats is None else formats):
         return False
     try:
