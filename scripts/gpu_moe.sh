@@ -33,6 +33,8 @@
 #     hf.experts says what was asked, configured, and what a probe generate saw each phase run),
 #     static cache + torch.compile, batches of 256 (moe_tput_hf.json); then jaxllm, the peer's
 #     figures read back from that file, ratio in moe_tput.json (target >= 3x).
+#  6. Mixtral-8x7B shape (94 GB of bf16 weights: an H200 only; skipped on a smaller card), decode
+#     step at context 2,048, batch 1 and 64, against the same floor (moe_decode_mixtral.json).
 # Wiring check without a GPU (tiny shape on the CPU, minutes): SMOKE=1 PY=.venv/bin/python bash scripts/gpu_moe.sh
 set -u -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
@@ -56,7 +58,7 @@ else
 fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,memory.used --format=csv | tee "$OUT/gpu.txt"
 WORK="--random-shape $SHAPE --dtype bfloat16 --num-prompts $NP --input-len $IN --output-len $ON"
-PARTS=" ${MOE_PARTS:-1 2 3 4 5} "
+PARTS=" ${MOE_PARTS:-1 2 3 4 5} "  # part 6 only when asked
 part() { [[ "$PARTS" == *" $1 "* ]]; }
 {
   if part 1; then
@@ -91,5 +93,19 @@ part() { [[ "$PARTS" == *" $1 "* ]]; }
   timeout -k 10 ${T5:-240} $PY scripts/bench_throughput.py $WORK $TPUT_FLAGS \
     $PEER --output-json "$OUT/moe_tput.json" > "$OUT/moe_tput.log" 2>&1 || echo "jaxllm throughput: failed or timed out ($?)"
   grep -E "^(engine|jaxllm|hf-transformers) |roofline:|HF output tokens" "$OUT/moe_tput.log"
+  fi
+  if part 6; then
+  SHAPE6=${SHAPE6:-$([ -n "${SMOKE:-}" ] && echo tiny-moe || echo mixtral-8x7b)}
+  echo "== 6. decode step, $SHAPE6, context $CTX, batch 1 and 64"
+  if [ -n "${SMALL:-}" ]; then
+    echo "mixtral: skipped (94 GB of weights; this card has ${GPU_MIB} MiB)"
+  else
+    timeout -k 10 ${T6:-300} $PY scripts/bench_moe.py decode \
+      --random-shape "$SHAPE6" \
+      --batch-size 1 64 --input-len $CTX --num-iters $ITERS --profile-steps ${PROFILE_STEPS:-3} \
+      --output-json "$OUT/moe_decode_mixtral.json" > "$OUT/moe_decode_mixtral.log" 2>&1 \
+      || echo "mixtral decode: failed or timed out ($?)"
+    grep -E "^decode|^engine grouped|^  /device|^    " "$OUT/moe_decode_mixtral.log"
+  fi
   fi
 } | tee "$OUT/moe.txt"

@@ -7,7 +7,7 @@
 #     again (160-row and 256-token buckets)
 #   b (~8 min): issue 15 -- scripts/gpu_moe.sh parts 1 and 2 (grouped matmul, decode step);
 #   b2 (~8 min): its parts 4 and 5 (offline throughput: HF peer, then jaxllm); b3 (~3 min): part 3
-#     (prefill MFU). All five in one call did not fit 10 minutes on a fresh machine (session 22).
+#     (prefill MFU); b4 (~5 min, an H200 only: 94 GB of weights): part 6, the Mixtral-8x7B decode. All five in one call did not fit 10 minutes on a fresh machine (session 22).
 #   c (~9 min): issue 17 -- qmatmul tilings swept at 1 token, fp8 (weight-only, new) / int8 / int4
 #     (bench_quant.py matmul --tilings all: kernel time apart from the XLA ops around it)
 #   e (~8 min): issue 17 -- decode step batch 1 with bf16 / fp8 / int4 weights, the path
@@ -49,6 +49,7 @@ case "${1:-}" in
   b) MOE_PARTS="1 2" bash scripts/gpu_moe.sh ;;
   b2) MOE_PARTS="4 5" bash scripts/gpu_moe.sh ;;
   b3) MOE_PARTS="3" bash scripts/gpu_moe.sh ;;
+  b4) MOE_PARTS="6" bash scripts/gpu_moe.sh ;;  # Mixtral-8x7B shape: an H200 (needs_h200)
   c) MATMUL_FLAGS="${MATMUL_FLAGS:---tilings all --tokens 1 --shapes qkv gate_up down --modes fp8 int8 int4 --no-peers}" \
      T_MATMUL=${T_MATMUL:-540} QUANT_PARTS=1 bash scripts/gpu_quant.sh ;;
   e) QUANT_PARTS=3 T_LAT=${T_LAT:-150} bash scripts/gpu_quant.sh ;;
@@ -69,5 +70,5 @@ case "${1:-}" in
   g) export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
      timeout -k 10 ${T_SHAPES:-120} python3 scripts/check_decode_shapes.py 2>&1 | tail -30
      timeout -k 10 ${T_INT:-90} python3 scripts/check_mosaic_quant.py --formats fp8,int8,int4 2>&1 | tail -40 ;;
-  *) echo "usage: $0 a|b|b2|b3|c|d|e|f|g|h" >&2; exit 2 ;;
+  *) echo "usage: $0 a|b|b2|b3|b4|c|d|e|f|g|h" >&2; exit 2 ;;
 esac
