@@ -6,7 +6,8 @@
 # The prefill kernel is the portable one by default here (PREFILL_KERNEL=auto for the Hopper
 # choice), which keeps the server's start-up compiles short. Carry .whl (server packages, llguidance).
 # MASK_ON: one server and bench per value of JAXLLM_MASK_ON (where the step's constrained rows are
-# computed: thread, dispatch, engine; default "thread"), each bench's JSON as structured_<value>.json.
+# computed: thread, dispatch, engine; default "thread"), each bench's JSON as structured_<value>.json
+# and the server's log with the bench's output after it as serve_<value>.log.
 set -u -o pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -29,4 +30,6 @@ timeout -k 10 ${T_BENCH:-120} python3 scripts/bench_serving.py --base-url http:/
   --result-json "$OUT/structured_$MO.json" > "$OUT/bench_$MO.log" 2>&1; echo "rc=$?"
 grep -E "ratio|TPOT|TTFT|throughput|mask" "$OUT/bench_$MO.log" | tail -14
 kill $SRV 2>/dev/null; wait $SRV 2>/dev/null
+# Two files a placement: the device returns at most 8 (session 22 lost the third placement's JSON).
+{ echo "== bench_serving.py"; cat "$OUT/bench_$MO.log"; } >> "$OUT/serve_$MO.log" && rm -f "$OUT/bench_$MO.log"
 done
