@@ -81,6 +81,22 @@ def test_chained_calls_run_in_the_loop_not_hoisted():
     assert set(t) == {"xla"} and 0 < t["xla"] < 1
 
 
+def test_measure_logs_the_timing_overhead(monkeypatch, caplog):
+    """Beside the paths' figures the log gives a trivial call's time, measured the same way
+    (loop and dispatch), per row count: what part of every figure is not the kernel."""
+    import logging
+    from jaxllm.kernels import timing
+
+    assert 0 < timing.loop_floor(jnp.ones((4, 256), jnp.float32), reps=2, chain=3) < 1
+    monkeypatch.setattr(choice, "loop_floor", lambda x, reps: 1e-6 * x.shape[0])
+    choice.clear()
+    with caplog.at_level(logging.INFO, logger="jaxllm"):
+        choice.measure([_w("int8")], [1, 4], jnp.float32)
+    line = next(r.getMessage() for r in caplog.records if "timing overhead" in r.getMessage())
+    assert line.endswith("{1: 1.0, 4: 4.0}")
+    choice.clear()
+
+
 def test_measure_keeps_a_checked_fastest_path_and_matmul_reads_it(monkeypatch):
     stacked = _w("int4", layers=3)  # as the scan layout holds it: one layer's slice is measured
     times = {"xla": 2e-3}

@@ -34,6 +34,21 @@ def chained(fn: Callable, n: int) -> Callable:
     return loop
 
 
+def loop_floor(x: jax.Array, reps: int = 5, chain: int = 20) -> float:
+    """Seconds per call that `time_checked(..., chain=chain)` reports for a call that does almost
+    nothing (x[..., :1]): the loop's and the dispatch's share of every chained timing, logged
+    beside them so a reader can tell kernel time from overhead (it is the same for every
+    candidate, so it never changes a choice)."""
+    fn = jax.jit(chained(lambda x: x[..., :1], chain))
+    jax.block_until_ready(fn(x))
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(x))
+        ts.append((time.perf_counter() - t0) / chain)
+    return statistics.median(ts)
+
+
 def time_checked(fns: dict[str, Callable], args: tuple, reps: int, what: str, where: str = "",
                  tol: float = 2e-2, catch: bool = False, ref=None, chain: int = 0) -> dict[str, float]:
     """Median seconds per call of each jitted fn(*args) after one checked run: its output must be

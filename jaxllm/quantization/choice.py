@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.kernels.qmatmul import MAX_ROWS
-from jaxllm.kernels.timing import time_checked
+from jaxllm.kernels.timing import loop_floor, time_checked
 from jaxllm.quantization.qarray import QArray
 
 log = logging.getLogger("jaxllm")
@@ -88,6 +88,7 @@ def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 5) -> dic
         w = two_d(w)
         seen.setdefault(layout_key((1, w.shape[-2]), w)[:-1], w)
     key = jax.random.key(0)
+    floors: dict[int, float] = {}  # rows -> a trivial chained call's time (overhead, not kernel)
     for w in seen.values():
         best = None  # the fastest tiling at the fewest rows: the only one timed at the others
         for M in sorted(r for r in set(rows) if r <= MAX_ROWS):  # decode-sized buckets
@@ -96,6 +97,8 @@ def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 5) -> dic
             if len(paths) == 1:
                 continue
             times = time_paths(x, w, paths, reps)
+            if M not in floors:
+                floors[M] = loop_floor(x, reps)
             if times:
                 k = layout_key(x.shape, w)
                 _MEASURED[k] = min(times, key=times.get)
@@ -107,6 +110,9 @@ def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 5) -> dic
         log.info("quantized matmuls by measurement ((kind, act, group, pack, K, N, rows) -> path): %s",
                  {k: f"{_MEASURED[k]} " + ", ".join(f"{p} {t * 1e6:.1f}us" for p, t in v.items())
                   for k, v in TIMINGS.items()})
+        log.info("quantized matmuls' timing overhead (a trivial call timed the same way, rows -> "
+                 "us per call; the same in every candidate's figure): %s",
+                 {m: round(t * 1e6, 1) for m, t in floors.items()})
     return dict(_MEASURED)
 
 
