@@ -43,6 +43,22 @@ def test_kernel_matches_ragged_dot(case, tiling):
     np.testing.assert_allclose(np.asarray(got)[:covered], np.asarray(want)[:covered], rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("tiling", moe_gmm.PREFILL_TILINGS, ids=lambda t: t.name)
+@pytest.mark.parametrize("case", ["random", "one_expert", "padding"])
+def test_prefill_tilings_match_ragged_dot(case, tiling):
+    """Row blocks of 64 / 128 (several an expert, partial ones, padding rows past every group)."""
+    rng = np.random.default_rng(len(case) + tiling.block_m)
+    M, G, K, N = 300, 4, 128, 128
+    sizes = _sizes(case, M, G, rng)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((G, K, N)) / np.sqrt(K), jnp.float32)
+    got = jax.jit(lambda x, w, s: moe_gmm.grouped_matmul(x, w, s, tiling, interpret=True))(
+        x, w, jnp.asarray(sizes))
+    want = jax.lax.ragged_dot(x, w, jnp.asarray(sizes))
+    covered = int(sizes.sum())
+    np.testing.assert_allclose(np.asarray(got)[:covered], np.asarray(want)[:covered], rtol=2e-5, atol=2e-5)
+
+
 def test_pair_is_two_matmuls_in_one_launch():
     rng = np.random.default_rng(5)
     M, G, K, N = 24, 4, 64, 64
@@ -103,7 +119,10 @@ def test_chooser_offers_the_kernel_on_gpu_only():
     assert not any(n.startswith("decode_") for n in gmm_impls.candidates(8, 128, 2048, 768, "cpu"))
     gpu = gmm_impls.candidates(8, 128, 2048, 768, "gpu")
     assert {t.name for t in moe_gmm.TILINGS} <= set(gpu)
-    assert not any(n.startswith("decode_") for n in gmm_impls.candidates(8192, 128, 2048, 768, "gpu"))
+    big = gmm_impls.candidates(8192, 128, 2048, 768, "gpu")
+    assert not any(n.startswith("decode_") for n in big)
+    assert {t.name for t in moe_gmm.PREFILL_TILINGS} <= set(big)  # prefill-sized: the row-block tilings
+    assert not any(n.startswith("tiles") for n in gpu)
     engine = gmm_impls.candidates(8, 128, 2048, 768, "gpu", engine=True)  # warm-up's subset
     assert {n for n in engine if n.startswith(("decode_", "mosaic_"))} == set(gmm_impls.ENGINE_DECODE_TILINGS)
 
@@ -121,11 +140,11 @@ def test_chooser_never_picks_a_wrong_kernel(monkeypatch):
     assert {"ragged_dot", "right"} <= set(chooser.timings[16])
 
 
-@pytest.mark.parametrize("tiling", moe_gmm.TILINGS, ids=lambda t: t.name)
+@pytest.mark.parametrize("tiling", moe_gmm.TILINGS + moe_gmm.PREFILL_TILINGS, ids=lambda t: t.name)
 def test_kernel_lowers_to_triton(tiling):
     """The GPU path: every shipped tiling lowers through Pallas' Triton backend (on this CPU)."""
     f = jax.jit(lambda x, w, s: moe_gmm.grouped_matmul(x, w, s, tiling, interpret=False))
-    args = (jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16),
+    args = (jax.ShapeDtypeStruct((8 if tiling.block_m == 16 else 8192, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16),
             jax.ShapeDtypeStruct((128,), jnp.int32))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "jaxllm_moe_decode_gmm" in text

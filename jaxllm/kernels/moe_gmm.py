@@ -1,4 +1,5 @@
-"""Decode-sized grouped matmul: only the routed experts' weights are read, each spread over SMs.
+"""Decode-sized grouped matmul: only the routed experts' weights are read, each spread over SMs
+(and, with larger row blocks, `PREFILL_TILINGS`, a candidate for prefill-sized steps).
 
 `gmm(x [M, K] rows sorted by group, w [G, K, N], group_sizes [G]) -> [M, N]`, the contract of
 `jax.lax.ragged_dot` (the reference, `models/moe.ragged_dot`), except that rows no group covers
@@ -52,6 +53,8 @@ class Tiling:
 
     @property
     def name(self) -> str:
+        if self.block_m != 16:  # a prefill tiling (PREFILL_TILINGS): rows per slot named too
+            return f"tiles{self.block_m}_{self.block_n}x{self.block_k}w{self.num_warps}s{self.num_stages}"
         return f"decode_{self.block_n}x{self.block_k}k{self.k_splits}"
 
     def fits(self, K: int, N: int) -> bool:
@@ -60,6 +63,13 @@ class Tiling:
 
 TILINGS = (Tiling(block_n=128, block_k=128), Tiling(block_n=64, block_k=256),
            Tiling(block_n=128, block_k=64, k_splits=4), Tiling(block_n=256, block_k=64, k_splits=4))
+# Prefill-sized steps (many rows an expert): the same kernel with tensor-core-sized row blocks, a
+# slot per 128 (64) rows of an expert, so each expert's weight tile is read once per row block
+# rather than once per 16 rows. Offered beside JAX's bundled `ragged_dot_mgpu` (264 TFLOP/s at
+# 8,192 tokens on an H200, torch `_grouped_mm` 433; docs/benchmarks.md, session 22) and chosen
+# only by measurement (models/gmm.py); not yet timed on a GPU.
+PREFILL_TILINGS = (Tiling(block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3),
+                   Tiling(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=4))
 
 
 def num_slots(M: int, G: int, block_m: int) -> int:

@@ -6,6 +6,8 @@
 - "decode_<bn>x<bk>k<splits>": jaxllm's own decode kernel (`kernels/moe_gmm.py`, Triton via
   Pallas), which reads only the routed experts' weights, each spread over many CTAs; offered
   for decode-sized row counts (M <= DECODE_MAX_ROWS).
+- "tiles<bm>_<bn>x<bk>w<warps>s<stages>": the same kernel with 64- or 128-row blocks
+  (`moe_gmm.PREFILL_TILINGS`), offered for prefill-sized row counts (M > DECODE_MAX_ROWS).
 - "mosaic_<bn>x<bk>s<stages>": its Hopper twin (`kernels/moe_gmm_mosaic.py`, Mosaic GPU:
   the bundled kernel's TMA/wgmma schedule over only the row blocks that hold rows).
 - "mgpu_<bm>x<bn>": JAX's bundled Mosaic GPU kernel
@@ -110,6 +112,12 @@ def candidates(M: int, E: int, H: int, F: int, platform: str | None = None,
             log.info("Mosaic decode kernel unavailable: %s", e)
         if engine:
             out = {k: v for k, v in out.items() if not isinstance(v, DecodeGmm) or k in ENGINE_DECODE_TILINGS}
+    else:
+        from jaxllm.kernels import moe_gmm
+
+        for t in moe_gmm.PREFILL_TILINGS:
+            if t.fits(H, F) and t.fits(F, H):
+                out[t.name] = DecodeGmm(t)
     try:
         for t in MGPU_TILINGS:
             bm, bn, bk, _, gbn = t
