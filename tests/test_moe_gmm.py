@@ -28,11 +28,8 @@ def _sizes(case: str, M: int, G: int, rng) -> np.ndarray:
     return s.astype(np.int32)
 
 
-@pytest.mark.parametrize("tiling", SMALL, ids=lambda t: t.name)
-@pytest.mark.parametrize("case", ["random", "one_expert", "empty", "padding"])
-def test_kernel_matches_ragged_dot(case, tiling):
-    rng = np.random.default_rng(len(case) * 7 + tiling.block_n + tiling.k_splits)
-    M, G, K, N = 40, 8, 64, 128
+def _matches_ragged_dot(case: str, tiling, M: int, G: int, K: int, N: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
     sizes = _sizes(case, M, G, rng)
     x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((G, K, N)) / np.sqrt(K), jnp.float32)
@@ -41,22 +38,20 @@ def test_kernel_matches_ragged_dot(case, tiling):
     want = jax.lax.ragged_dot(x, w, jnp.asarray(sizes))
     covered = int(sizes.sum())
     np.testing.assert_allclose(np.asarray(got)[:covered], np.asarray(want)[:covered], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("tiling", SMALL, ids=lambda t: t.name)
+@pytest.mark.parametrize("case", ["random", "one_expert", "empty", "padding"])
+def test_kernel_matches_ragged_dot(case, tiling):
+    _matches_ragged_dot(case, tiling, M=40, G=8, K=64, N=128,
+                        seed=len(case) * 7 + tiling.block_n + tiling.k_splits)
 
 
 @pytest.mark.parametrize("tiling", moe_gmm.PREFILL_TILINGS, ids=lambda t: t.name)
 @pytest.mark.parametrize("case", ["random", "one_expert", "padding"])
 def test_prefill_tilings_match_ragged_dot(case, tiling):
     """Row blocks of 64 / 128 (several an expert, partial ones, padding rows past every group)."""
-    rng = np.random.default_rng(len(case) + tiling.block_m)
-    M, G, K, N = 300, 4, 128, 128
-    sizes = _sizes(case, M, G, rng)
-    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((G, K, N)) / np.sqrt(K), jnp.float32)
-    got = jax.jit(lambda x, w, s: moe_gmm.grouped_matmul(x, w, s, tiling, interpret=True))(
-        x, w, jnp.asarray(sizes))
-    want = jax.lax.ragged_dot(x, w, jnp.asarray(sizes))
-    covered = int(sizes.sum())
-    np.testing.assert_allclose(np.asarray(got)[:covered], np.asarray(want)[:covered], rtol=2e-5, atol=2e-5)
+    _matches_ragged_dot(case, tiling, M=300, G=4, K=128, N=128, seed=len(case) + tiling.block_m)
 
 
 def test_pair_is_two_matmuls_in_one_launch():

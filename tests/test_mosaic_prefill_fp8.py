@@ -130,7 +130,7 @@ def test_choice_probes_and_measures_fp8_pages_as_such(monkeypatch):
     """"auto" on Hopper with fp8 pages: the probe and the measurement get the page dtype (a key
     of their own), the probe runs the kernel on fp8 pages against the reference on them (here a
     stand-in kernel, CPU), and D = 256 fp8 is refused before any probe."""
-    from jaxllm.kernels import mosaic_prefill, prefill_choice
+    from jaxllm.kernels import prefill_choice
 
     monkeypatch.setattr(prefill_choice, "is_hopper", lambda: True)
     monkeypatch.setenv("JAXLLM_PREFILL_KERNEL", "auto")
@@ -160,16 +160,25 @@ def test_choice_probes_and_measures_fp8_pages_as_such(monkeypatch):
     prefill_choice.mosaic_prefill_ok.cache_clear()
     monkeypatch.undo()
 
+    probe_with_a_stand_in(monkeypatch, "float8_e4m3fn",
+                          lambda kv: kv.dtype == jnp.float8_e4m3fn)
+
+
+def probe_with_a_stand_in(monkeypatch, page_name: str, pages_ok) -> None:
+    """The probe on `page_name` pages (`pages_ok(kv)` checks what the kernel is handed) with a
+    stand-in kernel, CPU: the reference on the same pages passes, a wrong kernel is caught."""
+    from jaxllm.kernels import mosaic_prefill, prefill_choice
+
     def stand_in(q, kv, layer, md, *, sm_scale, block_keys, interpret):
-        assert kv.dtype == jnp.float8_e4m3fn and block_keys == 64 and interpret
+        assert pages_ok(kv) and block_keys == 64 and interpret
         return ref.ragged_paged_attention(q, kv, layer, md, sm_scale=sm_scale)
 
     monkeypatch.setattr(mosaic_prefill, "ragged_prefill_attention", stand_in)
     ok, why = prefill_choice.run_probe(8, 2, 64, 16, "bfloat16", interpret=True,
-                                       page_dtype_name="float8_e4m3fn")
+                                       page_dtype_name=page_name)
     assert ok, why
     monkeypatch.setattr(mosaic_prefill, "ragged_prefill_attention",
                         lambda *a, **k: stand_in(*a, **k) * 1.1)  # a wrong kernel is caught
     ok, why = prefill_choice.run_probe(8, 2, 64, 16, "bfloat16", interpret=True,
-                                       page_dtype_name="float8_e4m3fn")
+                                       page_dtype_name=page_name)
     assert not ok and "mismatch" in why

@@ -12,8 +12,7 @@ import pytest
 
 from test_kernels import make_batch
 from test_kv_quant import quantized_pages
-
-from jaxllm.kernels import ref
+from test_mosaic_prefill_fp8 import probe_with_a_stand_in
 
 
 def test_mosaic_prefill_int_page_rules():
@@ -81,16 +80,5 @@ def test_int_pages_routed_probed_and_measured_as_such(monkeypatch):
     prefill_choice.mosaic_prefill_ok.cache_clear()
     monkeypatch.undo()
 
-    def stand_in(q, kv, layer, md, *, sm_scale, block_keys, interpret):
-        assert kv.dtype == jnp.uint8 and kv.shape[-1] == 64 // 2 + 4  # int4's split layout
-        return ref.ragged_paged_attention(q, kv, layer, md, sm_scale=sm_scale)
-
-    monkeypatch.setattr(mosaic_prefill, "ragged_prefill_attention", stand_in)
-    ok, why = prefill_choice.run_probe(8, 2, 64, 16, "bfloat16", interpret=True,
-                                       page_dtype_name="int4")
-    assert ok, why
-    monkeypatch.setattr(mosaic_prefill, "ragged_prefill_attention",
-                        lambda *a, **k: stand_in(*a, **k) * 1.1)  # a wrong kernel is caught
-    ok, why = prefill_choice.run_probe(8, 2, 64, 16, "bfloat16", interpret=True,
-                                       page_dtype_name="int4")
-    assert not ok and "mismatch" in why
+    probe_with_a_stand_in(monkeypatch, "int4",  # int4's split layout
+                          lambda kv: kv.dtype == jnp.uint8 and kv.shape[-1] == 64 // 2 + 4)
