@@ -60,6 +60,12 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,clocks.sm,clocks
 WORK="--random-shape $SHAPE --dtype bfloat16 --num-prompts $NP --input-len $IN --output-len $ON"
 PARTS=" ${MOE_PARTS:-1 2 3 4 5} "  # part 6 only when asked
 part() { [[ "$PARTS" == *" $1 "* ]]; }
+decode() {  # decode() SHAPE NAME LIMIT: the decode step at batch 1 and 64, profiled, into $OUT/NAME.*
+  timeout -k 10 "$3" $PY scripts/bench_moe.py decode \
+    --random-shape "$1" --batch-size 1 64 --input-len $CTX --num-iters $ITERS --profile-steps ${PROFILE_STEPS:-3} \
+    --output-json "$OUT/$2.json" > "$OUT/$2.log" 2>&1 || echo "$2: failed or timed out ($?)"
+  grep -E "^decode|^engine grouped|^  /device|^    " "$OUT/$2.log"
+}
 {
   if part 1; then
   echo "== 1. grouped matmul alone, one $SHAPE layer, tokens $TOKENS"
@@ -69,10 +75,7 @@ part() { [[ "$PARTS" == *" $1 "* ]]; }
   fi
   if part 2; then
   echo "== 2. decode step, $SHAPE, context $CTX, batch 1 and 64"
-  timeout -k 10 ${T2:-200} $PY scripts/bench_moe.py decode \
-    --random-shape "$SHAPE" --batch-size 1 64 --input-len $CTX --num-iters $ITERS --profile-steps ${PROFILE_STEPS:-3} \
-    --output-json "$OUT/moe_decode.json" > "$OUT/moe_decode.log" 2>&1 || echo "decode: failed or timed out ($?)"
-  grep -E "^decode|^engine grouped|^  /device|^    " "$OUT/moe_decode.log"
+  decode "$SHAPE" moe_decode ${T2:-200}
   fi
   if part 3; then
   echo "== 3. prefill $PB x $PL, MFU on active parameters"
@@ -100,12 +103,7 @@ part() { [[ "$PARTS" == *" $1 "* ]]; }
   if [ -n "${SMALL:-}" ]; then
     echo "mixtral: skipped (94 GB of weights; this card has ${GPU_MIB} MiB)"
   else
-    timeout -k 10 ${T6:-300} $PY scripts/bench_moe.py decode \
-      --random-shape "$SHAPE6" \
-      --batch-size 1 64 --input-len $CTX --num-iters $ITERS --profile-steps ${PROFILE_STEPS:-3} \
-      --output-json "$OUT/moe_decode_mixtral.json" > "$OUT/moe_decode_mixtral.log" 2>&1 \
-      || echo "mixtral decode: failed or timed out ($?)"
-    grep -E "^decode|^engine grouped|^  /device|^    " "$OUT/moe_decode_mixtral.log"
+    decode "$SHAPE6" moe_decode_mixtral ${T6:-300}
   fi
   fi
 } | tee "$OUT/moe.txt"

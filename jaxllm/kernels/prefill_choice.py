@@ -162,11 +162,11 @@ def mosaic_prefill_ok(num_heads: int, num_kv_heads: int, head_dim: int, page_siz
     block_keys = mosaic_prefill.default_block_keys(head_dim, fp8, page_dtype_name or "")
     if not mosaic_prefill.supported(num_heads, num_kv_heads, head_dim, page_size, block_keys, fp8):
         return False, f"shape H={num_heads} K={num_kv_heads} D={head_dim} S={page_size}"
-    if ints:
+    if ints:  # the pages' shape and dtype are all the geometry needs
+        dtype, width = kv_quant.page_layout(page_dtype_name, jnp.dtype(dtype_name), head_dim)
+        pages = jax.ShapeDtypeStruct((1, 2, num_kv_heads, 1, page_size, width), dtype)
         try:
-            kv = as_pages(jnp.zeros((1, 2, num_kv_heads, 1, page_size, head_dim), dtype_name),
-                          page_dtype_name)
-            mosaic_prefill.int_pages(kv, head_dim, block_keys)
+            mosaic_prefill.int_pages(pages, head_dim, block_keys)
         except ValueError as e:
             return False, str(e)
     return run_probe(num_heads, num_kv_heads, head_dim, page_size, dtype_name,

@@ -39,14 +39,8 @@ def loop_floor(x: jax.Array, reps: int = 5, chain: int = 20) -> float:
     nothing (x[..., :1]): the loop's and the dispatch's share of every chained timing, logged
     beside them so a reader can tell kernel time from overhead (it is the same for every
     candidate, so it never changes a choice)."""
-    fn = jax.jit(chained(lambda x: x[..., :1], chain))
-    jax.block_until_ready(fn(x))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(x))
-        ts.append((time.perf_counter() - t0) / chain)
-    return statistics.median(ts)
+    return time_checked({"floor": lambda x: x[..., :1]}, (x,), reps, "timing floor",
+                        chain=chain)["floor"]
 
 
 def time_checked(fns: dict[str, Callable], args: tuple, reps: int, what: str, where: str = "",
