@@ -8,7 +8,9 @@ path: bf16 x @ W; fp8 W8A8 through XLA's fp8 dot (W stored [N, K], dynamic per-t
 activation scales, per-channel weight scales; the compiled HLO is checked for the cuBLASLt
 fp8 GEMM); int8 / int4 weight-only through XLA (dequantize-then-dot); int8 through JAX's
 bundled Hopper mixed-type Mosaic kernel; int8 / int4 through jaxllm's Pallas (Triton) kernel
-(`kernels/qmatmul.py`, decode-sized token counts: the engine's tiling and the first one); torch `_scaled_mm` fp8 (per-tensor and rowwise
+(`kernels/qmatmul.py`, decode-sized token counts: the engine's tiling and the first one); fp8
+W8A8 through jaxllm's Mosaic GPU kernel (`kernels/qmatmul_mosaic.py`, <= 64 tokens, every
+tiling the warm-up would offer); torch `_scaled_mm` fp8 (per-tensor and rowwise
 scales) and torch bf16 as peers. Kernel time (profiler, launch gaps excluded), weights
 rotated over several copies so L2 never holds them. Floors: weight bytes incl. scales over
 4.25 TB/s and over C, the copy bandwidth measured in the same run; TFLOP/s where compute-bound.
@@ -38,6 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_kernels import copy_bandwidth, decode_case, gpu_kernels, gpu_time, rel_err  # noqa: E402
 
 from jaxllm.kernels import kv_quant, qmatmul  # noqa: E402
+from jaxllm.kernels import qmatmul_mosaic as qm  # noqa: E402
+from jaxllm.quantization.choice import num_sms  # noqa: E402
 from jaxllm.quantization.kernels import fp8_w8a8, int8_mgpu, matmul, pallas_tiling  # noqa: E402
 from jaxllm.quantization.quantize import quantize_fp8, quantize_int4, quantize_int8  # noqa: E402
 
@@ -124,6 +128,10 @@ def bench_matmul(tokens: list[int], C: float, tilings: str = "engine", modes=("f
                         wa = {"int8": "w8a16", "int4": "w4a16", "fp8": "w8a16"}[mode]
                         paths[f"{mode}_{wa}_pallas_{t.name}"] = (
                             lambda x, w, t=t: qmatmul.qmatmul(x, w, t), quant[mode], qbytes(quant[mode][0]))
+            if "fp8" in quant and M <= qm.MAX_ROWS:  # jaxllm's Mosaic GPU fp8 W8A8 kernel, every tiling offered
+                for t in qm.tilings_for(M, K, N, num_sms()):
+                    paths[f"fp8_w8a8_mosaic_{t.name}"] = (
+                        lambda x, w, t=t: qm.fp8_w8a8(x, w, t), quant["fp8"], qbytes(quant["fp8"][0]))
             ref = None
             for path, (fn, wl, wbytes) in paths.items():
                 row = {"shape": name, "K": K, "N": N, "tokens": M, "path": path, "weight_bytes": wbytes}
@@ -142,10 +150,11 @@ def bench_matmul(tokens: list[int], C: float, tilings: str = "engine", modes=("f
                         row["transpose_in_hlo"] = " transpose(" in hlo
                     per = cycle_kernels(f, x, wl)
                     t = sum(per.values())
-                    if "pallas" in path:  # the kernel itself vs the XLA ops around it (pad, sum)
-                        row["kernel_s"] = sum(v for k, v in per.items() if "qmatmul" in k)
+                    if "pallas" in path or "mosaic" in path:  # the kernel vs the XLA ops around it
+                        own = "qmatmul" if "pallas" in path else qm.KERNEL_NAME
+                        row["kernel_s"] = sum(v for k, v in per.items() if own in k)
                         row["other_kernels"] = {k[:60]: round(v * 1e6, 2) for k, v in per.items()
-                                                if "qmatmul" not in k}
+                                                if own not in k}
                     floor = (wbytes + act) / HBM
                     row.update(seconds=t, x_floor_4_25=t / floor, x_floor_C=t / ((wbytes + act) / C),
                                tflops=flops / t / 1e12)

@@ -4,7 +4,7 @@
 #   1. quantized-weight matmuls, Llama-3-8B linears (qkv, o, gate_up, down) at 1 / 64 / 8192 tokens:
 #      bf16, fp8 W8A8 (XLA fp8 dot, W [N, K], HLO checked), int8 / int4 weight-only (XLA), int8 via
 #      JAX's hopper_mixed_type_matmul_mgpu, int8 / int4 via jaxllm's Pallas kernel (kernels/qmatmul.py,
-#      1 and 64 tokens), torch _scaled_mm fp8 (per-tensor, rowwise) and torch
+#      1 and 64 tokens), fp8 W8A8 via jaxllm's Mosaic kernel (kernels/qmatmul_mosaic.py, 1 and 64), torch _scaled_mm fp8 (per-tensor, rowwise) and torch
 #      bf16 peers; x of the 8-bit / 4-bit byte floor (4.25 TB/s and C measured here), TFLOP/s;
 #   2. decode attention B64 ctx 2048: Mosaic on bf16 / fp8 pages, Pallas on bf16 / fp8 / int8 / int4,
 #      each checked against the reference on the same pages;

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import inspect
 
+import jax
+
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 # 0.11 made `load`'s index optional and deprecated passing it ("index the reference via
@@ -18,3 +20,7 @@ def load(ref, *, layout=None, optimized: bool = True):
     if _LOAD_TAKES_NO_INDEX:
         return plgpu.load(ref, layout=layout, optimized=optimized)
     return plgpu.load(ref, (), layout=layout, optimized=optimized)
+
+# 0.11's CPU interpreter reads transposed SMEM views (`ref.transpose`); 0.10's fails on them
+# ("'TransposeTransform' object has no attribute 'indices'"), so kernels stage a copy there.
+INTERPRETER_TRANSPOSES = jax.__version_info__ >= (0, 11)

@@ -6,7 +6,9 @@ MAX_ROWS) are measured. For each distinct layout (kind, activation mode, group, 
 K, N) and row count it runs every candidate path of `kernels.py` on random rows: "xla";
 "pallas/<tiling>" for each of qmatmul's tilings that takes the layout (int4, int8, and fp8
 weight-only: x is not rounded to fp8 there), all of them at the fewest rows and the fastest
-of those at the other row counts; "mgpu" for per-channel int8 on Hopper. It drops any whose
+of those at the other row counts; on Hopper "mosaic/<tiling>" for per-channel fp8 W8A8
+(`kernels/qmatmul_mosaic.py`, the same fewest-rows rule) and "mgpu" for per-channel int8.
+It drops any whose
 output differs from x @ the dequantized weight by more than 2e-2 (relative; 5e-2 for fp8
 W8A8), times the rest (median of a few jitted loops of dependent calls, `timing.chained`) and
 keeps the fastest. `kernels.matmul` then
@@ -55,16 +57,29 @@ def two_d(w: QArray) -> QArray:
 
 def candidates(x_shape: tuple[int, ...], w: QArray, tilings: list[str] | None = None) -> list[str]:
     """The paths to measure: "xla", "pallas/<name>" for each qmatmul tiling that takes the
-    layout (only those in `tilings` when given), "mgpu" for per-channel int8 on Hopper."""
+    layout, "mosaic/<name>" for each Mosaic fp8 tiling that takes it on Hopper (of both, only
+    those in `tilings` when given; every Mosaic one that fits when none given does), "mgpu"
+    for per-channel int8 on Hopper."""
     from jaxllm.kernels import prefill_choice, qmatmul
+    from jaxllm.kernels import qmatmul_mosaic as qm
 
+    keep = (lambda name: True) if tilings is None else (lambda name: name in tilings)  # noqa: E731
     out = ["xla"]
     if w.kind in ("int4", "int8", "fp8"):
         out += [f"pallas/{t.name}" for t in qmatmul.TILINGS
-                if qmatmul.unsupported(x_shape, w, t) is None and (tilings is None or t.name in tilings)]
-    if w.kind == "int8" and w.group == w.shape[-2] and prefill_choice.is_hopper():
+                if qmatmul.unsupported(x_shape, w, t) is None and keep(t.name)]
+    hopper = prefill_choice.is_hopper()
+    if qm.takes(w) and hopper:
+        fits = qm.tilings_for(int(np.prod(x_shape[:-1])), *w.shape[-2:], num_sms())
+        out += [f"mosaic/{t.name}" for t in ([t for t in fits if keep(t.name)] or fits)]
+    if w.kind == "int8" and w.group == w.shape[-2] and hopper:
         out.append("mgpu")
     return out
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the first device (132 on an H100 / H200 SXM)."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
 def time_paths(x: jax.Array, w: QArray, paths: list[str], reps: int = 5, chain: int = 20) -> dict[str, float]:
@@ -90,10 +105,10 @@ def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 5) -> dic
     key = jax.random.key(0)
     floors: dict[int, float] = {}  # rows -> a trivial chained call's time (overhead, not kernel)
     for w in seen.values():
-        best = None  # the fastest tiling at the fewest rows: the only one timed at the others
+        best = None  # per kernel family, the fastest tiling at the fewest rows: the only ones timed at the others
         for M in sorted(r for r in set(rows) if r <= MAX_ROWS):  # decode-sized buckets
             x = jax.random.normal(key, (M, w.shape[-2]), jnp.float32).astype(dtype)
-            paths = candidates(x.shape, w, None if best is None else [best])
+            paths = candidates(x.shape, w, best)
             if len(paths) == 1:
                 continue
             times = time_paths(x, w, paths, reps)
@@ -103,9 +118,12 @@ def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 5) -> dic
                 k = layout_key(x.shape, w)
                 _MEASURED[k] = min(times, key=times.get)
                 TIMINGS[k] = times
-                tiled = {p: t for p, t in times.items() if p.startswith("pallas/")}
-                if best is None and tiled:
-                    best = min(tiled, key=tiled.get).partition("/")[2]
+                if best is None:
+                    best = []
+                    for family in ("pallas/", "mosaic/"):
+                        tiled = {p: t for p, t in times.items() if p.startswith(family)}
+                        if tiled:
+                            best.append(min(tiled, key=tiled.get).partition("/")[2])
     if TIMINGS:
         log.info("quantized matmuls by measurement ((kind, act, group, pack, K, N, rows) -> path): %s",
                  {k: f"{_MEASURED[k]} " + ", ".join(f"{p} {t * 1e6:.1f}us" for p, t in v.items())

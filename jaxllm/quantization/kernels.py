@@ -7,6 +7,9 @@ Paths:
         and fp8 blocks; int4's group dequant is not fused and writes a copy of W).
   mgpu  int8 weight-only through JAX's bundled Hopper mixed-type Mosaic GPU kernel
         (`hopper_mixed_type_matmul_mgpu`, int8 LHS x bf16 RHS: computed as (W^T x^T)^T).
+  mosaic  fp8 W8A8 per channel, decode-sized steps (<= 64 rows), through jaxllm's Mosaic GPU
+        kernel (`kernels/qmatmul_mosaic.py`): the weight streamed once by TMA into fp8 wgmmas
+        with the rows of x on wgmma's narrow side; "mosaic/<tiling name>" names the tiling.
   pallas  int8 / int4 weight-only, decode-sized steps (<= 64 rows), through jaxllm's own
         kernel (`kernels/qmatmul.py`, Triton): the stored integers are read once, converted in
         registers, and each scale group's scale applied to its partial product; larger steps
@@ -50,6 +53,9 @@ def matmul(x: jax.Array, w: QArray, path: str | None = None) -> jax.Array:
     path = path or "xla"
     if path == "mgpu":
         return int8_mgpu(x, w)
+    if path.startswith("mosaic/"):
+        from jaxllm.kernels import qmatmul_mosaic as qm
+        return qm.fp8_w8a8(x, w, qm.Tiling.parse(path.partition("/")[2]), interpret=platform == "cpu")
     if path.startswith("pallas"):
         name = path.partition("/")[2]
         tiling = qmatmul.BY_NAME[name] if name else pallas_tiling(x.shape, w)
