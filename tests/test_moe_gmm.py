@@ -148,9 +148,11 @@ def test_kernel_lowers_to_triton(tiling):
 
 
 @pytest.mark.slow
-def test_model_with_the_kernel_keeps_greedy_ids(monkeypatch):
+@pytest.mark.parametrize("direct", [False, True], ids=["sorted", "direct_decode"])
+def test_model_with_the_kernel_keeps_greedy_ids(monkeypatch, direct):
     """The whole engine (layer scan, padding tokens, prefill and decode rows) with the kernel's
-    gate/up pair and down as the expert matmuls gives HF's greedy ids."""
+    gate/up pair and down as the expert matmuls gives HF's greedy ids; `direct`: steps of up to
+    16 rows take the unsorted-rows path (`DirectGmm`), larger ones the sorted one."""
     import functools
 
     from hf_tiny import hf_greedy, make, make_llm, random_prompts
@@ -170,16 +172,24 @@ def test_model_with_the_kernel_keeps_greedy_ids(monkeypatch):
             traced.append(a.shape)
             return moe_gmm.grouped_matmul_pair(a, b, c, s, tiling, interpret=True)
 
+        @staticmethod
+        def direct_mlp(rows):
+            if not direct or rows > 16:
+                return None
+            traced.append(("direct", rows))
+            return gmm_impls.DirectGmm(tiling, interpret=True).direct_mlp(rows)
+
     init = moe_model.MoeLlama.__init__
     monkeypatch.setattr(moe_model.MoeLlama, "__init__", lambda self, *a, **kw: init(
         self, *a, **{**kw, "experts_fn": functools.partial(moe.experts, gmm=Kernel())}))
     model, cfg, sd = make("qwen3_moe")
-    llm = make_llm((cfg, sd), token_buckets=(64,), max_model_len=128)
+    llm = make_llm((cfg, sd), token_buckets=(8, 64) if direct else (64,), max_model_len=128)
     prompts = random_prompts(2, cfg["vocab_size"], 3, 70, seed=4)
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for p, o in zip(prompts, llm.generate(prompts, greedy, use_tqdm=False)):
         assert o.outputs[0].token_ids == hf_greedy(model, p, 6)
     assert traced  # the step was traced through the kernel
+    assert any(t[0] == "direct" for t in traced) == direct
 
 
 def test_chooser_offers_decode_kernels_per_row_count(monkeypatch):
@@ -190,3 +200,90 @@ def test_chooser_offers_decode_kernels_per_row_count(monkeypatch):
     chooser = gmm_impls.Chooser()
     chooser.measure([16, 512], E=4, H=64, F=32, dtype=jnp.float32, reps=1)
     assert "decode_x" in chooser.timings[16] and set(chooser.timings[512]) == {"ragged_dot"}
+
+
+def test_direct_rows_need_no_sort():
+    """`direct_matmul(_pair)`: rows in any order, each times its own group's weight; repeated
+    experts, rows of group G (padding, another device's expert: undefined, not checked)."""
+    rng = np.random.default_rng(8)
+    M, G, K, N = 21, 6, 64, 64
+    groups = rng.integers(0, G, M)
+    groups[[3, 10]] = G  # no expert
+    groups[[0, 1, 2]] = 4  # one expert, three rows
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
+    w1, w2 = (jnp.asarray(rng.standard_normal((G, K, N)) / 8, jnp.float32) for _ in range(2))
+    tiling = moe_gmm.Tiling(block_m=16, block_n=32, block_k=32, k_splits=2)
+    sched = np.asarray(moe_gmm.row_slots(jnp.asarray(groups), G))
+    np.testing.assert_array_equal(sched[2], groups < G)
+    np.testing.assert_array_equal(sched[1], np.arange(M))
+    g = jnp.asarray(groups, jnp.int32)
+    y1, y2 = jax.jit(lambda *a: moe_gmm.direct_matmul_pair(*a, tiling, interpret=True))(x, w1, w2, g)
+    y = jax.jit(lambda *a: moe_gmm.direct_matmul(*a, tiling, interpret=True))(x, w1, g)
+    live = groups < G
+    for got, w in ((y1, w1), (y2, w2), (y, w1)):
+        want = np.einsum("mk,mkn->mn", np.asarray(x), np.asarray(w)[np.minimum(groups, G - 1)])
+        np.testing.assert_allclose(np.asarray(got)[live], want[live], rtol=2e-5, atol=2e-5)
+
+
+def test_expert_block_through_the_direct_path_matches_the_reference():
+    """moe.experts with a `direct_mlp` gmm (unsorted rows; padding tokens; an expert-parallel
+    slice, rows of other devices' experts) = the sorted ragged_dot path; a gmm without one or
+    a Chooser that picked a sorted implementation still sorts."""
+    rng = np.random.default_rng(9)
+    T, k, E, H, F = 5, 3, 8, 64, 32
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    wg, wu = (jnp.asarray(rng.standard_normal((E, H, F)) / 8, jnp.float32) for _ in range(2))
+    wd = jnp.asarray(rng.standard_normal((E, F, H)) / 6, jnp.float32)
+    weights = jnp.asarray(rng.random((T, k)), jnp.float32)
+    ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]), jnp.int32)
+    valid = jnp.arange(T) < 4
+    direct = gmm_impls.DirectGmm(moe_gmm.Tiling(block_m=16, block_n=32, block_k=32), interpret=True)
+    for first, El in ((0, E), (4, 4)):  # the whole layer; experts 4..7 of an EP slice
+        sl = slice(first, first + El)
+        args = (x, weights, ids, wg[sl], wu[sl], wd[sl])
+        got = jax.jit(lambda *a: moe.experts(*a, valid=valid, first_expert=first, gmm=direct))(*args)
+        want = moe.experts(*args, valid=valid, first_expert=first)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    chooser = gmm_impls.Chooser()
+    chooser.impls.update(direct=direct, sorted=gmm_impls.DecodeGmm(direct.tiling, interpret=True))
+    chooser.choice.update({T * k: "direct", 2 * T * k: "sorted"})
+    assert chooser.direct_mlp(T * k) == direct._mlp
+    assert chooser.direct_mlp(2 * T * k) is None and chooser.direct_mlp(7) is None  # sorted, ragged_dot
+
+
+def test_chooser_offers_direct_rows_for_small_batches_and_times_the_whole_block(monkeypatch):
+    """Direct (unsorted) candidates up to DIRECT_MAX_ROWS rows; the measurement times
+    `moe.experts` end to end (sorting included), tokens = rows / top_k with distinct experts."""
+    gpu = gmm_impls.candidates(8, 128, 2048, 768, "gpu", engine=True)
+    assert {n for n in gpu if n.startswith("direct_")} == {
+        "direct_" + n for n in gmm_impls.ENGINE_DECODE_TILINGS if n.startswith("decode_")}
+    assert not any(n.startswith("direct_") for n in gmm_impls.candidates(
+        gmm_impls.DIRECT_MAX_ROWS + 8, 128, 2048, 768, "gpu"))
+    seen = []
+
+    class Direct:  # a direct implementation that records what it is called with
+        def __call__(self, x, w, s):
+            return jax.lax.ragged_dot(x, w, s)
+
+        def direct_mlp(self, rows):
+            def mlp(xr, a, u, b, groups):
+                seen.append((xr.shape, groups.shape))
+                gi = jnp.minimum(groups, a.shape[0] - 1)
+                h = jax.nn.silu(jnp.einsum("mh,mhf->mf", xr, a[gi])) * jnp.einsum("mh,mhf->mf", xr, u[gi])
+                return jnp.einsum("mf,mfh->mh", h, b[gi])
+            return mlp
+
+    monkeypatch.setattr(gmm_impls, "candidates", lambda *a, **k: {
+        "ragged_dot": gmm_impls.ragged_dot_ref, "direct_x": Direct()})
+    chooser = gmm_impls.Chooser()
+    chooser.measure([16], E=8, H=64, F=32, dtype=jnp.float32, reps=1, top_k=4)
+    assert set(chooser.timings[16]) == {"ragged_dot", "direct_x"}
+    assert seen and all(s == ((16, 64), (16,)) for s in seen)  # 4 tokens x top 4 = 16 rows
+
+
+def test_direct_kernel_lowers_to_triton():
+    t = moe_gmm.TILINGS[0]
+    f = jax.jit(lambda x, a, b, g: moe_gmm.direct_matmul_pair(x, a, b, g, t, interpret=False))
+    args = (jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16),
+            jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16), jax.ShapeDtypeStruct((8,), jnp.int32))
+    assert "jaxllm_moe_decode_gmm" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

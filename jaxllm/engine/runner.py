@@ -420,7 +420,8 @@ class ModelRunner:
         if self.gmm_chooser is not None:
             m = self.model_cfg
             self.gmm_chooser.measure([T * m.moe.top_k for T in token_buckets], m.moe.num_experts,
-                                     m.hidden_size, m.moe.moe_intermediate_size, self.dtype)
+                                     m.hidden_size, m.moe.moe_intermediate_size, self.dtype,
+                                     top_k=m.moe.top_k)
         pairs = compiled_pairs(token_buckets, seq_buckets)
         if self.channel is None:
             sharding = None if self.tp is None else self.tp.replicated

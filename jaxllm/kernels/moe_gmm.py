@@ -25,6 +25,12 @@ indices stay distinct and in bounds). With `k_splits > 1` each split stores a fl
 `grouped_matmul_pair` runs two weights of one shape over the same rows in one launch (the
 expert MLP's gate and up: the strip axis spans both), so a decode layer is two launches, not three.
 
+`direct_matmul(_pair)` takes rows unsorted, one slot a row (`row_slots`): a small decode batch
+(one token: 8 rows, 8 distinct experts) then needs none of the sort, group sizes, slot table
+and unsort around the kernel, about ten small XLA kernels a layer at batch 1 (session 22's
+Qwen3-30B-A3B step spent ~77 us a layer outside its matmuls). `models/gmm.py` measures it
+against the sorted path per row count.
+
 A `pallas_call`: Triton on the GPU, Pallas' interpreter on the CPU (tests/test_moe_gmm.py
 checks it against `ragged_dot` there).
 """
@@ -126,16 +132,28 @@ def _kernel(sched_ref, x_ref, *refs, t: Tiling, k_steps: int, strips: int):
             strip(w_ref, j - i * strips, i * w_ref.shape[2])
 
 
-def _call(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array, t: Tiling,
-          interpret: bool | None) -> jax.Array:
-    """x @ each w in ws per group, side by side: [M, len(ws) * N]."""
+def row_slots(groups: jax.Array, num_groups: int) -> jax.Array:
+    """[3, M] int32 for rows in any order, one slot a row: (its group, the row, 1), or 0 rows
+    when its group is `num_groups` (padding, another device's expert). The direct path: no
+    sort, no group sizes, no unsort (`direct_matmul`)."""
+    M = groups.shape[0]
+    live = groups < num_groups
+    return jnp.stack([jnp.where(live, groups, 0).astype(jnp.int32), jnp.arange(M, dtype=jnp.int32),
+                      live.astype(jnp.int32)])
+
+
+def _call(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array | None, t: Tiling,
+          interpret: bool | None, sched: jax.Array | None = None) -> jax.Array:
+    """x @ each w in ws per group, side by side: [M, len(ws) * N] (slots from the group sizes
+    of sorted rows, or the given `sched`)."""
     M, K = x.shape
     G, _, N = ws[0].shape
     if not t.fits(K, N) or any(w.shape != ws[0].shape for w in ws):
         raise ValueError(f"tiling {t.name} does not fit K={K}, N={N} (weights {[w.shape for w in ws]})")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    sched = slots(group_sizes, M, t.block_m)
+    if sched is None:
+        sched = slots(group_sizes, M, t.block_m)
     k_steps = K // (t.block_k * t.k_splits)
     rows, cols = M + t.block_m, len(ws) * N  # spare rows take the last block's masked lanes
     if t.k_splits > 1:
@@ -165,4 +183,21 @@ def grouped_matmul_pair(x: jax.Array, w1: jax.Array, w2: jax.Array, group_sizes:
                         ) -> tuple[jax.Array, jax.Array]:
     """(x @ w1, x @ w2) per group in one launch (the expert MLP's gate and up projections)."""
     out = _call(x, (w1, w2), group_sizes, tiling, interpret)
+    return out[:, :w1.shape[2]], out[:, w1.shape[2]:]
+
+
+def direct_matmul(x: jax.Array, w: jax.Array, groups: jax.Array, tiling: Tiling = TILINGS[0],
+                  interpret: bool | None = None) -> jax.Array:
+    """x [M, K] in any row order, w [G, K, N], groups [M] in [0, G] -> [M, N]: row r times
+    w[groups[r]] (rows of group G: undefined). Each row is its own slot, so an expert that
+    several rows route to is read once per row: for the few rows of a small decode batch,
+    whose experts are mostly distinct, that costs less than sorting and unsorting them."""
+    return _call(x, (w,), None, tiling, interpret, row_slots(groups, w.shape[0]))
+
+
+def direct_matmul_pair(x: jax.Array, w1: jax.Array, w2: jax.Array, groups: jax.Array,
+                       tiling: Tiling = TILINGS[0], interpret: bool | None = None
+                       ) -> tuple[jax.Array, jax.Array]:
+    """`direct_matmul` of gate and up in one launch."""
+    out = _call(x, (w1, w2), None, tiling, interpret, row_slots(groups, w1.shape[0]))
     return out[:, :w1.shape[2]], out[:, w1.shape[2]:]

@@ -8,6 +8,9 @@
   for decode-sized row counts (M <= DECODE_MAX_ROWS).
 - "tiles<bm>_<bn>x<bk>w<warps>s<stages>": the same kernel with 64- or 128-row blocks
   (`moe_gmm.PREFILL_TILINGS`), offered for prefill-sized row counts (M > DECODE_MAX_ROWS).
+- "direct_decode_<bn>x<bk>k<splits>": the decode kernel over unsorted rows, one slot a row
+  (`moe_gmm.direct_matmul`), offered up to DIRECT_MAX_ROWS rows: `moe.experts` then skips
+  sorting and unsorting the rows (an expert two rows share is read twice).
 - "mosaic_<bn>x<bk>s<stages>": its Hopper twin (`kernels/moe_gmm_mosaic.py`, Mosaic GPU:
   the bundled kernel's TMA/wgmma schedule over only the row blocks that hold rows).
 - "mgpu_<bm>x<bn>": JAX's bundled Mosaic GPU kernel
@@ -24,8 +27,6 @@ the choice is static per compiled bucket, so it never costs a recompile.
 from __future__ import annotations
 
 import logging
-import statistics
-import time
 from typing import Callable
 
 import jax
@@ -36,6 +37,7 @@ log = logging.getLogger("jaxllm")
 GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 DECODE_MAX_ROWS = 1024  # the decode kernel re-reads an expert per 16-row block: decode only
+DIRECT_MAX_ROWS = 64  # unsorted rows (one slot a row) for batches up to 64 / top_k tokens
 # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n)
 MGPU_TILINGS = ((64, 128, 64, 4, 1), (128, 128, 64, 4, 2), (128, 256, 64, 3, 1))
 
@@ -57,18 +59,33 @@ def _mgpu(tiling: tuple[int, ...]) -> GroupedMatmul:
 
 
 class DecodeGmm:
-    """jaxllm's decode kernel at one tiling, with the one-launch gate/up `pair`."""
+    """jaxllm's decode kernel at one tiling, with the one-launch gate/up `pair` (`interpret`:
+    Pallas' interpreter, for the CPU tests)."""
 
-    def __init__(self, tiling):
+    def __init__(self, tiling, interpret: bool = False):
         self.tiling = tiling
+        self.interpret = interpret
 
     def __call__(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
         from jaxllm.kernels import moe_gmm
-        return moe_gmm.grouped_matmul(x, w, group_sizes, self.tiling, interpret=False)
+        return moe_gmm.grouped_matmul(x, w, group_sizes, self.tiling, interpret=self.interpret)
 
     def pair(self, x, w1, w2, group_sizes):
         from jaxllm.kernels import moe_gmm
-        return moe_gmm.grouped_matmul_pair(x, w1, w2, group_sizes, self.tiling, interpret=False)
+        return moe_gmm.grouped_matmul_pair(x, w1, w2, group_sizes, self.tiling, interpret=self.interpret)
+
+
+class DirectGmm(DecodeGmm):
+    """The decode kernel over unsorted rows, one slot a row (`moe_gmm.direct_matmul`): `moe.experts`
+    then skips the sort, the group sizes and the unsort (a dozen small XLA kernels a layer)."""
+
+    def direct_mlp(self, rows: int):
+        return self._mlp
+
+    def _mlp(self, xr, w_gate, w_up, w_down, groups):
+        from jaxllm.kernels import moe_gmm
+        g, u = moe_gmm.direct_matmul_pair(xr, w_gate, w_up, groups, self.tiling, interpret=self.interpret)
+        return moe_gmm.direct_matmul(jax.nn.silu(g) * u, w_down, groups, self.tiling, interpret=self.interpret)
 
 
 class MosaicGmm(DecodeGmm):
@@ -102,6 +119,8 @@ def candidates(M: int, E: int, H: int, F: int, platform: str | None = None,
         for t in moe_gmm.TILINGS:  # each projection's (K, N): gate/up (H, F or 2F), down (F, H)
             if t.fits(H, F) and t.fits(F, H):
                 out[t.name] = DecodeGmm(t)
+                if M <= DIRECT_MAX_ROWS:
+                    out["direct_" + t.name] = DirectGmm(t)
         try:
             from jaxllm.kernels import moe_gmm_mosaic
 
@@ -111,7 +130,8 @@ def candidates(M: int, E: int, H: int, F: int, platform: str | None = None,
         except Exception as e:  # a jax without Mosaic GPU
             log.info("Mosaic decode kernel unavailable: %s", e)
         if engine:
-            out = {k: v for k, v in out.items() if not isinstance(v, DecodeGmm) or k in ENGINE_DECODE_TILINGS}
+            out = {k: v for k, v in out.items() if not isinstance(v, DecodeGmm)
+                   or k.removeprefix("direct_") in ENGINE_DECODE_TILINGS}
     else:
         from jaxllm.kernels import moe_gmm
 
@@ -156,10 +176,21 @@ class Chooser:
             return impl.pair(x, w1, w2, group_sizes)
         return impl(x, w1, group_sizes), impl(x, w2, group_sizes)
 
-    def measure(self, rows: list[int], E: int, H: int, F: int, dtype, reps: int = 10) -> None:
-        """Time each candidate's expert MLP (gate, up, down: `moe.expert_mlp`) on this expert
-        shape at each row count, after checking it against ragged_dot; keep the fastest."""
-        from jaxllm.models.moe import expert_mlp
+    def direct_mlp(self, rows: int):
+        """The chosen implementation's unsorted-rows MLP at this row count, or None (sorted)."""
+        direct = getattr(self._impl(rows), "direct_mlp", None)
+        return direct(rows) if direct is not None else None
+
+    def measure(self, rows: list[int], E: int, H: int, F: int, dtype, reps: int = 10,
+                top_k: int = 1) -> None:
+        """Time each candidate's whole expert block (`moe.experts`: gate, up, down, and the sort
+        and unsort around the sorted-row implementations, which the direct ones skip) on this
+        expert shape at each row count: rows / top_k tokens, each routed to top_k distinct
+        random experts. Each is checked against ragged_dot first; the fastest is kept.
+        Decode-sized row counts are timed as loops of dependent calls (`timing.chained`): one
+        such call takes tens of microseconds, less than its dispatch."""
+        from jaxllm.kernels.timing import time_checked
+        from jaxllm.models.moe import experts
 
         if len(candidates(min(rows), E, H, F, engine=True)) == 1:  # no GPU kernels: ragged_dot throughout
             return
@@ -171,31 +202,19 @@ class Chooser:
         for M in sorted(set(rows)):
             cands = candidates(M, E, H, F, engine=True)  # decode kernels: decode-sized row counts only
             self.impls.update(cands)
-            ids = np.sort(rng.integers(0, E, M))
-            sizes = jnp.asarray(np.bincount(ids, minlength=E).astype(np.int32))
-            x = jax.random.normal(key, (M, H), jnp.float32).astype(dtype)
-            times = {}
-            ref = None
-            for name, impl in cands.items():
-                try:
-                    f = jax.jit(lambda x, a, u, b, s, impl=impl: expert_mlp(x, a, u, b, s, impl))
-                    out = jax.block_until_ready(f(x, w_g, w_u, w_d, sizes)).astype(jnp.float32)
-                    if ref is None:  # "ragged_dot" comes first: the reference
-                        ref = out
-                    err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-                    if not err <= 3e-2:  # a wrong (or NaN) kernel is never chosen
-                        log.warning("gmm %s at %d rows: wrong result (rel. error %.3g), skipped",
-                                    name, M, err)
-                        continue
-                    ts = []
-                    for _ in range(reps):
-                        t = time.perf_counter()
-                        jax.block_until_ready(f(x, w_g, w_u, w_d, sizes))
-                        ts.append(time.perf_counter() - t)
-                    times[name] = statistics.median(ts)
-                except Exception as e:  # a tiling that does not fit: skip it
-                    log.info("gmm %s at %d rows failed: %s", name, M, str(e)[:200])
+            k = top_k if M % top_k == 0 and top_k <= E else 1
+            T = M // k
+            ids = jnp.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :k], jnp.int32)
+            wts = jnp.asarray(rng.random((T, k)), jnp.float32)
+            x = jax.random.normal(key, (T, H), jnp.float32).astype(dtype)
+            fns = {name: (lambda x, p, i, a, u, b, impl=impl: experts(x, p, i, a, u, b, gmm=impl))
+                   for name, impl in cands.items()}  # "ragged_dot" first: the reference
+            times = time_checked(fns, (x, wts, ids, w_g, w_u, w_d), reps, "MoE grouped matmul",
+                                 f" at {M} rows", tol=3e-2, catch=True,
+                                 chain=20 if M <= DECODE_MAX_ROWS else 0)
             if times:
                 self.choice[M] = min(times, key=times.get)
                 self.timings[M] = times
         log.info("MoE grouped matmul by measurement (rows -> impl): %s", self.choice)
+        log.info("MoE grouped matmul timings (rows -> impl: us per expert block): %s",
+                 {M: {n: round(t * 1e6, 1) for n, t in v.items()} for M, v in self.timings.items()})
