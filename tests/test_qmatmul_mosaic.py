@@ -25,13 +25,21 @@ def _fp8(shape, seed):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * 8, jnp.float8_e4m3fn)
 
 
-@pytest.mark.parametrize("M,tiling", [(1, qm.Tiling(64, 128, 2, 1)), (5, qm.Tiling(64, 128, 3, 2)),
-                                      (16, qm.Tiling(128, 256, 2, 2))], ids=lambda a: str(a))
-def test_matches_the_product_in_the_interpreter(M, tiling):
+@pytest.mark.parametrize("M,tiling,sms", [
+    (1, qm.Tiling(64, 128, 2, 1), 0), (5, qm.Tiling(64, 128, 3, 2), 0), (16, qm.Tiling(128, 256, 2, 2), 0),
+    (5, qm.Tiling(64, 128, 2, 2, persistent=True), 4),  # 8 units: 4 CTAs x 2
+    (3, qm.Tiling(64, 128, 3, 4, persistent=True), 3),  # 16 units over 2 CTAs (3 does not divide 16)
+    (9, qm.Tiling(128, 128, 2, 1, persistent=True), 2)],  # one unit a CTA
+    ids=lambda a: a.name if isinstance(a, qm.Tiling) else str(a))
+def test_matches_the_product_in_the_interpreter(M, tiling, sms):
     """Every K split's partial lands in its own slot (a wrong split index or a reused pipeline
-    slot would double or drop a block of K); padding columns stay zero."""
+    slot would double or drop a block of K); padding columns stay zero. Persistent: each CTA's
+    units, their pipeline running on across a unit's end, each stored once as its own sum."""
     x, w = _fp8((M, K), 1), _fp8((N, K), 2)
-    got = np.asarray(jax.jit(lambda a, b: qm.fp8_matmul(a, b, tiling, interpret=True))(x, w))
+    if tiling.persistent:
+        units = N // tiling.block_n * tiling.k_splits
+        assert units % qm.persistent_ctas(N, tiling, sms) == 0 and qm.persistent_ctas(N, tiling, sms) <= sms
+    got = np.asarray(jax.jit(lambda a, b: qm.fp8_matmul(a, b, tiling, interpret=True, num_sms=sms or 132))(x, w))
     want = np.asarray(w, np.float32) @ np.asarray(x, np.float32).T  # fp8 products: exact in f32 sums
     assert got.shape == (N, qm.padded_rows(M)) and not _races()
     np.testing.assert_allclose(got[:, :M], want, rtol=1e-5, atol=1e-3 * np.abs(want).max())
@@ -59,6 +67,11 @@ def test_w8a8_path_equals_the_xla_path():
 def test_tilings_fill_the_sms_and_respect_shared_memory():
     for M, Kx, Nx in ((1, 4096, 6144), (8, 4096, 28672), (64, 14336, 4096), (1, 4096, 1024)):
         ts = qm.tilings_for(M, Kx, Nx, num_sms=132)
+        for t in (t for t in ts if t.persistent):  # >= 90% of the SMs, >= 2 units a CTA, even split
+            ctas = qm.persistent_ctas(Nx, t, 132)
+            units = Nx // t.block_n * t.k_splits
+            assert ctas >= 0.9 * 132 and units % ctas == 0 and units // ctas >= 2
+        ts = [t for t in ts if not t.persistent]
         assert ts and all(qm.unsupported(M, Kx, Nx, t) is None for t in ts)
         assert all(qm.Tiling.parse(t.name) == t for t in ts)
         for t in ts:  # each shape at its fewest splits for one CTA an SM, unless K runs out

@@ -17,7 +17,10 @@ Grid (N / bn strips, k_splits): each CTA TMA-pipelines its strip's [bn, bk] weig
 the matching [Mp, bk] x tiles through `stages` shared-memory slots into fp8 wgmmas
 (float32 accumulator [bn, Mp]), then TMA-stores the accumulator to its [bn, Mp] block of a
 [k_splits, N, Mp] float32 partial; the K splits (enough CTAs to fill every SM when N / bn is
-small) are summed by the XLA epilogue. Checked in Mosaic GPU's CPU interpreter (simulated
+small) are summed by the XLA epilogue. A `persistent` tiling instead runs one CTA per SM over
+an even share of the (strip, K chunk) units in a single pipeline (`_body_persistent`), so no
+CTA drains and refills its pipeline between units; which schedule streams faster is left to
+the warm-up's measurement. Checked in Mosaic GPU's CPU interpreter (simulated
 TMA, barriers and wgmma, with its race detector) against the plain product in
 tests/test_qmatmul_mosaic.py, and lowered for cuda there.
 """
@@ -45,24 +48,28 @@ class Tiling:
     block_n: int = 128  # weight rows (outputs) per CTA: wgmma's M, a multiple of 64
     block_k: int = 256  # K per pipeline step
     stages: int = 6  # pipeline slots in flight per CTA
-    k_splits: int = 1  # CTAs along K per strip (float32 partials summed by XLA)
+    k_splits: int = 1  # K chunks per strip (float32 partials summed by XLA)
+    persistent: bool = False  # one CTA per SM walking a run of (strip, K chunk) units, below
 
     @property
     def name(self) -> str:
-        return f"mq_{self.block_n}x{self.block_k}s{self.stages}k{self.k_splits}"
+        return f"mq_{self.block_n}x{self.block_k}s{self.stages}k{self.k_splits}" + ("p" if self.persistent else "")
 
     @classmethod
     def parse(cls, name: str) -> "Tiling":
-        """The tiling `name` names ("mq_128x256s4k8")."""
-        bn, rest = name.removeprefix("mq_").split("x")
+        """The tiling `name` names ("mq_128x256s4k8", "mq_64x256s6k4p")."""
+        persistent = name.endswith("p")
+        bn, rest = name.removeprefix("mq_").removesuffix("p").split("x")
         bk, rest = rest.split("s")
         st, ks = rest.split("k")
-        return cls(int(bn), int(bk), int(st), int(ks))
+        return cls(int(bn), int(bk), int(st), int(ks), persistent)
 
     def smem_bytes(self, rows: int) -> int:
-        """Shared memory at `rows` rows: the pipeline's slots, then (reusing them) the f32 output tile."""
+        """Shared memory at `rows` rows: the pipeline's slots and the f32 output tile (after the
+        pipeline, reusing its memory; persistent: beside it)."""
         Mp = padded_rows(rows)
-        return max(self.stages * (self.block_n + Mp) * self.block_k, self.block_n * Mp * 4)
+        slots, out = self.stages * (self.block_n + Mp) * self.block_k, self.block_n * Mp * 4
+        return slots + out if self.persistent else max(slots, out)
 
 
 # The tile shapes offered (x k_splits chosen per matrix by `tilings_for`); ~16-32 KB of weight
@@ -90,9 +97,18 @@ def unsupported(M: int, K: int, N: int, t: Tiling) -> str | None:
     return None
 
 
+def persistent_ctas(N: int, t: Tiling, num_sms: int) -> int:
+    """CTAs of a persistent tiling: the most <= num_sms that divide its units evenly (every CTA
+    then walks the same static number of units)."""
+    units = N // t.block_n * t.k_splits
+    return max(c for c in range(1, min(units, num_sms) + 1) if units % c == 0)
+
+
 def tilings_for(M: int, K: int, N: int, num_sms: int = 132) -> list[Tiling]:
     """The candidates for one matrix: each shape with the fewest K splits (a power of two) that
-    gives one CTA per SM, and with twice that (two CTAs an SM hide more latency)."""
+    gives one CTA per SM, and with twice that (two CTAs an SM hide more latency); and each shape
+    persistent, with the fewest K splits whose units spread over >= 90% of the SMs (at least
+    two units a CTA, so that its pipeline runs on across a unit's end)."""
     out = []
     for bn, bk, st in SHAPES:
         if N % bn:
@@ -104,6 +120,15 @@ def tilings_for(M: int, K: int, N: int, num_sms: int = 132) -> list[Tiling]:
             t = Tiling(bn, bk, st, k)
             if unsupported(M, K, N, t) is None and t not in out:
                 out.append(t)
+        ks = 1
+        while K % (bk * ks) == 0:
+            t = Tiling(bn, bk, st, ks, persistent=True)
+            ctas = persistent_ctas(N, t, num_sms)
+            if ctas >= 0.9 * num_sms and (N // bn * ks) // ctas >= 2:
+                if unsupported(M, K, N, t) is None:
+                    out.append(t)
+                break
+            ks *= 2
     return out
 
 
@@ -145,7 +170,13 @@ def _body(x_gmem, w_gmem, o_gmem, *scratch, t: Tiling, K: int, interpret: bool):
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def fp8_w8a8(x: jax.Array, w, tiling: Tiling, interpret: bool = False) -> jax.Array:
+def device_sms() -> int:
+    """Streaming multiprocessors of the first device (132 on an H100 / H200 SXM)."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
+def fp8_w8a8(x: jax.Array, w, tiling: Tiling, interpret: bool = False,
+             num_sms: int | None = None) -> jax.Array:
     """x [..., K] @ an fp8 W8A8 QArray (values [N, K], per-channel scale [N, 1]) -> [..., N] in
     x's dtype: x quantized per token (as `quantization.kernels.fp8_w8a8`), the kernel, then the
     two scales in one XLA fusion."""
@@ -154,7 +185,7 @@ def fp8_w8a8(x: jax.Array, w, tiling: Tiling, interpret: bool = False) -> jax.Ar
     lead, K = x.shape[:-1], x.shape[-1]
     xq, sx = quantize_rows_fp8(x.reshape(-1, K))
     M = xq.shape[0]
-    yt = fp8_matmul(xq, w.values, tiling, interpret)  # [N, Mp]
+    yt = fp8_matmul(xq, w.values, tiling, interpret, num_sms or device_sms())  # [N, Mp]
     y = yt[:, :M].T * sx * w.scale[:, 0].astype(jnp.float32)
     return y.astype(x.dtype).reshape(*lead, -1)
 
@@ -165,7 +196,73 @@ def takes(w) -> bool:
             and w.scale.shape == (w.values.shape[0], 1))
 
 
-def fp8_matmul(xq: jax.Array, w: jax.Array, tiling: Tiling, interpret: bool = False) -> jax.Array:
+def _body_persistent(x_gmem, w_gmem, o_gmem, *scratch, t: Tiling, K: int, ctas: int,
+                     interpret: bool):
+    """Persistent: CTA c walks units [c * U / ctas, (c + 1) * U / ctas) of the U = strips x
+    k_splits (strip, K chunk) units, strip-major, in one pipeline over all their K steps: the
+    TMA loads of a unit's first steps are in flight while the last ones of the unit before are
+    multiplied (the grid version drains and refills its pipeline per CTA, a few hundred
+    nanoseconds of an SM's bandwidth each time). The accumulator is carried in registers; at a
+    unit's last step it is TMA-stored to that unit's [bn, Mp] block of the partials and reset."""
+    c = lax.axis_index("sm")
+    Mp = x_gmem.shape[0]
+    spu = K // (t.block_k * t.k_splits)  # steps per unit
+    per_cta = o_gmem.shape[1] // t.block_n * t.k_splits // ctas  # units per CTA (static)
+    u0 = c * per_cta
+
+    def unit_of(s):
+        u = u0 + lax.div(s, spu)
+        return lax.div(u, t.k_splits), lax.rem(u, t.k_splits)  # (strip, K chunk)
+
+    def w_block(s):
+        j, kk = unit_of(s)
+        return j, kk * spu + lax.rem(s, spu)
+
+    def x_block(s):
+        _, kk = unit_of(s)
+        return 0, kk * spu + lax.rem(s, spu)
+
+    def operand(x_smem):
+        if not interpret or mgpu_compat.INTERPRETER_TRANSPOSES:
+            return x_smem.transpose((1, 0))
+        scratch[1][...] = x_smem[...].T
+        return scratch[1]
+
+    def step(acc_ref, idx, w_smem, x_smem, prev):
+        """One K step; at a unit's last, store acc - prev (the accumulator runs on over the
+        CTA's units: the Mosaic interpreters of jax 0.10 and 0.11 fail on accumulator stores
+        inside a pipeline body, so it is never reset) and carry acc as the next prev."""
+        s = idx[0]
+        plgpu.wgmma(acc_ref, w_smem, operand(x_smem))
+
+        def flush(prev):
+            j, kk = unit_of(s)
+            acc = acc_ref[...]  # waits for the unit's last wgmma
+            o_smem = scratch[0]
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last unit's store has read it
+            o_smem[...] = acc - prev
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[kk, pl.ds(j * t.block_n, t.block_n)])
+            return acc
+
+        return lax.cond(lax.rem(s, spu) == spu - 1, flush, lambda p: p, prev)
+
+    def acc_scope(acc_ref):
+        plgpu.emit_pipeline(
+            functools.partial(step, acc_ref),
+            grid=(per_cta * spu,),
+            in_specs=[plgpu.BlockSpec((t.block_n, t.block_k), w_block, delay_release=1),
+                      plgpu.BlockSpec((Mp, t.block_k), x_block, delay_release=1)],
+            max_concurrent_steps=t.stages,
+            init_carry=jnp.zeros((t.block_n, Mp), jnp.float32),
+        )(w_gmem, x_gmem)
+
+    pl.run_scoped(acc_scope, plgpu.ACC((t.block_n, Mp)))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def fp8_matmul(xq: jax.Array, w: jax.Array, tiling: Tiling, interpret: bool = False,
+               num_sms: int = 132) -> jax.Array:
     """xq [M, K] float8_e4m3fn (rows of x, quantized), w [N, K] float8_e4m3fn -> W @ xq^T as
     float32 [N, Mp] (Mp = padded_rows(M); columns past M are zero), unscaled."""
     M, K = xq.shape
@@ -184,11 +281,18 @@ def fp8_matmul(xq: jax.Array, w: jax.Array, tiling: Tiling, interpret: bool = Fa
         params["interpret"] = InterpretGPUParams(detect_races=True)
         if not mgpu_compat.INTERPRETER_TRANSPOSES:
             scratch = [plgpu.SMEM((tiling.block_k, Mp), xq.dtype)]
+    if tiling.persistent:  # the output tile first, then any staging copy
+        ctas = persistent_ctas(N, tiling, num_sms)
+        body = functools.partial(_body_persistent, t=tiling, K=K, ctas=ctas, interpret=interpret)
+        scratch = [plgpu.SMEM((tiling.block_n, Mp), jnp.float32), *scratch]
+        grid = dict(grid=(ctas,), grid_names=("sm",))
+    else:
+        body = functools.partial(_body, t=tiling, K=K, interpret=interpret)
+        grid = dict(grid=(N // tiling.block_n, tiling.k_splits), grid_names=("n", "k"))
     out = plgpu.kernel(
-        functools.partial(_body, t=tiling, K=K, interpret=interpret),
+        body,
         out_type=jax.ShapeDtypeStruct((tiling.k_splits, N, Mp), jnp.float32),
-        grid=(N // tiling.block_n, tiling.k_splits), grid_names=("n", "k"), kernel_name=KERNEL_NAME,
-        scratch_types=scratch,
+        kernel_name=KERNEL_NAME, scratch_types=scratch, **grid,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **params,
     )(xp, w)

@@ -78,8 +78,8 @@ def candidates(x_shape: tuple[int, ...], w: QArray, tilings: list[str] | None = 
 
 
 def num_sms() -> int:
-    """Streaming multiprocessors of the first device (132 on an H100 / H200 SXM)."""
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+    from jaxllm.kernels.qmatmul_mosaic import device_sms
+    return device_sms()
 
 
 def time_paths(x: jax.Array, w: QArray, paths: list[str], reps: int = 5, chain: int = 20) -> dict[str, float]:
