@@ -266,8 +266,9 @@ def test_chooser_offers_direct_rows_for_small_batches_and_times_the_whole_block(
             return jax.lax.ragged_dot(x, w, s)
 
         def direct_mlp(self, rows):
-            def mlp(xr, a, u, b, groups):
-                seen.append((xr.shape, groups.shape))
+            def mlp(x, a, u, b, groups):
+                seen.append((x.shape, groups.shape))
+                xr = jnp.repeat(x, groups.shape[0] // x.shape[0], axis=0)
                 gi = jnp.minimum(groups, a.shape[0] - 1)
                 h = jax.nn.silu(jnp.einsum("mh,mhf->mf", xr, a[gi])) * jnp.einsum("mh,mhf->mf", xr, u[gi])
                 return jnp.einsum("mf,mfh->mh", h, b[gi])
@@ -278,7 +279,32 @@ def test_chooser_offers_direct_rows_for_small_batches_and_times_the_whole_block(
     chooser = gmm_impls.Chooser()
     chooser.measure([16], E=8, H=64, F=32, dtype=jnp.float32, reps=1, top_k=4)
     assert set(chooser.timings[16]) == {"ragged_dot", "direct_x"}
-    assert seen and all(s == ((16, 64), (16,)) for s in seen)  # 4 tokens x top 4 = 16 rows
+    assert seen and all(s == ((4, 64), (16,)) for s in seen)  # 4 tokens x top 4 = 16 rows
+
+
+@pytest.mark.parametrize("tiling", [moe_gmm.Tiling(block_m=16, block_n=32, block_k=16),
+                                    moe_gmm.Tiling(block_m=16, block_n=32, block_k=16, k_splits=2)],
+                         ids=lambda t: t.name)
+def test_direct_swiglu_is_the_expert_mlp(tiling):
+    """`direct_swiglu`: x read per token (k rows a token), the down launch summing the gate/up
+    K-split partials and applying silu(gate) * up itself = the per-row expert MLP; rows of
+    group E (padding, other devices' experts) are not checked."""
+    rng = np.random.default_rng(11)
+    T, k, E, H, F = 3, 4, 6, 64, 32
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    wg, wu = (jnp.asarray(rng.standard_normal((E, H, F)) / 8, jnp.float32) for _ in range(2))
+    wd = jnp.asarray(rng.standard_normal((E, F, H)) / 6, jnp.float32)
+    groups = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).reshape(-1)
+    groups[5] = E
+    got = jax.jit(lambda *a: moe_gmm.direct_swiglu(*a, tiling, interpret=True))(
+        x, wg, wu, wd, jnp.asarray(groups, jnp.int32))
+    xr, gi = np.repeat(np.asarray(x), k, axis=0), np.minimum(groups, E - 1)
+    h = np.einsum("mh,mhf->mf", xr, np.asarray(wg)[gi])
+    h = h / (1 + np.exp(-h)) * np.einsum("mh,mhf->mf", xr, np.asarray(wu)[gi])
+    want = np.einsum("mf,mfh->mh", h, np.asarray(wd)[gi])
+    live = groups < E
+    assert got.shape == (T * k, H)
+    np.testing.assert_allclose(np.asarray(got)[live], want[live], rtol=2e-5, atol=2e-5)
 
 
 def test_direct_kernel_lowers_to_triton():
@@ -287,3 +313,9 @@ def test_direct_kernel_lowers_to_triton():
     args = (jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16),
             jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16), jax.ShapeDtypeStruct((8,), jnp.int32))
     assert "jaxllm_moe_decode_gmm" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    for t in (moe_gmm.TILINGS[0], moe_gmm.TILINGS[2]):  # K splits 1 and 4: bf16 / float32 partials
+        mlp = jax.jit(lambda x, a, b, c, g, t=t: moe_gmm.direct_swiglu(x, a, b, c, g, t, interpret=False))
+        text = mlp.trace(jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16), args[1], args[2],
+                         jax.ShapeDtypeStruct((128, 768, 2048), jnp.bfloat16),
+                         jax.ShapeDtypeStruct((8,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("jaxllm_moe_decode_gmm") >= 2

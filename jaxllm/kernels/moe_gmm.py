@@ -28,8 +28,10 @@ expert MLP's gate and up: the strip axis spans both), so a decode layer is two l
 `direct_matmul(_pair)` takes rows unsorted, one slot a row (`row_slots`): a small decode batch
 (one token: 8 rows, 8 distinct experts) then needs none of the sort, group sizes, slot table
 and unsort around the kernel, about ten small XLA kernels a layer at batch 1 (session 22's
-Qwen3-30B-A3B step spent ~77 us a layer outside its matmuls). `models/gmm.py` measures it
-against the sorted path per row count.
+Qwen3-30B-A3B step spent ~77 us a layer outside its matmuls). `direct_swiglu` is the whole
+expert MLP that way in two launches: the gate/up one reads each row's token from x itself and
+the down one applies the K-split sum and silu(gate) * up as it loads its rows. `models/gmm.py`
+measures it against the sorted path per row count.
 
 A `pallas_call`: Triton on the GPU, Pallas' interpreter on the CPU (tests/test_moe_gmm.py
 checks it against `ragged_dot` there).
@@ -99,22 +101,35 @@ def slots(group_sizes: jax.Array, M: int, block_m: int) -> jax.Array:
     return jnp.stack([g, first, count])
 
 
-def _kernel(sched_ref, x_ref, *refs, t: Tiling, k_steps: int, strips: int):
-    """refs = the weights (one or two, sharing x's rows and the grid's strip axis), then out."""
+def _kernel(sched_ref, x_ref, *refs, t: Tiling, k_steps: int, strips: int, rows_out: int,
+            row_div: int = 1, swiglu: int = 0):
+    """refs = the weights (one or two, sharing x's rows and the grid's strip axis), then out.
+
+    Output row r reads x row r // row_div (direct path: a token's k rows share its x row), or
+    with `swiglu` = P > 0 the gate/up pair's raw output [P, rows, 2K] (P float32 partials of a
+    K split, or P = 1): silu(sum of gate) * (sum of up), computed as the rows are loaded."""
     w_refs, o_ref = refs[:-1], refs[-1]
     s, j, ks = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     expert, first, count = sched_ref[0, s], sched_ref[1, s], sched_ref[2, s]
-    M = x_ref.shape[0]
     r = jnp.arange(t.block_m, dtype=jnp.int32)
     rows = first + r  # distinct (the output has block_m spare rows): masked stores never collide
-    src = jnp.minimum(rows, M - 1)  # past the count: clamped copies, results masked
+    src = jnp.minimum(rows, rows_out - 1) // row_div  # past the count: clamped copies, results masked
     k0 = ks * (k_steps * t.block_k)
+    K = w_refs[0].shape[1]
+
+    def load_x(kk):
+        """[bm, bk] rows of the matmul's left operand at columns kk."""
+        if not swiglu:
+            return x_ref[src[:, None], kk[None, :]]
+        g = sum(x_ref[p, src[:, None], kk[None, :]].astype(jnp.float32) for p in range(swiglu))
+        u = sum(x_ref[p, src[:, None], K + kk[None, :]].astype(jnp.float32) for p in range(swiglu))
+        return (jax.nn.silu(g) * u).astype(w_refs[0].dtype)
 
     def strip(w_ref, jn: jax.Array, col0: int):
         """This CTA's [block_m, block_n] of x @ w[expert] at weight columns jn * block_n."""
         def step(i, acc):
             kk = k0 + i * t.block_k + jnp.arange(t.block_k, dtype=jnp.int32)
-            xs = x_ref[src[:, None], kk[None, :]]  # [bm, bk] gathered rows
+            xs = load_x(kk)  # [bm, bk] gathered rows
             ws = w_ref[expert, pl.ds(k0 + i * t.block_k, t.block_k), pl.ds(jn * t.block_n, t.block_n)]
             return acc + plt.dot(xs, ws).astype(jnp.float32)
 
@@ -143,10 +158,14 @@ def row_slots(groups: jax.Array, num_groups: int) -> jax.Array:
 
 
 def _call(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array | None, t: Tiling,
-          interpret: bool | None, sched: jax.Array | None = None) -> jax.Array:
+          interpret: bool | None, sched: jax.Array | None = None, rows: int | None = None,
+          row_div: int = 1, swiglu: int = 0, raw: bool = False) -> jax.Array:
     """x @ each w in ws per group, side by side: [M, len(ws) * N] (slots from the group sizes
-    of sorted rows, or the given `sched`)."""
-    M, K = x.shape
+    of sorted rows, or the given `sched` over `rows` output rows; `row_div` / `swiglu`: how
+    output rows read x, `_kernel`). `raw`: the kernel's own output, spare rows and K-split
+    partials included ([M + bm, ...] or [k_splits, M + bm, ...] float32)."""
+    M = x.shape[-2] if rows is None else rows
+    K = ws[0].shape[1]
     G, _, N = ws[0].shape
     if not t.fits(K, N) or any(w.shape != ws[0].shape for w in ws):
         raise ValueError(f"tiling {t.name} does not fit K={K}, N={N} (weights {[w.shape for w in ws]})")
@@ -154,22 +173,26 @@ def _call(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array | None
         interpret = jax.default_backend() == "cpu"
     if sched is None:
         sched = slots(group_sizes, M, t.block_m)
+    dt = ws[0].dtype if swiglu else x.dtype  # the dot's operands and the output
     k_steps = K // (t.block_k * t.k_splits)
     rows, cols = M + t.block_m, len(ws) * N  # spare rows take the last block's masked lanes
     if t.k_splits > 1:
         out_shape = jax.ShapeDtypeStruct((t.k_splits, rows, cols), jnp.float32)
     else:
-        out_shape = jax.ShapeDtypeStruct((rows, cols), x.dtype)
+        out_shape = jax.ShapeDtypeStruct((rows, cols), dt)
     strips = N // t.block_n
     out = pl.pallas_call(
-        functools.partial(_kernel, t=t, k_steps=k_steps, strips=strips),
+        functools.partial(_kernel, t=t, k_steps=k_steps, strips=strips, rows_out=M, row_div=row_div,
+                          swiglu=swiglu),
         grid=(sched.shape[1], len(ws) * strips, t.k_splits),
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,
         name="jaxllm_moe_decode_gmm",
-    )(sched, x, *(w.astype(x.dtype) for w in ws))
-    return out[:, :M].sum(axis=0).astype(x.dtype) if t.k_splits > 1 else out[:M]
+    )(sched, x, *(w.astype(dt) for w in ws))
+    if raw:
+        return out
+    return out[:, :M].sum(axis=0).astype(dt) if t.k_splits > 1 else out[:M]
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, tiling: Tiling = TILINGS[0],
@@ -201,3 +224,20 @@ def direct_matmul_pair(x: jax.Array, w1: jax.Array, w2: jax.Array, groups: jax.A
     """`direct_matmul` of gate and up in one launch."""
     out = _call(x, (w1, w2), None, tiling, interpret, row_slots(groups, w1.shape[0]))
     return out[:, :w1.shape[2]], out[:, w1.shape[2]:]
+
+
+def direct_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                  groups: jax.Array, tiling: Tiling = TILINGS[0], interpret: bool | None = None
+                  ) -> jax.Array:
+    """The expert MLP of unsorted rows in two launches and nothing between them: x [T, H] (row r
+    is token r // k's, k = rows / T), groups [T * k] in [0, E] -> [T * k, H] (rows of group E:
+    undefined). The gate/up launch reads each row's token straight from x (no repeated copy of
+    x); the down launch reads the pair's raw output (its K-split partials summed, then
+    silu(gate) * up, as it loads them)."""
+    T, rows = x.shape[0], groups.shape[0]
+    sched = row_slots(groups, w_gate.shape[0])
+    gu = _call(x, (w_gate, w_up), None, tiling, interpret, sched, rows=rows, row_div=rows // T, raw=True)
+    if gu.ndim == 2:
+        gu = gu[None]
+    w_down = w_down.astype(x.dtype)
+    return _call(gu, (w_down,), None, tiling, interpret, sched, rows=rows, swiglu=gu.shape[0])

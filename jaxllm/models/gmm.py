@@ -76,16 +76,16 @@ class DecodeGmm:
 
 
 class DirectGmm(DecodeGmm):
-    """The decode kernel over unsorted rows, one slot a row (`moe_gmm.direct_matmul`): `moe.experts`
-    then skips the sort, the group sizes and the unsort (a dozen small XLA kernels a layer)."""
+    """The decode kernel over unsorted rows, one slot a row (`moe_gmm.direct_swiglu`: gate/up and
+    down, two launches and nothing between them): `moe.experts` then skips the sort, the group
+    sizes and the unsort (a dozen small XLA kernels a layer)."""
 
     def direct_mlp(self, rows: int):
         return self._mlp
 
-    def _mlp(self, xr, w_gate, w_up, w_down, groups):
+    def _mlp(self, x, w_gate, w_up, w_down, groups):
         from jaxllm.kernels import moe_gmm
-        g, u = moe_gmm.direct_matmul_pair(xr, w_gate, w_up, groups, self.tiling, interpret=self.interpret)
-        return moe_gmm.direct_matmul(jax.nn.silu(g) * u, w_down, groups, self.tiling, interpret=self.interpret)
+        return moe_gmm.direct_swiglu(x, w_gate, w_up, w_down, groups, self.tiling, interpret=self.interpret)
 
 
 class MosaicGmm(DecodeGmm):

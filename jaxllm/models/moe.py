@@ -10,8 +10,9 @@ dropped (no capacity factor): every row is computed by its expert.
 
 `jax.lax.ragged_dot` is the reference grouped matmul and the CPU path; other
 implementations plug in as `gmm` (models/gmm.py). A `gmm` whose `direct_mlp(rows)` returns a
-function takes the rows unsorted instead (row r = token r // k's (r % k)-th expert, its
-group id beside it): small decode batches skip the sort and unsort. Padding tokens (`valid` False) go
+function `mlp(x [T, H], w_gate, w_up, w_down, groups [T * k]) -> [T * k, H]` takes the rows
+unsorted instead (row r = token r // k's (r % k)-th expert, of group groups[r]; group E_local:
+none): small decode batches skip the sort and unsort. Padding tokens (`valid` False) go
 to a group past the last expert, which no group size covers: they cost nothing
 in a kernel that honours group sizes and contribute zeros.
 
@@ -99,7 +100,7 @@ def experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
     direct = getattr(gmm, "direct_mlp", None)
     mlp = direct(T * k) if direct is not None else None
     if mlp is not None:  # rows left in token order, one kernel slot each: nothing sorted
-        ys = mlp(jnp.repeat(x, k, axis=0), w_gate, w_up, w_down, groups).reshape(T, k, -1)
+        ys = mlp(x, w_gate, w_up, w_down, groups).reshape(T, k, -1)
     else:
         order, inverse, sizes = sort_rows(groups, E)
         xs = x[order // k]  # row r = token r // k, its (r % k)-th expert
