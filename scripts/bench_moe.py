@@ -84,7 +84,10 @@ def _routing(rng, T: int, k: int, E: int) -> np.ndarray:
 def gmm_bench(args) -> dict:
     """Each variant is checked against XLA's ragged_dot first (bf16: rel. error <= 3e-2), then
     timed over `--rotations` routings in turn (different experts each call, so small batches'
-    experts are read from HBM, not found in the 60 MB L2 from the call before)."""
+    experts are read from HBM, not found in the 60 MB L2 from the call before). The "direct_*"
+    variants (unsorted rows, `moe_gmm.direct_swiglu`) take the same rows by their expert ids;
+    in the engine they also spare the sort and unsort, which this table does not time (the
+    decode step does)."""
     import jax
     import jax.numpy as jnp
 
@@ -114,28 +117,38 @@ def gmm_bench(args) -> dict:
         reps = R * (1 if R > 1 else (10 if T <= 512 else 3))
         ref = jax.jit(lambda x, a, b, s: gmm_impls.swiglu(x, a, b, s, gmm_impls.ragged_dot_ref))(
             x, w_gu, w_d, sizes)
+        # "direct_*" (unsorted rows, one slot a row): the same sorted rows given by their expert ids
+        groups_r = jnp.asarray(np.stack([np.repeat(np.arange(E), s) for s in sizes_np]).astype(np.int32))
         for name, impl in gmm_impls.candidates(M, E, H, F).items():
+            if name.startswith("direct_"):
+                mlp = impl.direct_mlp(M)
+
+                def swiglu_of(x, a, b, s, mlp=mlp):  # s: the rows' expert ids here
+                    return mlp(x, a[..., :F], a[..., F:], b, s)
+            else:
+                def swiglu_of(x, a, b, s, impl=impl):
+                    return gmm_impls.swiglu(x, a, b, s, impl)
+            routes = groups_r if name.startswith("direct_") else sizes_r
             try:
-                got = jax.jit(lambda x, a, b, s, impl=impl: gmm_impls.swiglu(x, a, b, s, impl))(
-                    x, w_gu, w_d, sizes)
+                got = jax.jit(swiglu_of)(x, w_gu, w_d, routes[0])
                 err = float(jnp.linalg.norm((got - ref).astype(jnp.float32)) /
                             jnp.linalg.norm(ref.astype(jnp.float32)))
                 if not err <= 3e-2:  # NaN fails too: a wrong kernel is not timed
                     row[name] = {"error": f"wrong result: rel. error {err:.3g} vs ragged_dot"}
                     continue
 
-                def run(x, w_gu, w_d, sizes_r, impl=impl):
+                def run(x, w_gu, w_d, routes, swiglu_of=swiglu_of):
                     def body(i, x):
-                        y = gmm_impls.swiglu(x, w_gu, w_d, sizes_r[i % R], impl)
+                        y = swiglu_of(x, w_gu, w_d, routes[i % R])
                         return y.astype(x.dtype) * 0.5 + x * 0.5
                     return jax.lax.fori_loop(0, reps, body, x)
                 f = jax.jit(run)
-                t = timed(f, x, w_gu, w_d, sizes_r) / reps
+                t = timed(f, x, w_gu, w_d, routes) / reps
                 row[name] = {"s": t, "x_floor": t / floor, "tflops": flops / t / 1e12, "rel_err": err}
                 if T <= 64 and args.kernels and jax.default_backend() == "gpu":
                     try:  # where the time goes: GPU time per kernel name per step
                         from bench_kernels import gpu_kernels
-                        per = gpu_kernels(lambda: f(x, w_gu, w_d, sizes_r), calls=2)
+                        per = gpu_kernels(lambda: f(x, w_gu, w_d, routes), calls=2)
                         row[name]["kernels_us"] = {k[:70]: round(v / reps * 1e6, 2) for k, v in
                                                    sorted(per.items(), key=lambda kv: -kv[1])[:8]}
                         row[name]["gpu_busy_s"] = sum(per.values()) / reps
