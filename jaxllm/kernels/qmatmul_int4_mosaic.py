@@ -1,0 +1,213 @@
+"""Hopper (Mosaic GPU) W4A16 matmul for decode-sized steps: int4 weights streamed once, as stored.
+
+`int4_matmul(x [M, K] bf16, w: Int4NK) -> [M, N]` for up to MAX_ROWS rows, w = q * s + o per
+group of GROUP rows along K and output column (`quantize.quantize_int4`'s asymmetric g128,
+re-laid out by `to_nk`: signed nibbles q - 8 in jnp.int4 [N, K], offsets o + 8 s).
+
+As `qmatmul_mosaic.py` for fp8, the roles are swapped for decode: the weight's N rows are
+wgmma's M side and the M <= 64 rows of x (padded to a multiple of 8) its N side. The int4
+[bn, 128] tile of a step (one scale group) is loaded from shared memory into registers and
+converted to bf16 there (Mosaic's int4 -> bf16 conversion: bit operations, no conversion
+instructions; every signed nibble is exact in bf16), and is wgmma's A operand from registers;
+x^T is a transposed view of the [Mp, 128] x tile. Each group's product goes to a fresh float32
+accumulator, then into the running total with the group's scales:
+
+    total[n, m] += (q_g x_g^T)[n, m] * s[g, n] + o[g, n] * sum_k x_g[m, k]
+
+so no dequantized weight exists anywhere, not even in registers, and the only float work per
+weight is the conversion (the scaling is per [bn, Mp] output, 4 elements a thread). The group
+sums of x ([K / 128, Mp], float32) come from one small XLA reduction before the kernel.
+
+Grid (N / bn strips, k_splits), the splits' float32 partials [k_splits, N, Mp] summed by the
+XLA epilogue, as in the fp8 kernel. Checked in Mosaic GPU's CPU interpreter (where wgmma takes
+its A operand from a staged shared-memory copy) against the dequantized product in
+tests/test_qmatmul_int4_mosaic.py, and lowered for cuda there. Not part of the engine's
+measured choice yet: it needs the [N, K] layout that `to_nk` makes (`bench_quant.py` times
+it on the GPU beside the Triton kernel).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxllm.kernels import mgpu_compat
+
+MAX_ROWS = 64
+GROUP = 128  # K rows per scale group = K per pipeline step
+KERNEL_NAME = "jaxllm_int4_matmul"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int4NK:
+    """An int4 weight for `x @ w` laid out for this kernel."""
+    values: jax.Array  # jnp.int4 [N, K]: q - 8, q the stored nibble in [0, 16)
+    scale: jax.Array  # float32 [K / GROUP, N]
+    offset: jax.Array  # float32 [K / GROUP, N]: o + 8 s
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The float weight's [K, N]."""
+        return self.values.shape[1], self.values.shape[0]
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """The float weight [K, N] (tests and benchmarks' checks)."""
+        q = self.values.astype(jnp.float32).T  # [K, N]
+        s = jnp.repeat(self.scale, GROUP, axis=0)
+        return (q * s + jnp.repeat(self.offset, GROUP, axis=0)).astype(dtype)
+
+
+def to_nk(w) -> Int4NK:
+    """A 2-D asymmetric int4 QArray of GROUP-row groups (`quantize_int4`, nibble runs = groups)
+    -> this kernel's layout (numpy or jax arrays; done once, at load or warm-up)."""
+    from jaxllm.quantization.qarray import unpack_int4
+
+    if w.kind != "int4" or w.values.ndim != 2 or w.group != GROUP or (w.pack or w.group) != GROUP:
+        raise ValueError(f"to_nk takes 2-D int4 weights in groups of {GROUP}, got {w.kind} "
+                         f"{w.values.shape} g{w.group} p{w.pack}")
+    xp = np if isinstance(w.values, np.ndarray) else jnp
+    q = unpack_int4(w.values, GROUP, xp).astype(np.int8) - 8  # [K, N]
+    scale = w.scale.astype(np.float32)
+    offset = (w.offset.astype(np.float32) if w.offset is not None else 0.0) + 8.0 * scale
+    return Int4NK(xp.asarray(q.T).astype(jnp.int4), scale, offset)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    block_n: int = 64  # weight rows per CTA: wgmma's M (a multiple of 64)
+    stages: int = 6
+    k_splits: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"m4_{self.block_n}s{self.stages}k{self.k_splits}"
+
+    @classmethod
+    def parse(cls, name: str) -> "Tiling":
+        bn, rest = name.removeprefix("m4_").split("s")
+        st, ks = rest.split("k")
+        return cls(int(bn), int(st), int(ks))
+
+
+SHAPES = ((64, 8), (128, 6))  # (block_n, stages): 4-8 KB of int4 a slot
+
+
+def padded_rows(M: int) -> int:
+    return max(8, -(-M // 8) * 8)
+
+
+def unsupported(M: int, K: int, N: int, t: Tiling) -> str | None:
+    if M > MAX_ROWS:
+        return f"{M} rows (decode-sized steps only, <= {MAX_ROWS})"
+    if t.block_n % 64 or N % t.block_n:
+        return f"N={N} is not a multiple of block_n={t.block_n} (itself a multiple of 64)"
+    if K % (GROUP * t.k_splits):
+        return f"K={K} is not a multiple of {GROUP} x k_splits={t.k_splits}"
+    return None
+
+
+def tilings_for(M: int, K: int, N: int, num_sms: int = 132) -> list[Tiling]:
+    """Each shape with the fewest K splits (a power of two) giving one CTA per SM, and twice that."""
+    out = []
+    for bn, st in SHAPES:
+        if N % bn:
+            continue
+        ks = 1
+        while (N // bn) * ks < num_sms and K % (GROUP * ks * 2) == 0:
+            ks *= 2
+        for k in (ks, 2 * ks):
+            t = Tiling(bn, st, k)
+            if unsupported(M, K, N, t) is None and t not in out:
+                out.append(t)
+    return out
+
+
+def _body(x_gmem, w_gmem, s_gmem, o_gmem, xs_gmem, out_gmem, *scratch, t: Tiling, K: int,
+          interpret: bool):
+    j, ks = lax.axis_index("n"), lax.axis_index("k")
+    steps = K // (GROUP * t.k_splits)
+    Mp = x_gmem.shape[0]
+    bn = t.block_n
+
+    def product(a, x_smem):
+        """q_g x_g^T [bn, Mp] float32 for one group: A (bf16) from registers, B = x^T (the
+        interpreter takes both from shared memory: staged copies)."""
+        def mm(acc_ref):
+            if interpret:
+                scratch[1][...] = a
+                b = x_smem.transpose((1, 0)) if mgpu_compat.INTERPRETER_TRANSPOSES else scratch[2]
+                if not mgpu_compat.INTERPRETER_TRANSPOSES:
+                    scratch[2][...] = x_smem[...].T
+                plgpu.wgmma(acc_ref, scratch[1], b)
+            else:
+                plgpu.wgmma(acc_ref, a, x_smem.transpose((1, 0)))
+            plgpu.wgmma_wait(0)  # the slot's tiles are released when the step returns
+            return acc_ref[...]
+        return pl.run_scoped(mm, plgpu.ACC((bn, Mp)))
+
+    def step(_, w_smem, s_smem, o_smem, xs_smem, x_smem, total):
+        a = w_smem[...].astype(jnp.bfloat16)  # [bn, GROUP] int4 -> bf16 in registers
+        part = product(a, x_smem)
+        s = lax.broadcast_in_dim(s_smem[0, :], (bn, Mp), [0])
+        o = lax.broadcast_in_dim(o_smem[0, :], (bn, Mp), [0])
+        xs = lax.broadcast_in_dim(xs_smem[0, :], (bn, Mp), [1])
+        plgpu.commit_smem()  # the slot's plain reads, ordered before the TMA that refills it
+        return total + part * s + o * xs
+
+    g0 = ks * steps
+    total = plgpu.emit_pipeline(
+        step,
+        grid=(steps,),
+        in_specs=[plgpu.BlockSpec((bn, GROUP), lambda k: (j, g0 + k)),
+                  plgpu.BlockSpec((1, bn), lambda k: (g0 + k, j)),
+                  plgpu.BlockSpec((1, bn), lambda k: (g0 + k, j)),
+                  plgpu.BlockSpec((1, Mp), lambda k: (g0 + k, 0)),
+                  plgpu.BlockSpec((Mp, GROUP), lambda k: (0, g0 + k))],
+        max_concurrent_steps=t.stages,
+        init_carry=jnp.zeros((bn, Mp), jnp.float32),
+    )(w_gmem, s_gmem, o_gmem, xs_gmem, x_gmem)
+    o_smem = scratch[0]
+    o_smem[...] = total
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[ks, pl.ds(j * bn, bn)])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def int4_matmul(x: jax.Array, w: Int4NK, tiling: Tiling, interpret: bool = False) -> jax.Array:
+    """x [..., K] @ w ([K, N] as `Int4NK`) -> [..., N] in x's dtype (bf16 or f16 rows)."""
+    K, N = w.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    why = unsupported(M, K, N, tiling)
+    if why is not None:
+        raise ValueError(f"int4_matmul {tiling.name}: {why}")
+    Mp = padded_rows(M)
+    xb = jnp.pad(x2.astype(jnp.bfloat16), ((0, Mp - M), (0, 0)))
+    xsum = xb.astype(jnp.float32).reshape(Mp, K // GROUP, GROUP).sum(-1).T  # [K / GROUP, Mp]
+    scratch = [plgpu.SMEM((tiling.block_n, Mp), jnp.float32)]
+    params = {}
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        params["interpret"] = InterpretGPUParams(detect_races=True)
+        scratch += [plgpu.SMEM((tiling.block_n, GROUP), jnp.bfloat16)]
+        if not mgpu_compat.INTERPRETER_TRANSPOSES:
+            scratch += [plgpu.SMEM((GROUP, Mp), jnp.bfloat16)]
+    out = plgpu.kernel(
+        functools.partial(_body, t=tiling, K=K, interpret=interpret),
+        out_type=jax.ShapeDtypeStruct((tiling.k_splits, N, Mp), jnp.float32),
+        grid=(N // tiling.block_n, tiling.k_splits), grid_names=("n", "k"), kernel_name=KERNEL_NAME,
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **params,
+    )(xb, w.values, w.scale, w.offset, xsum)
+    y = out.sum(axis=0) if tiling.k_splits > 1 else out[0]
+    return y[:, :M].T.astype(x.dtype).reshape(*lead, N)
