@@ -78,3 +78,80 @@ def test_lowers_for_cuda(M):
             text = f.trace(jax.ShapeDtypeStruct((M, Kx), jnp.bfloat16), w).lower(
                 lowering_platforms=("cuda",)).as_text()
             assert "mosaic" in text.lower()
+
+
+def test_the_warm_up_relays_out_int4_where_the_kernel_wins(monkeypatch):
+    """On Hopper, int4 g128 gets "mosaic4/<tiling>" candidates; a layout whose kernel time summed
+    over the decode row counts beats the stored layout's fastest path goes to NK_LAYOUTS with
+    the kernel's tiling at every row count, one that loses keeps its stored-layout paths; the
+    real check passes the kernel's output (interpreter) against x @ the dequantized weight."""
+    from jaxllm.kernels import prefill_choice
+    from jaxllm.quantization import choice
+
+    monkeypatch.setattr(prefill_choice, "is_hopper", lambda: True)
+    w = jax.tree.map(jnp.asarray, _weight())
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, K)), jnp.float32)
+    offered = [p for p in choice.candidates(x.shape, w) if p.startswith("mosaic4/")]
+    assert offered == [f"mosaic4/{t.name}" for t in q4.tilings_for(4, K, N, choice.num_sms())]
+    times = choice.time_paths(x, w, ["xla", offered[0]], reps=1, chain=2)
+    assert set(times) == {"xla", offered[0]}  # checked on the [N, K] layout, then timed
+    for kernel_s, relaid in ((1e-6, True), (9e-6, False)):
+        monkeypatch.setattr(choice, "time_paths", lambda x, w, paths, reps=5: {
+            p: (kernel_s if p.startswith("mosaic4/") else 5e-6) for p in paths})
+        monkeypatch.setattr(choice, "loop_floor", lambda x, reps: 1e-6)
+        choice.clear()
+        try:
+            choice.measure([w], [1, 8, 512], jnp.bfloat16)
+            key = choice.layout_key((1, K), w)[:-1]
+            assert (key in choice.NK_LAYOUTS) == relaid
+            for M in (1, 8):
+                assert choice.measured_path((M, K), w).startswith("mosaic4/") == relaid
+            relaid_w = choice.relayout({"w": w, "other": jnp.ones(3)})
+            assert isinstance(relaid_w["w"], q4.Int4NK) == relaid
+        finally:
+            choice.clear()
+
+
+@pytest.mark.slow
+def test_engine_with_relaid_int4_weights_keeps_the_xla_paths_ids(monkeypatch):
+    """An engine whose int4 linears are re-laid out (`Runner.relayout_weights`, stacked layers on
+    the CPU's scan) and take the kernel at both decode buckets (4 and 64 rows, the interpreter)
+    gives the XLA path's greedy ids; logprobs within the kernel's bf16 rows."""
+    from jaxllm import LLM, SamplingParams
+    from jaxllm.quantization import choice
+    from tp_worker import tiny_model
+
+    cfg, sd = tiny_model("llama", 4, 2, hidden=256, inter=512, head_dim=64, layers=2, seed=4)
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=1)
+    prompts = [[5, 17, 99, 3, 250, 11], list(range(40, 80))]
+    kw = dict(hf_config=cfg, weights=sd, dtype="float32", max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=64, token_buckets=(4, 64), seq_buckets=(4,), skip_warmup=True,
+              quantization="int4")
+
+    def run(llm):
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        return ([o.outputs[0].token_ids for o in outs],
+                np.array([[next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs]))
+
+    want_ids, want_lps = run(LLM(**kw))
+    llm = LLM(**kw)
+    r = llm.engine.runner
+    calls = []
+    kernel = q4.int4_matmul
+    monkeypatch.setattr(q4, "int4_matmul", lambda x, *a, **k: calls.append(x.shape) or kernel(x, *a, **k))
+    choice.clear()
+    try:
+        for w in choice.quantized_leaves(r.params, r.layer_params):
+            w2 = choice.two_d(w)
+            for M in (4, 64):
+                key = choice.layout_key((M, w2.shape[-2]), w2)
+                choice._MEASURED[key] = f"mosaic4/{q4.tilings_for(M, *w2.shape)[0].name}"
+                choice.NK_LAYOUTS.add(key[:-1])
+        r.relayout_weights()
+        assert not choice.quantized_leaves(r.params, r.layer_params)  # every int4 linear re-laid out
+        got_ids, got_lps = run(llm)
+    finally:
+        choice.clear()
+    assert {int(np.prod(s[:-1])) for s in calls} == {4, 64}
+    assert got_ids == want_ids
+    np.testing.assert_allclose(got_lps, want_lps, atol=2e-2)

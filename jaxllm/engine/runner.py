@@ -316,6 +316,25 @@ class ModelRunner:
         # aux: the model's extra outputs (MoE with EPLB: rows per expert), for `after_step`.
         return kv_pages, logits, pad_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32), self.max_rows), *aux
 
+    def relayout_weights(self) -> None:
+        """Give the weights the layouts the warm-up's measurement chose (`choice.relayout`: int4
+        for the Mosaic W4A16 kernel), before any step is compiled; the step's flat weight list
+        is rebuilt (the kv-scale entry found again and kept as it was)."""
+        from jaxllm.quantization import choice
+        if not choice.NK_LAYOUTS:
+            return
+        self.params = choice.relayout(self.params)
+        if self.layer_params is not None:
+            self.layer_params = choice.relayout(self.layer_params)
+        kv_scale = None if self._kv_scale_index is None else self.flat_params[self._kv_scale_index]
+        self.flat_params, self._params_def = jax.tree.flatten(self.step_params)
+        if kv_scale is not None:  # as calibration left it
+            paths = [jax.tree_util.keystr(p) for p, _ in
+                     jax.tree_util.tree_flatten_with_path(self.step_params)[0]]
+            self._kv_scale_index = next(i for i, p in enumerate(paths) if "'kv_scale'" in p)
+            self.flat_params[self._kv_scale_index] = kv_scale
+        log.info("int4 weights re-laid out for the Mosaic W4A16 kernel: %s", sorted(choice.NK_LAYOUTS))
+
     @property
     def step_params(self):
         """What the jitted step takes as its weights."""
@@ -417,6 +436,7 @@ class ModelRunner:
             weights = choice.quantized_leaves(self.params, self.layer_params)
             if weights:
                 choice.measure(weights, list(token_buckets), self.dtype)
+                self.relayout_weights()
         if self.gmm_chooser is not None:
             m = self.model_cfg
             self.gmm_chooser.measure([T * m.moe.top_k for T in token_buckets], m.moe.num_experts,

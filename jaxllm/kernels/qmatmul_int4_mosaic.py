@@ -21,9 +21,11 @@ sums of x ([K / 128, Mp], float32) come from one small XLA reduction before the 
 Grid (N / bn strips, k_splits), the splits' float32 partials [k_splits, N, Mp] summed by the
 XLA epilogue, as in the fp8 kernel. Checked in Mosaic GPU's CPU interpreter (where wgmma takes
 its A operand from a staged shared-memory copy) against the dequantized product in
-tests/test_qmatmul_int4_mosaic.py, and lowered for cuda there. Not part of the engine's
-measured choice yet: it needs the [N, K] layout that `to_nk` makes (`bench_quant.py` times
-it on the GPU beside the Triton kernel).
+tests/test_qmatmul_int4_mosaic.py, and lowered for cuda there. In the engine (one Hopper GPU)
+the warm-up measures it per layout ("mosaic4/<tiling>", `quantization/choice.py`) against the
+paths that read the stored layout; where it is faster over the decode-sized buckets the
+weights are re-laid out once (`choice.relayout`) and every step uses it (prefill-sized steps:
+x @ the dequantized weight through XLA, as the int4 XLA path does).
 """
 
 from __future__ import annotations
@@ -49,35 +51,56 @@ KERNEL_NAME = "jaxllm_int4_matmul"
 @dataclasses.dataclass(frozen=True)
 class Int4NK:
     """An int4 weight for `x @ w` laid out for this kernel."""
-    values: jax.Array  # jnp.int4 [N, K]: q - 8, q the stored nibble in [0, 16)
-    scale: jax.Array  # float32 [K / GROUP, N]
-    offset: jax.Array  # float32 [K / GROUP, N]: o + 8 s
+    values: jax.Array  # jnp.int4 [..., N, K]: q - 8, q the stored nibble in [0, 16)
+    scale: jax.Array  # float32 [..., K / GROUP, N]
+    offset: jax.Array  # float32 [..., K / GROUP, N]: o + 8 s
+    # As the QArray it was made from reads in `quantization/choice.layout_key`:
+    kind = "int4"
+    act = "none"
+    group = GROUP
+    pack = 0
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """The float weight's [K, N]."""
-        return self.values.shape[1], self.values.shape[0]
+    def shape(self) -> tuple[int, ...]:
+        """The float weight's [..., K, N]."""
+        v = self.values.shape
+        return (*v[:-2], v[-1], v[-2])
+
+    def __getitem__(self, i) -> "Int4NK":
+        """Index the leading (layer) axes of every part."""
+        return jax.tree.map(lambda a: a[i], self)
+
+    def __rmatmul__(self, x: jax.Array) -> jax.Array:
+        from jaxllm.quantization.kernels import matmul
+        return matmul(x, self)
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
-        """The float weight [K, N] (tests and benchmarks' checks)."""
-        q = self.values.astype(jnp.float32).T  # [K, N]
-        s = jnp.repeat(self.scale, GROUP, axis=0)
-        return (q * s + jnp.repeat(self.offset, GROUP, axis=0)).astype(dtype)
+        """The float weight [..., K, N] (the XLA path at prefill-sized steps; checks)."""
+        q = jnp.swapaxes(self.values.astype(jnp.float32), -1, -2)  # [..., K, N]
+        s = jnp.repeat(self.scale, GROUP, axis=-2)
+        return (q * s + jnp.repeat(self.offset, GROUP, axis=-2)).astype(dtype)
+
+
+def takes(w) -> bool:
+    """Whether `to_nk` takes this QArray: int4 in groups (and nibble runs) of GROUP rows."""
+    return (w.kind == "int4" and not isinstance(w, Int4NK) and w.group == GROUP
+            and (w.pack or w.group) == GROUP)
 
 
 def to_nk(w) -> Int4NK:
-    """A 2-D asymmetric int4 QArray of GROUP-row groups (`quantize_int4`, nibble runs = groups)
-    -> this kernel's layout (numpy or jax arrays; done once, at load or warm-up)."""
+    """An asymmetric int4 QArray of GROUP-row groups (`quantize_int4`, nibble runs = groups; any
+    leading layer axes) -> this kernel's layout (numpy or jax arrays; done once, at load or
+    warm-up)."""
     from jaxllm.quantization.qarray import unpack_int4
 
-    if w.kind != "int4" or w.values.ndim != 2 or w.group != GROUP or (w.pack or w.group) != GROUP:
-        raise ValueError(f"to_nk takes 2-D int4 weights in groups of {GROUP}, got {w.kind} "
+    if not takes(w):
+        raise ValueError(f"to_nk takes int4 weights in groups of {GROUP}, got {w.kind} "
                          f"{w.values.shape} g{w.group} p{w.pack}")
     xp = np if isinstance(w.values, np.ndarray) else jnp
-    q = unpack_int4(w.values, GROUP, xp).astype(np.int8) - 8  # [K, N]
+    q = unpack_int4(w.values, GROUP, xp).astype(np.int8) - 8  # [..., K, N]
     scale = w.scale.astype(np.float32)
     offset = (w.offset.astype(np.float32) if w.offset is not None else 0.0) + 8.0 * scale
-    return Int4NK(xp.asarray(q.T).astype(jnp.int4), scale, offset)
+    return Int4NK(xp.asarray(xp.swapaxes(q, -1, -2)).astype(jnp.int4), scale, offset)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -32,6 +32,7 @@ from jaxllm.quantization.qarray import QArray
 log = logging.getLogger("jaxllm")
 _MEASURED: dict[tuple, str] = {}  # layout_key(...) -> path
 TIMINGS: dict[tuple, dict[str, float]] = {}  # the figures behind each choice (tests, logs)
+NK_LAYOUTS: set[tuple] = set()  # int4 layouts (layout_key without rows) re-laid out for "mosaic4"
 
 
 def layout_key(x_shape: tuple[int, ...], w: QArray) -> tuple:
@@ -46,6 +47,7 @@ def measured_path(x_shape: tuple[int, ...], w: QArray) -> str | None:
 def clear() -> None:
     _MEASURED.clear()
     TIMINGS.clear()
+    NK_LAYOUTS.clear()
 
 
 def two_d(w: QArray) -> QArray:
@@ -58,9 +60,11 @@ def two_d(w: QArray) -> QArray:
 def candidates(x_shape: tuple[int, ...], w: QArray, tilings: list[str] | None = None) -> list[str]:
     """The paths to measure: "xla", "pallas/<name>" for each qmatmul tiling that takes the
     layout, "mosaic/<name>" for each Mosaic fp8 tiling that takes it on Hopper (of both, only
-    those in `tilings` when given; every Mosaic one that fits when none given does), "mgpu"
-    for per-channel int8 on Hopper."""
+    those in `tilings` when given; every Mosaic one that fits when none given does),
+    "mosaic4/<name>" for int4 g128 on Hopper (the same rule; timed on the [N, K] layout it
+    needs), "mgpu" for per-channel int8 on Hopper."""
     from jaxllm.kernels import prefill_choice, qmatmul
+    from jaxllm.kernels import qmatmul_int4_mosaic as q4
     from jaxllm.kernels import qmatmul_mosaic as qm
 
     keep = (lambda name: True) if tilings is None else (lambda name: name in tilings)  # noqa: E731
@@ -72,6 +76,9 @@ def candidates(x_shape: tuple[int, ...], w: QArray, tilings: list[str] | None = 
     if qm.takes(w) and hopper:
         fits = qm.tilings_for(int(np.prod(x_shape[:-1])), *w.shape[-2:], num_sms())
         out += [f"mosaic/{t.name}" for t in ([t for t in fits if keep(t.name)] or fits)]
+    if hopper and q4.takes(w):
+        fits = q4.tilings_for(int(np.prod(x_shape[:-1])), *w.shape[-2:], num_sms())
+        out += [f"mosaic4/{t.name}" for t in ([t for t in fits if keep(t.name)] or fits)]
     if w.kind == "int8" and w.group == w.shape[-2] and hopper:
         out.append("mgpu")
     return out
@@ -89,10 +96,15 @@ def time_paths(x: jax.Array, w: QArray, paths: list[str], reps: int = 5, chain: 
     from jaxllm.kernels.qmatmul import reference
     from jaxllm.quantization.kernels import matmul
 
-    fns = {p: (lambda x, w, p=p: matmul(x, w, p)) for p in paths}
+    fns = {p: (lambda x, w, nk, p=p: matmul(x, w if nk is None or not p.startswith("mosaic4/") else nk, p))
+           for p in paths}
+    nk = None
+    if any(p.startswith("mosaic4/") for p in paths):  # timed on the layout it would run on
+        from jaxllm.kernels.qmatmul_int4_mosaic import to_nk
+        nk = jax.jit(to_nk)(w)
     ref = jax.jit(reference)(x, w)
     tol = 5e-2 if w.act == "fp8" else 2e-2
-    return time_checked(fns, (x, w), reps, "quantized matmul", f" {layout_key(x.shape, w)}", tol=tol,
+    return time_checked(fns, (x, w, nk), reps, "quantized matmul", f" {layout_key(x.shape, w)}", tol=tol,
                         catch=True, ref=ref, chain=chain)
 
 
@@ -120,10 +132,11 @@ def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 5) -> dic
                 TIMINGS[k] = times
                 if best is None:
                     best = []
-                    for family in ("pallas/", "mosaic/"):
+                    for family in ("pallas/", "mosaic/", "mosaic4/"):
                         tiled = {p: t for p, t in times.items() if p.startswith(family)}
                         if tiled:
                             best.append(min(tiled, key=tiled.get).partition("/")[2])
+    _choose_layouts()
     if TIMINGS:
         log.info("quantized matmuls by measurement ((kind, act, group, pack, K, N, rows) -> path): %s",
                  {k: f"{_MEASURED[k]} " + ", ".join(f"{p} {t * 1e6:.1f}us" for p, t in v.items())
@@ -132,6 +145,46 @@ def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 5) -> dic
                  "us per call; the same in every candidate's figure): %s",
                  {m: round(t * 1e6, 1) for m, t in floors.items()})
     return dict(_MEASURED)
+
+
+def _choose_layouts() -> None:
+    """Layouts whose int4 weights are better re-laid out for the Mosaic W4A16 kernel: summed
+    over the decode-sized row counts measured, its fastest tiling beats the fastest path on the
+    stored layout. Those weights can then take no other path, so each of their row counts gets
+    the kernel's fastest tiling there (or "xla", x @ the dequantized weight, where it was not
+    timed)."""
+    layouts: dict[tuple, dict[int, dict[str, float]]] = {}
+    for k, times in TIMINGS.items():
+        layouts.setdefault(k[:-1], {})[k[-1]] = times
+    for layout, per_rows in layouts.items():
+        nk = {M: min((t, p) for p, t in v.items() if p.startswith("mosaic4/"))
+              for M, v in per_rows.items() if any(p.startswith("mosaic4/") for p in v)}
+        if not nk:
+            continue
+        stored = {M: min(t for p, t in v.items() if not p.startswith("mosaic4/")) for M, v in per_rows.items()}
+        if sum(nk[M][0] for M in nk) < sum(stored[M] for M in nk):
+            NK_LAYOUTS.add(layout)
+            for M in per_rows:
+                _MEASURED[(*layout, M)] = nk[M][1] if M in nk else "xla"
+        else:
+            for M, v in per_rows.items():  # the stored layout's fastest
+                _MEASURED[(*layout, M)] = min((t, p) for p, t in v.items() if not p.startswith("mosaic4/"))[1]
+
+
+def relayout(tree):
+    """`tree` with each int4 QArray of a layout in NK_LAYOUTS replaced by its `Int4NK` (stacked
+    layers included), one weight at a time (the old one freed as the new one is made)."""
+    if not NK_LAYOUTS:
+        return tree
+    from jaxllm.kernels.qmatmul_int4_mosaic import takes, to_nk
+
+    convert = jax.jit(to_nk)
+
+    def one(a):
+        if isinstance(a, QArray) and takes(a) and layout_key((1, a.shape[-2]), two_d(a))[:-1] in NK_LAYOUTS:
+            return convert(a)
+        return a
+    return jax.tree.map(one, tree, is_leaf=lambda a: isinstance(a, QArray))
 
 
 def quantized_leaves(*trees) -> list[QArray]:
