@@ -10,8 +10,8 @@ fp8 GEMM); int8 / int4 weight-only through XLA (dequantize-then-dot); int8 throu
 bundled Hopper mixed-type Mosaic kernel; int8 / int4 through jaxllm's Pallas (Triton) kernel
 (`kernels/qmatmul.py`, decode-sized token counts: the engine's tiling and the first one); fp8
 W8A8 through jaxllm's Mosaic GPU kernel (`kernels/qmatmul_mosaic.py`, <= 64 tokens, every
-tiling the warm-up would offer); int4 g128 through jaxllm's Mosaic GPU W4A16 kernel
-(`kernels/qmatmul_int4_mosaic.py`, its [N, K] layout made once from the int4 weight); torch `_scaled_mm` fp8 (per-tensor and rowwise
+tiling the warm-up would offer); int4 g128 and int8 through jaxllm's Mosaic GPU W4A16 / W8A16
+kernel (`kernels/qmatmul_int_mosaic.py`, its [N, K] layout made once from the weight); torch `_scaled_mm` fp8 (per-tensor and rowwise
 scales) and torch bf16 as peers. Kernel time (profiler, launch gaps excluded), weights
 rotated over several copies so L2 never holds them. Floors: weight bytes incl. scales over
 4.25 TB/s and over C, the copy bandwidth measured in the same run; TFLOP/s where compute-bound.
@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_kernels import copy_bandwidth, decode_case, gpu_kernels, gpu_time, rel_err  # noqa: E402
 
 from jaxllm.kernels import kv_quant, qmatmul  # noqa: E402
-from jaxllm.kernels import qmatmul_int4_mosaic as q4  # noqa: E402
+from jaxllm.kernels import qmatmul_int_mosaic as qi  # noqa: E402
 from jaxllm.kernels import qmatmul_mosaic as qm  # noqa: E402
 from jaxllm.quantization.choice import num_sms  # noqa: E402
 from jaxllm.quantization.kernels import fp8_w8a8, int8_mgpu, matmul, pallas_tiling  # noqa: E402
@@ -134,14 +134,16 @@ def bench_matmul(tokens: list[int], C: float, tilings: str = "engine", modes=("f
                 for t in qm.tilings_for(M, K, N, num_sms()):
                     paths[f"fp8_w8a8_mosaic_{t.name}"] = (
                         lambda x, w, t=t: qm.fp8_w8a8(x, w, t), quant["fp8"], qbytes(quant["fp8"][0]))
-            if "int4" in quant and M <= q4.MAX_ROWS:  # jaxllm's Mosaic GPU W4A16 kernel ([N, K] layout)
+            for mode in ("int4", "int8"):  # jaxllm's Mosaic GPU W4A16 / W8A16 kernel ([N, K] layout)
+                if mode not in quant or M > qi.MAX_ROWS or not qi.takes(quant[mode][0]):
+                    continue
                 try:
-                    nk = [jax.jit(q4.to_nk)(q) for q in quant["int4"]]
-                    for t in q4.tilings_for(M, K, N, num_sms()):
-                        paths[f"int4_w4a16_mosaic_{t.name}"] = (
-                            lambda x, w, t=t: q4.int4_matmul(x, w, t), nk, qbytes(nk[0]))
+                    nk = [jax.jit(qi.to_nk)(q) for q in quant[mode]]
+                    for t in qi.tilings_for(M, K, N, num_sms()):
+                        paths[f"{mode}_w{mode[3]}a16_mosaic_{t.name}"] = (
+                            lambda x, w, t=t: qi.int_matmul(x, w, t), nk, qbytes(nk[0]))
                 except Exception as e:  # noqa: BLE001
-                    print(f"{name} int4 to_nk: {e!r}", flush=True)
+                    print(f"{name} {mode} to_nk: {e!r}", flush=True)
             ref = None
             for path, (fn, wl, wbytes) in paths.items():
                 row = {"shape": name, "K": K, "N": N, "tokens": M, "path": path, "weight_bytes": wbytes}
@@ -162,7 +164,7 @@ def bench_matmul(tokens: list[int], C: float, tilings: str = "engine", modes=("f
                     t = sum(per.values())
                     if "pallas" in path or "mosaic" in path:  # the kernel vs the XLA ops around it
                         own = ("qmatmul" if "pallas" in path else
-                               q4.KERNEL_NAME if path.startswith("int4") else qm.KERNEL_NAME)
+                               qi.KERNEL_NAME if path.startswith("int") else qm.KERNEL_NAME)
                         row["kernel_s"] = sum(v for k, v in per.items() if own in k)
                         row["other_kernels"] = {k[:60]: round(v * 1e6, 2) for k, v in per.items()
                                                 if own not in k}

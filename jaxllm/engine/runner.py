@@ -317,8 +317,8 @@ class ModelRunner:
         return kv_pages, logits, pad_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32), self.max_rows), *aux
 
     def relayout_weights(self) -> None:
-        """Give the weights the layouts the warm-up's measurement chose (`choice.relayout`: int4
-        for the Mosaic W4A16 kernel), before any step is compiled; the step's flat weight list
+        """Give the weights the layouts the warm-up's measurement chose (`choice.relayout`: int4 /
+        int8 for the Mosaic integer kernel), before any step is compiled; the step's flat weight list
         is rebuilt (the kv-scale entry found again and kept as it was)."""
         from jaxllm.quantization import choice
         if not choice.NK_LAYOUTS:
@@ -333,7 +333,8 @@ class ModelRunner:
                      jax.tree_util.tree_flatten_with_path(self.step_params)[0]]
             self._kv_scale_index = next(i for i, p in enumerate(paths) if "'kv_scale'" in p)
             self.flat_params[self._kv_scale_index] = kv_scale
-        log.info("int4 weights re-laid out for the Mosaic W4A16 kernel: %s", sorted(choice.NK_LAYOUTS))
+        log.info("int4 / int8 weights re-laid out [N, K] for the Mosaic integer kernel: %s",
+                 sorted(choice.NK_LAYOUTS))
 
     @property
     def step_params(self):

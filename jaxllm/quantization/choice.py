@@ -7,7 +7,9 @@ K, N) and row count it runs every candidate path of `kernels.py` on random rows:
 "pallas/<tiling>" for each of qmatmul's tilings that takes the layout (int4, int8, and fp8
 weight-only: x is not rounded to fp8 there), all of them at the fewest rows and the fastest
 of those at the other row counts; on Hopper "mosaic/<tiling>" for per-channel fp8 W8A8
-(`kernels/qmatmul_mosaic.py`, the same fewest-rows rule) and "mgpu" for per-channel int8.
+(`kernels/qmatmul_mosaic.py`, the same fewest-rows rule), "mosaic_nk/<tiling>" for int4 g128
+and per-channel int8 (`kernels/qmatmul_int_mosaic.py`, on weights re-laid out [N, K] where it
+wins over the decode buckets: `relayout`) and "mgpu" for per-channel int8.
 It drops any whose
 output differs from x @ the dequantized weight by more than 2e-2 (relative; 5e-2 for fp8
 W8A8), times the rest (median of a few jitted loops of dependent calls, `timing.chained`) and
@@ -32,7 +34,7 @@ from jaxllm.quantization.qarray import QArray
 log = logging.getLogger("jaxllm")
 _MEASURED: dict[tuple, str] = {}  # layout_key(...) -> path
 TIMINGS: dict[tuple, dict[str, float]] = {}  # the figures behind each choice (tests, logs)
-NK_LAYOUTS: set[tuple] = set()  # int4 layouts (layout_key without rows) re-laid out for "mosaic4"
+NK_LAYOUTS: set[tuple] = set()  # int layouts (layout_key without rows) re-laid out for "mosaic_nk"
 
 
 def layout_key(x_shape: tuple[int, ...], w: QArray) -> tuple:
@@ -61,10 +63,11 @@ def candidates(x_shape: tuple[int, ...], w: QArray, tilings: list[str] | None = 
     """The paths to measure: "xla", "pallas/<name>" for each qmatmul tiling that takes the
     layout, "mosaic/<name>" for each Mosaic fp8 tiling that takes it on Hopper (of both, only
     those in `tilings` when given; every Mosaic one that fits when none given does),
-    "mosaic4/<name>" for int4 g128 on Hopper (the same rule; timed on the [N, K] layout it
-    needs), "mgpu" for per-channel int8 on Hopper."""
+    "mosaic_nk/<name>" for int4 g128 and per-channel int8 on Hopper (the same rule; timed on
+    the [N, K] layout it needs), "mgpu" for per-channel int8 on Hopper."""
     from jaxllm.kernels import prefill_choice, qmatmul
-    from jaxllm.kernels import qmatmul_int4_mosaic as q4
+    from jaxllm.kernels import qmatmul_int_mosaic as qi
+    from jaxllm.quantization.kernels import NK_PATH
     from jaxllm.kernels import qmatmul_mosaic as qm
 
     keep = (lambda name: True) if tilings is None else (lambda name: name in tilings)  # noqa: E731
@@ -76,9 +79,9 @@ def candidates(x_shape: tuple[int, ...], w: QArray, tilings: list[str] | None = 
     if qm.takes(w) and hopper:
         fits = qm.tilings_for(int(np.prod(x_shape[:-1])), *w.shape[-2:], num_sms())
         out += [f"mosaic/{t.name}" for t in ([t for t in fits if keep(t.name)] or fits)]
-    if hopper and q4.takes(w):
-        fits = q4.tilings_for(int(np.prod(x_shape[:-1])), *w.shape[-2:], num_sms())
-        out += [f"mosaic4/{t.name}" for t in ([t for t in fits if keep(t.name)] or fits)]
+    if hopper and qi.takes(w):
+        fits = qi.tilings_for(int(np.prod(x_shape[:-1])), *w.shape[-2:], num_sms())
+        out += [NK_PATH + t.name for t in ([t for t in fits if keep(t.name)] or fits)]
     if w.kind == "int8" and w.group == w.shape[-2] and hopper:
         out.append("mgpu")
     return out
@@ -94,13 +97,13 @@ def time_paths(x: jax.Array, w: QArray, paths: list[str], reps: int = 5, chain: 
     decode-sized matmul is shorter than a dispatch) after a check against x @ the dequantized
     weight (within 2e-2; 5e-2 for fp8 W8A8, whose "xla" path also rounds x to fp8: 2.7% measured)."""
     from jaxllm.kernels.qmatmul import reference
-    from jaxllm.quantization.kernels import matmul
 
-    fns = {p: (lambda x, w, nk, p=p: matmul(x, w if nk is None or not p.startswith("mosaic4/") else nk, p))
-           for p in paths}
+    from jaxllm.quantization.kernels import NK_PATH, matmul
+
+    fns = {p: (lambda x, w, nk, p=p: matmul(x, nk if p.startswith(NK_PATH) else w, p)) for p in paths}
     nk = None
-    if any(p.startswith("mosaic4/") for p in paths):  # timed on the layout it would run on
-        from jaxllm.kernels.qmatmul_int4_mosaic import to_nk
+    if any(p.startswith(NK_PATH) for p in paths):  # timed on the layout it would run on
+        from jaxllm.kernels.qmatmul_int_mosaic import to_nk
         nk = jax.jit(to_nk)(w)
     ref = jax.jit(reference)(x, w)
     tol = 5e-2 if w.act == "fp8" else 2e-2
@@ -132,7 +135,7 @@ def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 5) -> dic
                 TIMINGS[k] = times
                 if best is None:
                     best = []
-                    for family in ("pallas/", "mosaic/", "mosaic4/"):
+                    for family in ("pallas/", "mosaic/", "mosaic_nk/"):
                         tiled = {p: t for p, t in times.items() if p.startswith(family)}
                         if tiled:
                             best.append(min(tiled, key=tiled.get).partition("/")[2])
@@ -148,35 +151,36 @@ def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 5) -> dic
 
 
 def _choose_layouts() -> None:
-    """Layouts whose int4 weights are better re-laid out for the Mosaic W4A16 kernel: summed
+    """Layouts whose int4 / int8 weights are better re-laid out for the Mosaic kernel: summed
     over the decode-sized row counts measured, its fastest tiling beats the fastest path on the
     stored layout. Those weights can then take no other path, so each of their row counts gets
     the kernel's fastest tiling there (or "xla", x @ the dequantized weight, where it was not
     timed)."""
+    nk_path = lambda p: p.startswith("mosaic_nk/")  # noqa: E731 - kernels.NK_PATH
     layouts: dict[tuple, dict[int, dict[str, float]]] = {}
     for k, times in TIMINGS.items():
         layouts.setdefault(k[:-1], {})[k[-1]] = times
     for layout, per_rows in layouts.items():
-        nk = {M: min((t, p) for p, t in v.items() if p.startswith("mosaic4/"))
-              for M, v in per_rows.items() if any(p.startswith("mosaic4/") for p in v)}
+        nk = {M: min((t, p) for p, t in v.items() if nk_path(p))
+              for M, v in per_rows.items() if any(nk_path(p) for p in v)}
         if not nk:
             continue
-        stored = {M: min(t for p, t in v.items() if not p.startswith("mosaic4/")) for M, v in per_rows.items()}
-        if sum(nk[M][0] for M in nk) < sum(stored[M] for M in nk):
+        stored = {M: min((t, p) for p, t in v.items() if not nk_path(p)) for M, v in per_rows.items()}
+        if sum(nk[M][0] for M in nk) < sum(stored[M][0] for M in nk):
             NK_LAYOUTS.add(layout)
             for M in per_rows:
                 _MEASURED[(*layout, M)] = nk[M][1] if M in nk else "xla"
         else:
-            for M, v in per_rows.items():  # the stored layout's fastest
-                _MEASURED[(*layout, M)] = min((t, p) for p, t in v.items() if not p.startswith("mosaic4/"))[1]
+            for M in per_rows:  # the stored layout's fastest
+                _MEASURED[(*layout, M)] = stored[M][1]
 
 
 def relayout(tree):
-    """`tree` with each int4 QArray of a layout in NK_LAYOUTS replaced by its `Int4NK` (stacked
-    layers included), one weight at a time (the old one freed as the new one is made)."""
+    """`tree` with each int4 / int8 QArray of a layout in NK_LAYOUTS replaced by its re-laid-out
+    form (`to_nk`; stacked layers included), one weight at a time."""
     if not NK_LAYOUTS:
         return tree
-    from jaxllm.kernels.qmatmul_int4_mosaic import takes, to_nk
+    from jaxllm.kernels.qmatmul_int_mosaic import takes, to_nk
 
     convert = jax.jit(to_nk)
 

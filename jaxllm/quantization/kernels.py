@@ -10,9 +10,9 @@ Paths:
   mosaic  fp8 W8A8 per channel, decode-sized steps (<= 64 rows), through jaxllm's Mosaic GPU
         kernel (`kernels/qmatmul_mosaic.py`): the weight streamed once by TMA into fp8 wgmmas
         with the rows of x on wgmma's narrow side; "mosaic/<tiling name>" names the tiling.
-  mosaic4 int4 g128, decode-sized steps, through jaxllm's Mosaic GPU W4A16 kernel
-        (`kernels/qmatmul_int4_mosaic.py`) on the weight re-laid out [N, K] (`Int4NK`, made
-        once when the warm-up chooses it: `choice.relayout`).
+  mosaic_nk  int4 g128 / per-channel int8, decode-sized steps, through jaxllm's Mosaic GPU
+        W4A16 / W8A16 kernel (`kernels/qmatmul_int_mosaic.py`) on the weight re-laid out
+        [N, K] (`Int4NK` / `Int8NK`, made once when the warm-up chooses it: `choice.relayout`).
   pallas  int8 / int4 weight-only, decode-sized steps (<= 64 rows), through jaxllm's own
         kernel (`kernels/qmatmul.py`, Triton): the stored integers are read once, converted in
         registers, and each scale group's scale applied to its partial product; larger steps
@@ -59,8 +59,8 @@ def matmul(x: jax.Array, w: QArray, path: str | None = None) -> jax.Array:
     if path.startswith("mosaic/"):
         from jaxllm.kernels import qmatmul_mosaic as qm
         return qm.fp8_w8a8(x, w, qm.Tiling.parse(path.partition("/")[2]), interpret=platform == "cpu")
-    if path.startswith("mosaic4/") or is_nk(w):
-        return int4_nk(x, w, path, interpret=platform == "cpu")
+    if path.startswith(NK_PATH) or is_nk(w):
+        return int_nk(x, w, path, interpret=platform == "cpu")
     if path.startswith("pallas"):
         name = path.partition("/")[2]
         tiling = qmatmul.BY_NAME[name] if name else pallas_tiling(x.shape, w)
@@ -71,20 +71,23 @@ def matmul(x: jax.Array, w: QArray, path: str | None = None) -> jax.Array:
     return jnp.matmul(x, w.dequantize(x.dtype))
 
 
+NK_PATH = "mosaic_nk/"  # the Mosaic int4 / int8 kernel on re-laid-out [N, K] weights
+
+
 def is_nk(w) -> bool:
-    from jaxllm.kernels.qmatmul_int4_mosaic import Int4NK
-    return isinstance(w, Int4NK)
+    from jaxllm.kernels.qmatmul_int_mosaic import Int4NK, Int8NK
+    return isinstance(w, (Int4NK, Int8NK))
 
 
-def int4_nk(x: jax.Array, w, path: str, interpret: bool = False) -> jax.Array:
-    """int4 through the Mosaic W4A16 kernel ("mosaic4/<tiling>"; a QArray is re-laid out on the
-    way, for checks), or x @ the dequantized weight for a re-laid-out weight at a row count the
-    kernel was not chosen for (prefill-sized steps)."""
-    from jaxllm.kernels import qmatmul_int4_mosaic as q4
+def int_nk(x: jax.Array, w, path: str, interpret: bool = False) -> jax.Array:
+    """int4 / int8 through the Mosaic kernel ("mosaic_nk/<tiling>"; a QArray is re-laid out on
+    the way, for checks), or x @ the dequantized weight for a re-laid-out weight at a row count
+    the kernel was not chosen for (prefill-sized steps)."""
+    from jaxllm.kernels import qmatmul_int_mosaic as qi
     if not is_nk(w):
-        w = q4.to_nk(w)
-    if path.startswith("mosaic4/"):
-        return q4.int4_matmul(x, w, q4.Tiling.parse(path.partition("/")[2]), interpret=interpret)
+        w = qi.to_nk(w)
+    if path.startswith(NK_PATH):
+        return qi.int_matmul(x, w, qi.Tiling.parse(path.partition("/")[2]), interpret=interpret)
     return jnp.matmul(x, w.dequantize(x.dtype))
 
 

@@ -1,6 +1,7 @@
-"""The Hopper W4A16 decode matmul (kernels/qmatmul_int4_mosaic.py) in Mosaic GPU's CPU interpreter
-(simulated TMA, barriers and wgmma; race detection) against x @ the dequantized int4 weight; its
-[N, K] layout; its tilings; its lowering for cuda."""
+"""The Hopper W4A16 / W8A16 decode matmul (kernels/qmatmul_int_mosaic.py) in Mosaic GPU's CPU
+interpreter (simulated TMA, barriers and wgmma; race detection) against x @ the dequantized
+weight; its [N, K] layouts; its tilings; its lowering for cuda; the warm-up's choice and the
+re-layout; an engine through it."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.kernels import qmatmul_int4_mosaic as q4
-from jaxllm.quantization.quantize import quantize_int4
+from jaxllm.kernels import qmatmul_int_mosaic as q4
+from jaxllm.quantization.quantize import quantize_int4, quantize_int8
 
 K, N = 512, 128
 
@@ -20,36 +21,40 @@ def _races() -> bool:
     return ipc.get_races().races_found
 
 
-def _weight(seed: int = 0, offset: float = 0.0):
+def _weight(seed: int = 0, offset: float = 0.0, kind: str = "int4"):
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((K, N)) * 0.05 + offset).astype(np.float32)
-    return quantize_int4(w, group=128, search=False)
+    return quantize_int4(w, group=128, search=False) if kind == "int4" else quantize_int8(w)
 
 
-def test_layout_is_the_same_weight():
-    """`to_nk`: signed nibbles q - 8 in int4 [N, K], offsets o + 8 s: the same float weight, from
-    numpy (load) or jax (device) arrays."""
-    w = _weight(offset=0.3)  # offsets far from 0
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_layout_is_the_same_weight(kind):
+    """`to_nk`: int4 as signed nibbles q - 8 in jnp.int4 [N, K] (scales and offsets as stored),
+    int8 as int8 [N, K]: the same float weight, from numpy (load) or jax (device) arrays."""
+    w = _weight(offset=0.3, kind=kind)  # int4 offsets far from 0
     for src in (w, jax.tree.map(jnp.asarray, w)):
         nk = q4.to_nk(src)
-        assert nk.values.dtype == jnp.int4 and nk.values.shape == (N, K) and nk.shape == (K, N)
-        v = np.asarray(nk.values, np.int8)
-        assert v.min() >= -8 and v.max() <= 7
+        assert nk.values.dtype == (jnp.int4 if kind == "int4" else jnp.int8)
+        assert nk.values.shape == (N, K) and nk.shape == (K, N) and nk.kind == kind
+        if kind == "int4":
+            v = np.asarray(nk.values, np.int8)
+            assert v.min() >= -8 and v.max() <= 7
         np.testing.assert_allclose(np.asarray(nk.dequantize()), np.asarray(w.dequantize(np.float32)),
                                    rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="groups of 128"):
         q4.to_nk(quantize_int4(np.ones((K, N), np.float32), group=64, search=False))
 
 
-@pytest.mark.parametrize("M,tiling", [(1, q4.Tiling(64, 2, 1)), (5, q4.Tiling(64, 3, 2)),
-                                      (16, q4.Tiling(128, 2, 4))], ids=lambda a: getattr(a, "name", str(a)))
-def test_matches_the_dequantized_product_in_the_interpreter(M, tiling):
+@pytest.mark.parametrize("kind,M,tiling", [("int4", 1, q4.Tiling(64, 2, 1)), ("int4", 5, q4.Tiling(64, 3, 2)),
+                                           ("int4", 16, q4.Tiling(128, 2, 4)), ("int8", 3, q4.Tiling(64, 2, 2))],
+                         ids=lambda a: getattr(a, "name", str(a)))
+def test_matches_the_dequantized_product_in_the_interpreter(kind, M, tiling):
     """Each group's scale and offset on its own partial (a wrong group index, split or reused
-    slot shows), the padding rows dropped; bf16 rows and output."""
-    w = _weight(seed=M, offset=0.1)
+    slot shows), int8's per-channel scale after, the padding rows dropped; bf16 rows and output."""
+    w = _weight(seed=M, offset=0.1, kind=kind)
     nk = jax.tree.map(jnp.asarray, q4.to_nk(w))
     x = jnp.asarray(np.random.default_rng(M + 1).standard_normal((M, K)), jnp.bfloat16)
-    got = jax.jit(lambda x, w: q4.int4_matmul(x, w, tiling, interpret=True))(x, nk)
+    got = jax.jit(lambda x, w: q4.int_matmul(x, w, tiling, interpret=True))(x, nk)
     want = np.asarray(x, np.float32) @ np.asarray(w.dequantize(np.float32))
     assert got.shape == (M, N) and got.dtype == jnp.bfloat16 and not _races()
     g = np.asarray(got, np.float32)
@@ -66,38 +71,44 @@ def test_tilings():
 
 
 @pytest.mark.parametrize("M", [1, 64])
-def test_lowers_for_cuda(M):
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_lowers_for_cuda(kind, M):
     """Every tiling offered for the Llama-3-8B linears exports through Mosaic GPU's lowering (the
-    int4 -> bf16 conversion into wgmma's register operand included)."""
+    int4 / int8 -> bf16 conversion into wgmma's register operand included)."""
     for Kx, Nx in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)):
-        w = q4.Int4NK(jax.ShapeDtypeStruct((Nx, Kx), jnp.int4),
-                      jax.ShapeDtypeStruct((Kx // 128, Nx), jnp.float32),
-                      jax.ShapeDtypeStruct((Kx // 128, Nx), jnp.float32))
+        if kind == "int4":
+            w = q4.Int4NK(jax.ShapeDtypeStruct((Nx, Kx), jnp.int4),
+                          jax.ShapeDtypeStruct((Kx // 128, Nx), jnp.float16),
+                          jax.ShapeDtypeStruct((Kx // 128, Nx), jnp.float16))
+        else:
+            w = q4.Int8NK(jax.ShapeDtypeStruct((Nx, Kx), jnp.int8), jax.ShapeDtypeStruct((1, Nx), jnp.float32))
         for t in q4.tilings_for(M, Kx, Nx):
-            f = jax.jit(lambda x, w, t=t: q4.int4_matmul(x, w, t))
+            f = jax.jit(lambda x, w, t=t: q4.int_matmul(x, w, t))
             text = f.trace(jax.ShapeDtypeStruct((M, Kx), jnp.bfloat16), w).lower(
                 lowering_platforms=("cuda",)).as_text()
             assert "mosaic" in text.lower()
 
 
-def test_the_warm_up_relays_out_int4_where_the_kernel_wins(monkeypatch):
-    """On Hopper, int4 g128 gets "mosaic4/<tiling>" candidates; a layout whose kernel time summed
-    over the decode row counts beats the stored layout's fastest path goes to NK_LAYOUTS with
-    the kernel's tiling at every row count, one that loses keeps its stored-layout paths; the
-    real check passes the kernel's output (interpreter) against x @ the dequantized weight."""
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_the_warm_up_relays_out_where_the_kernel_wins(monkeypatch, kind):
+    """On Hopper, int4 g128 and per-channel int8 get "mosaic_nk/<tiling>" candidates; a layout
+    whose kernel time summed over the decode row counts beats the stored layout's fastest path
+    goes to NK_LAYOUTS with the kernel's tiling at every row count, one that loses keeps its
+    stored-layout paths; the real check passes the kernel's output (interpreter) against x @ the
+    dequantized weight."""
     from jaxllm.kernels import prefill_choice
     from jaxllm.quantization import choice
 
     monkeypatch.setattr(prefill_choice, "is_hopper", lambda: True)
-    w = jax.tree.map(jnp.asarray, _weight())
+    w = jax.tree.map(jnp.asarray, _weight(kind=kind))
     x = jnp.asarray(np.random.default_rng(0).standard_normal((4, K)), jnp.float32)
-    offered = [p for p in choice.candidates(x.shape, w) if p.startswith("mosaic4/")]
-    assert offered == [f"mosaic4/{t.name}" for t in q4.tilings_for(4, K, N, choice.num_sms())]
+    offered = [p for p in choice.candidates(x.shape, w) if p.startswith("mosaic_nk/")]
+    assert offered == [f"mosaic_nk/{t.name}" for t in q4.tilings_for(4, K, N, choice.num_sms())]
     times = choice.time_paths(x, w, ["xla", offered[0]], reps=1, chain=2)
     assert set(times) == {"xla", offered[0]}  # checked on the [N, K] layout, then timed
     for kernel_s, relaid in ((1e-6, True), (9e-6, False)):
         monkeypatch.setattr(choice, "time_paths", lambda x, w, paths, reps=5: {
-            p: (kernel_s if p.startswith("mosaic4/") else 5e-6) for p in paths})
+            p: (kernel_s if p.startswith("mosaic_nk/") else 5e-6) for p in paths})
         monkeypatch.setattr(choice, "loop_floor", lambda x, reps: 1e-6)
         choice.clear()
         try:
@@ -105,18 +116,19 @@ def test_the_warm_up_relays_out_int4_where_the_kernel_wins(monkeypatch):
             key = choice.layout_key((1, K), w)[:-1]
             assert (key in choice.NK_LAYOUTS) == relaid
             for M in (1, 8):
-                assert choice.measured_path((M, K), w).startswith("mosaic4/") == relaid
+                assert choice.measured_path((M, K), w).startswith("mosaic_nk/") == relaid
             relaid_w = choice.relayout({"w": w, "other": jnp.ones(3)})
-            assert isinstance(relaid_w["w"], q4.Int4NK) == relaid
+            assert isinstance(relaid_w["w"], (q4.Int4NK, q4.Int8NK)) == relaid
         finally:
             choice.clear()
 
 
 @pytest.mark.slow
-def test_engine_with_relaid_int4_weights_keeps_the_xla_paths_ids(monkeypatch):
-    """An engine whose int4 linears are re-laid out (`Runner.relayout_weights`, stacked layers on
-    the CPU's scan) and take the kernel at both decode buckets (4 and 64 rows, the interpreter)
-    gives the XLA path's greedy ids; logprobs within the kernel's bf16 rows."""
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_engine_with_relaid_weights_keeps_the_xla_paths_ids(monkeypatch, method):
+    """An engine whose int4 / int8 linears are re-laid out (`Runner.relayout_weights`, stacked
+    layers on the CPU's scan) and take the kernel at both decode buckets (4 and 64 rows, the
+    interpreter) gives the XLA path's greedy ids; logprobs within the kernel's bf16 rows."""
     from jaxllm import LLM, SamplingParams
     from jaxllm.quantization import choice
     from tp_worker import tiny_model
@@ -126,7 +138,7 @@ def test_engine_with_relaid_int4_weights_keeps_the_xla_paths_ids(monkeypatch):
     prompts = [[5, 17, 99, 3, 250, 11], list(range(40, 80))]
     kw = dict(hf_config=cfg, weights=sd, dtype="float32", max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=64, token_buckets=(4, 64), seq_buckets=(4,), skip_warmup=True,
-              quantization="int4")
+              quantization=method)
 
     def run(llm):
         outs = llm.generate(prompts, greedy, use_tqdm=False)
@@ -137,18 +149,18 @@ def test_engine_with_relaid_int4_weights_keeps_the_xla_paths_ids(monkeypatch):
     llm = LLM(**kw)
     r = llm.engine.runner
     calls = []
-    kernel = q4.int4_matmul
-    monkeypatch.setattr(q4, "int4_matmul", lambda x, *a, **k: calls.append(x.shape) or kernel(x, *a, **k))
+    kernel = q4.int_matmul
+    monkeypatch.setattr(q4, "int_matmul", lambda x, *a, **k: calls.append(x.shape) or kernel(x, *a, **k))
     choice.clear()
     try:
         for w in choice.quantized_leaves(r.params, r.layer_params):
             w2 = choice.two_d(w)
             for M in (4, 64):
                 key = choice.layout_key((M, w2.shape[-2]), w2)
-                choice._MEASURED[key] = f"mosaic4/{q4.tilings_for(M, *w2.shape)[0].name}"
+                choice._MEASURED[key] = f"mosaic_nk/{q4.tilings_for(M, *w2.shape)[0].name}"
                 choice.NK_LAYOUTS.add(key[:-1])
         r.relayout_weights()
-        assert not choice.quantized_leaves(r.params, r.layer_params)  # every int4 linear re-laid out
+        assert not choice.quantized_leaves(r.params, r.layer_params)  # every linear re-laid out
         got_ids, got_lps = run(llm)
     finally:
         choice.clear()

@@ -1,0 +1,283 @@
+"""Hopper (Mosaic GPU) W4A16 / W8A16 matmul for decode-sized steps: integer weights streamed once.
+
+`int_matmul(x [M, K] bf16, w: Int4NK | Int8NK) -> [M, N]` for up to MAX_ROWS rows:
+  int4  w = q * s + o per group of GROUP rows along K and output column (`quantize_int4`'s
+        asymmetric g128), re-laid out by `to_nk`: signed nibbles q - 8 as jnp.int4 [N, K],
+        scale and offset [K / GROUP, N] as stored (float16);
+  int8  w = q * s per output column (`quantize_int8`), re-laid out as int8 [N, K], scale [1, N].
+
+As `qmatmul_mosaic.py` for fp8, the roles are swapped for decode: the weight's N rows are
+wgmma's M side and the M <= 64 rows of x (padded to a multiple of 8) its N side. A step's
+[bn, GROUP] integer tile is loaded from shared memory into registers and converted to bf16
+there (Mosaic's int4 / int8 -> bf16 conversions are bit operations; every value is exact in
+bf16), and is wgmma's A operand from registers; x^T is a transposed view of the [Mp, GROUP] x
+tile. Each step's product goes to a fresh float32 accumulator and then into the running total;
+for int4 with the group's scales:
+
+    total[n, m] += (q_g x_g^T)[n, m] * s[g, n] + (o[g, n] + 8 s[g, n]) * sum_k x_g[m, k]
+
+so no dequantized weight exists anywhere, not even in registers, and the only float work per
+weight is the conversion (the scaling is per [bn, Mp] output, 4 elements a thread). The group
+sums of x ([K / GROUP, Mp], float32) come from one small XLA reduction before the kernel; int8's
+per-channel scale is applied by the XLA epilogue.
+
+Grid (N / bn strips, k_splits), the splits' float32 partials [k_splits, N, Mp] summed by the
+XLA epilogue, as in the fp8 kernel. The body reads its slot's tiles with plain loads, so it
+ends with a proxy fence (`commit_smem`) before the pipeline refills the slot by TMA. Checked in
+Mosaic GPU's CPU interpreter (where wgmma takes its A operand from a staged shared-memory copy)
+against the dequantized product in tests/test_qmatmul_int_mosaic.py, and lowered for cuda there.
+In the engine (one Hopper GPU) the warm-up measures it per layout ("mosaic4/<tiling>",
+"mosaic8/<tiling>", `quantization/choice.py`) against the paths that read the stored layout;
+where it is faster over the decode-sized buckets the weights are re-laid out once
+(`choice.relayout`) and every decode step uses it (prefill-sized steps: x @ the dequantized
+weight through XLA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxllm.kernels import mgpu_compat
+
+MAX_ROWS = 64
+GROUP = 128  # K rows per pipeline step (= int4's scale group)
+KERNEL_NAME = "jaxllm_int_matmul"
+
+
+class _NK:
+    """What the re-laid-out weights share: the QArray's reading in `quantization/choice.layout_key`
+    (kind, act, group, pack, shape), layer indexing, `x @ w`."""
+    act = "none"
+    pack = 0
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The float weight's [..., K, N]."""
+        v = self.values.shape
+        return (*v[:-2], v[-1], v[-2])
+
+    def __getitem__(self, i):
+        """Index the leading (layer) axes of every part."""
+        return jax.tree.map(lambda a: a[i], self)
+
+    def __rmatmul__(self, x: jax.Array) -> jax.Array:
+        from jaxllm.quantization.kernels import matmul
+        return matmul(x, self)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int4NK(_NK):
+    """An int4 g128 weight for `x @ w` laid out for this kernel."""
+    values: jax.Array  # jnp.int4 [..., N, K]: q - 8, q the stored nibble in [0, 16)
+    scale: jax.Array  # [..., K / GROUP, N] as stored (float16)
+    offset: jax.Array  # [..., K / GROUP, N] as stored: w = (q - 8) s + (o + 8 s)
+    kind = "int4"
+    group = GROUP
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """The float weight [..., K, N] (the XLA path at prefill-sized steps; checks)."""
+        q = jnp.swapaxes(self.values.astype(jnp.float32), -1, -2)  # [..., K, N]
+        s = jnp.repeat(self.scale.astype(jnp.float32), GROUP, axis=-2)
+        o = jnp.repeat(self.offset.astype(jnp.float32), GROUP, axis=-2)
+        return (q * s + o + 8.0 * s).astype(dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Int8NK(_NK):
+    """A per-channel int8 weight for `x @ w` laid out for this kernel."""
+    values: jax.Array  # int8 [..., N, K]
+    scale: jax.Array  # float32 [..., 1, N]
+    kind = "int8"
+
+    @property
+    def group(self) -> int:
+        return self.values.shape[-1]
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        q = jnp.swapaxes(self.values.astype(jnp.float32), -1, -2)
+        return (q * self.scale.astype(jnp.float32)).astype(dtype)
+
+
+def takes(w) -> bool:
+    """Whether `to_nk` takes this weight: an int4 QArray in groups (and nibble runs) of GROUP
+    rows, or a per-channel int8 one, with K a multiple of GROUP."""
+    from jaxllm.quantization.qarray import QArray
+
+    if not isinstance(w, QArray) or w.shape[-2] % GROUP:
+        return False
+    if w.kind == "int4":
+        return w.group == GROUP and (w.pack or w.group) == GROUP
+    return w.kind == "int8" and w.group == w.shape[-2]
+
+
+def to_nk(w) -> Int4NK | Int8NK:
+    """An int4 / int8 QArray (`takes`; any leading layer axes) -> this kernel's layout (numpy or
+    jax arrays; done once, at load or warm-up)."""
+    from jaxllm.quantization.qarray import unpack_int4
+
+    if not takes(w):
+        raise ValueError(f"to_nk takes int4 weights in groups of {GROUP} or per-channel int8, got "
+                         f"{w.kind} {w.values.shape} g{w.group} p{w.pack}")
+    xp = np if isinstance(w.values, np.ndarray) else jnp
+    if w.kind == "int8":
+        return Int8NK(xp.swapaxes(w.values, -1, -2), w.scale.astype(np.float32))
+    q = unpack_int4(w.values, GROUP, xp).astype(np.int8) - 8  # [..., K, N]
+    offset = w.offset if w.offset is not None else xp.zeros_like(w.scale)
+    return Int4NK(xp.asarray(xp.swapaxes(q, -1, -2)).astype(jnp.int4), w.scale, offset)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    block_n: int = 64  # weight rows per CTA: wgmma's M (a multiple of 64)
+    stages: int = 6
+    k_splits: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"mi_{self.block_n}s{self.stages}k{self.k_splits}"
+
+    @classmethod
+    def parse(cls, name: str) -> "Tiling":
+        bn, rest = name.removeprefix("mi_").split("s")
+        st, ks = rest.split("k")
+        return cls(int(bn), int(st), int(ks))
+
+
+SHAPES = ((64, 8), (128, 6))  # (block_n, stages): 4-16 KB of weight a slot
+
+
+def padded_rows(M: int) -> int:
+    return max(8, -(-M // 8) * 8)
+
+
+def unsupported(M: int, K: int, N: int, t: Tiling) -> str | None:
+    if M > MAX_ROWS:
+        return f"{M} rows (decode-sized steps only, <= {MAX_ROWS})"
+    if t.block_n % 64 or N % t.block_n:
+        return f"N={N} is not a multiple of block_n={t.block_n} (itself a multiple of 64)"
+    if K % (GROUP * t.k_splits):
+        return f"K={K} is not a multiple of {GROUP} x k_splits={t.k_splits}"
+    return None
+
+
+def tilings_for(M: int, K: int, N: int, num_sms: int = 132) -> list[Tiling]:
+    """Each shape with the fewest K splits (a power of two) giving one CTA per SM, and twice that."""
+    out = []
+    for bn, st in SHAPES:
+        if N % bn:
+            continue
+        ks = 1
+        while (N // bn) * ks < num_sms and K % (GROUP * ks * 2) == 0:
+            ks *= 2
+        for k in (ks, 2 * ks):
+            t = Tiling(bn, st, k)
+            if unsupported(M, K, N, t) is None and t not in out:
+                out.append(t)
+    return out
+
+
+def _body(x_gmem, w_gmem, *refs, t: Tiling, K: int, int4: bool, interpret: bool):
+    """refs: int4: (scale, offset, x group sums), then out and the scratch; int8: out, scratch."""
+    if int4:
+        s_gmem, o_gmem, xs_gmem, out_gmem, *scratch = refs
+    else:
+        out_gmem, *scratch = refs
+    j, ks = lax.axis_index("n"), lax.axis_index("k")
+    steps = K // (GROUP * t.k_splits)
+    Mp = x_gmem.shape[0]
+    bn = t.block_n
+
+    def product(a, x_smem):
+        """The step's q x^T [bn, Mp] float32: A (bf16) from registers, B = x^T (the interpreter
+        takes both from shared memory: staged copies)."""
+        def mm(acc_ref):
+            if interpret:
+                scratch[1][...] = a
+                b = x_smem.transpose((1, 0)) if mgpu_compat.INTERPRETER_TRANSPOSES else scratch[2]
+                if not mgpu_compat.INTERPRETER_TRANSPOSES:
+                    scratch[2][...] = x_smem[...].T
+                plgpu.wgmma(acc_ref, scratch[1], b)
+            else:
+                plgpu.wgmma(acc_ref, a, x_smem.transpose((1, 0)))
+            plgpu.wgmma_wait(0)  # the slot's tiles are released when the step returns
+            return acc_ref[...]
+        return pl.run_scoped(mm, plgpu.ACC((bn, Mp)))
+
+    def step(_, w_smem, *smem):
+        *groups, x_smem, total = smem
+        part = product(w_smem[...].astype(jnp.bfloat16), x_smem)  # integers -> bf16 in registers
+        if int4:
+            s_smem, o_smem, xs_smem = groups
+            s = s_smem[0, :].astype(jnp.float32)
+            o = o_smem[0, :].astype(jnp.float32) + 8.0 * s  # the stored offset of q, not q - 8
+            part = (part * lax.broadcast_in_dim(s, (bn, Mp), [0])
+                    + lax.broadcast_in_dim(o, (bn, Mp), [0]) * lax.broadcast_in_dim(xs_smem[0, :], (bn, Mp), [1]))
+        plgpu.commit_smem()  # the slot's plain reads, ordered before the TMA that refills it
+        return total + part
+
+    g0 = ks * steps
+    specs, srcs = [plgpu.BlockSpec((bn, GROUP), lambda k: (j, g0 + k))], [w_gmem]
+    if int4:
+        specs += [plgpu.BlockSpec((1, bn), lambda k: (g0 + k, j)), plgpu.BlockSpec((1, bn), lambda k: (g0 + k, j)),
+                  plgpu.BlockSpec((1, Mp), lambda k: (g0 + k, 0))]
+        srcs += [s_gmem, o_gmem, xs_gmem]
+    total = plgpu.emit_pipeline(
+        step,
+        grid=(steps,),
+        in_specs=[*specs, plgpu.BlockSpec((Mp, GROUP), lambda k: (0, g0 + k))],
+        max_concurrent_steps=t.stages,
+        init_carry=jnp.zeros((bn, Mp), jnp.float32),
+    )(*srcs, x_gmem)
+    o_smem = scratch[0]
+    o_smem[...] = total
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, out_gmem.at[ks, pl.ds(j * bn, bn)])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def int_matmul(x: jax.Array, w: Int4NK | Int8NK, tiling: Tiling, interpret: bool = False) -> jax.Array:
+    """x [..., K] @ w ([K, N] as `Int4NK` / `Int8NK`) -> [..., N] in x's dtype (rows taken as bf16)."""
+    K, N = w.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    why = unsupported(M, K, N, tiling)
+    if why is not None:
+        raise ValueError(f"int_matmul {tiling.name}: {why}")
+    int4 = isinstance(w, Int4NK)
+    Mp = padded_rows(M)
+    xb = jnp.pad(x2.astype(jnp.bfloat16), ((0, Mp - M), (0, 0)))
+    args = [xb, w.values]
+    if int4:
+        xsum = xb.astype(jnp.float32).reshape(Mp, K // GROUP, GROUP).sum(-1).T  # [K / GROUP, Mp]
+        args += [w.scale, w.offset, xsum]
+    scratch = [plgpu.SMEM((tiling.block_n, Mp), jnp.float32)]
+    params = {}
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        params["interpret"] = InterpretGPUParams(detect_races=True)
+        scratch += [plgpu.SMEM((tiling.block_n, GROUP), jnp.bfloat16)]
+        if not mgpu_compat.INTERPRETER_TRANSPOSES:
+            scratch += [plgpu.SMEM((GROUP, Mp), jnp.bfloat16)]
+    out = plgpu.kernel(
+        functools.partial(_body, t=tiling, K=K, int4=int4, interpret=interpret),
+        out_type=jax.ShapeDtypeStruct((tiling.k_splits, N, Mp), jnp.float32),
+        grid=(N // tiling.block_n, tiling.k_splits), grid_names=("n", "k"), kernel_name=KERNEL_NAME,
+        scratch_types=scratch,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **params,
+    )(*args)
+    y = (out.sum(axis=0) if tiling.k_splits > 1 else out[0])[:, :M].T
+    if not int4:
+        y = y * w.scale.reshape(1, N).astype(jnp.float32)
+    return y.astype(x.dtype).reshape(*lead, N)
