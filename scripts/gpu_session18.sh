@@ -34,7 +34,7 @@
 #   i (~9 min): issue 17 -- jaxllm's Mosaic fp8 W8A8 and int4 / int8 weight-only decode matmuls
 #     (session 23, on the CPU: interpreter-checked, lowered under jax 0.10 and 0.11.2, offered to
 #     the warm-up's choice on Hopper; int weights re-laid out [N, K] where the kernel wins):
-#     bench_quant.py matmul, fp8 / int8 / int4, 1 / 8 / 64 tokens, every tiling beside XLA, the
+#     bench_quant.py matmul, fp8 / int8 / int4, 1 and 64 tokens, every tiling beside XLA, the
 #     Triton kernel and torch `_scaled_mm`; then e shows whether the step's warm-up picks them
 # Session 20 (one H100) ran a, c and f; session 21 (one H100) ran g and e (fp8 decode step 1.02x
 # bf16; its warm-up's matmul timings were the dispatch's, fixed since), b (failed: a hung
@@ -57,7 +57,7 @@ case "${1:-}" in
   b4) MOE_PARTS="6" bash scripts/gpu_moe.sh ;;  # Mixtral-8x7B shape: an H200 (needs_h200)
   c) MATMUL_FLAGS="${MATMUL_FLAGS:---tilings all --tokens 1 --shapes qkv gate_up down --modes fp8 int8 int4 --no-peers}" \
      T_MATMUL=${T_MATMUL:-540} QUANT_PARTS=1 bash scripts/gpu_quant.sh ;;
-  i) MATMUL_FLAGS="${MATMUL_FLAGS:---modes fp8 int8 int4 --tokens 1 8 64}" T_MATMUL=${T_MATMUL:-570} QUANT_PARTS=1 \
+  i) MATMUL_FLAGS="${MATMUL_FLAGS:---modes fp8 int8 int4 --tokens 1 64}" T_MATMUL=${T_MATMUL:-570} QUANT_PARTS=1 \
      bash scripts/gpu_quant.sh ;;
   e) QUANT_PARTS=3 T_LAT=${T_LAT:-150} bash scripts/gpu_quant.sh ;;
   d) MASK_ON="${MASK_ON:-thread engine dispatch}" T_UP=${T_UP:-100} T_BENCH=${T_BENCH:-60} \
