@@ -88,14 +88,19 @@ def test_slots_cover_each_row_once_within_the_static_bound():
             np.testing.assert_array_equal(e[live], np.repeat(np.arange(G), -(-sizes // bm)))
 
 
+def _expert_block(rng, T: int, k: int, E: int, H: int, F: int):
+    """Random (x [T, H], gate / up [E, H, F], down [E, F, H], router weights [T, k]) in float32."""
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    wg, wu = (jnp.asarray(rng.standard_normal((E, H, F)) / 8, jnp.float32) for _ in range(2))
+    wd = jnp.asarray(rng.standard_normal((E, F, H)) / 6, jnp.float32)
+    return x, wg, wu, wd, jnp.asarray(rng.random((T, k)), jnp.float32)
+
+
 def test_expert_block_with_the_kernel_matches_the_reference():
     """moe.experts with the kernel as its gmm (padding tokens, experts with no rows) = ragged_dot."""
     rng = np.random.default_rng(3)
     T, k, E, H, F = 12, 2, 8, 64, 32
-    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
-    wg, wu = (jnp.asarray(rng.standard_normal((E, H, F)) / 8, jnp.float32) for _ in range(2))
-    wd = jnp.asarray(rng.standard_normal((E, F, H)) / 6, jnp.float32)
-    weights = jnp.asarray(rng.random((T, k)), jnp.float32)
+    x, wg, wu, wd, weights = _expert_block(rng, T, k, E, H, F)
     ids = jnp.asarray(np.stack([rng.choice([0, 2, 3, 5], k, replace=False) for _ in range(T)]), jnp.int32)
     valid = jnp.arange(T) < 9
     tiling = moe_gmm.Tiling(block_m=16, block_n=32, block_k=32)
@@ -231,10 +236,7 @@ def test_expert_block_through_the_direct_path_matches_the_reference():
     a Chooser that picked a sorted implementation still sorts."""
     rng = np.random.default_rng(9)
     T, k, E, H, F = 5, 3, 8, 64, 32
-    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
-    wg, wu = (jnp.asarray(rng.standard_normal((E, H, F)) / 8, jnp.float32) for _ in range(2))
-    wd = jnp.asarray(rng.standard_normal((E, F, H)) / 6, jnp.float32)
-    weights = jnp.asarray(rng.random((T, k)), jnp.float32)
+    x, wg, wu, wd, weights = _expert_block(rng, T, k, E, H, F)
     ids = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]), jnp.int32)
     valid = jnp.arange(T) < 4
     direct = gmm_impls.DirectGmm(moe_gmm.Tiling(block_m=16, block_n=32, block_k=32), interpret=True)

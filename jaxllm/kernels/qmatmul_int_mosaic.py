@@ -46,6 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxllm.kernels import mgpu_compat
+from jaxllm.kernels.qmatmul_mosaic import grid_splits, padded_rows
 
 MAX_ROWS = 64
 GROUP = 128  # K rows per pipeline step (= int4's scale group)
@@ -156,10 +157,6 @@ class Tiling:
 SHAPES = ((64, 8), (128, 6))  # (block_n, stages): 4-16 KB of weight a slot
 
 
-def padded_rows(M: int) -> int:
-    return max(8, -(-M // 8) * 8)
-
-
 def unsupported(M: int, K: int, N: int, t: Tiling) -> str | None:
     if M > MAX_ROWS:
         return f"{M} rows (decode-sized steps only, <= {MAX_ROWS})"
@@ -176,10 +173,7 @@ def tilings_for(M: int, K: int, N: int, num_sms: int = 132) -> list[Tiling]:
     for bn, st in SHAPES:
         if N % bn:
             continue
-        ks = 1
-        while (N // bn) * ks < num_sms and K % (GROUP * ks * 2) == 0:
-            ks *= 2
-        for k in (ks, 2 * ks):
+        for k in grid_splits(N // bn, K // GROUP, num_sms):
             t = Tiling(bn, st, k)
             if unsupported(M, K, N, t) is None and t not in out:
                 out.append(t)

@@ -104,6 +104,15 @@ def persistent_ctas(N: int, t: Tiling, num_sms: int) -> int:
     return max(c for c in range(1, min(units, num_sms) + 1) if units % c == 0)
 
 
+def grid_splits(strips: int, k_steps: int, num_sms: int) -> tuple[int, int]:
+    """K splits to offer a grid of `strips` column strips over `k_steps` K steps: the fewest (a
+    power of two dividing k_steps) that give one CTA per SM, and twice that."""
+    ks = 1
+    while strips * ks < num_sms and k_steps % (ks * 2) == 0:
+        ks *= 2
+    return ks, 2 * ks
+
+
 def tilings_for(M: int, K: int, N: int, num_sms: int = 132) -> list[Tiling]:
     """The candidates for one matrix: each shape with the fewest K splits (a power of two) that
     gives one CTA per SM, and with twice that (two CTAs an SM hide more latency); and each shape
@@ -113,10 +122,7 @@ def tilings_for(M: int, K: int, N: int, num_sms: int = 132) -> list[Tiling]:
     for bn, bk, st in SHAPES:
         if N % bn:
             continue
-        ks = 1
-        while (N // bn) * ks < num_sms and K % (bk * ks * 2) == 0:
-            ks *= 2
-        for k in (ks, 2 * ks):
+        for k in grid_splits(N // bn, K // bk, num_sms):
             t = Tiling(bn, bk, st, k)
             if unsupported(M, K, N, t) is None and t not in out:
                 out.append(t)
