@@ -88,7 +88,8 @@ def torch_time(fn, reps: int = 60) -> float:
 
 
 def qbytes(q) -> int:
-    return sum(x.nbytes for x in jax.tree.leaves(q))
+    """Bytes of a weight's arrays as stored (jnp.int4 packs two a byte; its `nbytes` says one)."""
+    return sum(x.size // 2 if x.dtype in (jnp.int4, jnp.uint4) else x.nbytes for x in jax.tree.leaves(q))
 
 
 def bench_matmul(tokens: list[int], C: float, tilings: str = "engine", modes=("fp8", "int8", "int4"),
