@@ -59,7 +59,7 @@ case "${1:-}" in
      T_MATMUL=${T_MATMUL:-540} QUANT_PARTS=1 bash scripts/gpu_quant.sh ;;
   i) MATMUL_FLAGS="${MATMUL_FLAGS:---modes fp8 int8 int4 --tokens 1 64}" T_MATMUL=${T_MATMUL:-570} QUANT_PARTS=1 \
      bash scripts/gpu_quant.sh ;;
-  e) QUANT_PARTS=3 T_LAT=${T_LAT:-150} bash scripts/gpu_quant.sh ;;
+  e) QUANT_PARTS=3 T_LAT=${T_LAT:-180} bash scripts/gpu_quant.sh ;;  # warm-up measures ~6 Mosaic tilings a layout more
   d) MASK_ON="${MASK_ON:-thread engine dispatch}" T_UP=${T_UP:-100} T_BENCH=${T_BENCH:-60} \
      bash scripts/gpu_structured_serving.sh ;;
   f) export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off; OUT=${OUT:-out}; mkdir -p "$OUT"

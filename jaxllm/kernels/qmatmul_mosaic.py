@@ -115,17 +115,16 @@ def grid_splits(strips: int, k_steps: int, num_sms: int) -> tuple[int, int]:
 
 def tilings_for(M: int, K: int, N: int, num_sms: int = 132) -> list[Tiling]:
     """The candidates for one matrix: each shape with the fewest K splits (a power of two) that
-    gives one CTA per SM, and with twice that (two CTAs an SM hide more latency); and each shape
-    persistent, with the fewest K splits whose units spread over >= 90% of the SMs (at least
-    two units a CTA, so that its pipeline runs on across a unit's end)."""
+    gives one CTA per SM; and each shape persistent, with the fewest K splits whose units spread
+    over >= 90% of the SMs (at least two units a CTA, so that its pipeline runs on across a
+    unit's end). Six at most: each costs a compile and a timing at warm-up, per layout."""
     out = []
     for bn, bk, st in SHAPES:
         if N % bn:
             continue
-        for k in grid_splits(N // bn, K // bk, num_sms):
-            t = Tiling(bn, bk, st, k)
-            if unsupported(M, K, N, t) is None and t not in out:
-                out.append(t)
+        t = Tiling(bn, bk, st, grid_splits(N // bn, K // bk, num_sms)[0])
+        if unsupported(M, K, N, t) is None:
+            out.append(t)
         ks = 1
         while K % (bk * ks) == 0:
             t = Tiling(bn, bk, st, ks, persistent=True)
