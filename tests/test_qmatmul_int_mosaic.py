@@ -106,6 +106,9 @@ def test_the_warm_up_relays_out_where_the_kernel_wins(monkeypatch, kind):
     assert offered == [f"mosaic_nk/{t.name}" for t in q4.tilings_for(4, K, N, choice.num_sms())]
     times = choice.time_paths(x, w, ["xla", offered[0]], reps=1, chain=2)
     assert set(times) == {"xla", offered[0]}  # checked on the [N, K] layout, then timed
+    with monkeypatch.context() as m:  # a layout that cannot be made: the kernel is left out, not fatal
+        m.setattr(q4, "to_nk", lambda w: (_ for _ in ()).throw(ValueError("no layout")))
+        assert set(choice.time_paths(x, w, ["xla", offered[0]], reps=1, chain=2)) == {"xla"}
     for kernel_s, relaid in ((1e-6, True), (9e-6, False)):
         monkeypatch.setattr(choice, "time_paths", lambda x, w, paths, reps=5: {
             p: (kernel_s if p.startswith("mosaic_nk/") else 5e-6) for p in paths})
