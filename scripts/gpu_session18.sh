@@ -34,15 +34,16 @@
 #   i (~9 min): issue 17 -- jaxllm's Mosaic fp8 W8A8 and int4 / int8 weight-only decode matmuls
 #     (session 23, on the CPU: interpreter-checked, lowered under jax 0.10 and 0.11.2, offered to
 #     the warm-up's choice on Hopper; int weights re-laid out [N, K] where the kernel wins):
-#     bench_quant.py matmul, fp8 / int8 / int4, 1 and 64 tokens, every tiling beside XLA, the
-#     Triton kernel and torch `_scaled_mm`; then e shows whether the step's warm-up picks them
+#     bench_quant.py matmul, 1 and 64 tokens, every tiling beside XLA, the Triton kernel and
+#     torch `_scaled_mm`: i fp8, i2 (~9 min) int8 and int4; then e shows whether the step's
+#     warm-up picks them
 # Session 20 (one H100) ran a, c and f; session 21 (one H100) ran g and e (fp8 decode step 1.02x
 # bf16; its warm-up's matmul timings were the dispatch's, fixed since), b (failed: a hung
 # process held the GPU's memory; scripts fixed) and d (the server's KV pool did not fit the
 # allocator's largest free block; fixed). Session 22 (one H200) ran g (int8 / int4 correct; int4
 # routed), e, d (run scripts/fetch_wheels.sh here first and carry .whl: the server packages and
 # llguidance are not on the image) and b, which timed out part by part and was then run as
-# separate calls (the commands in docs/benchmarks.md). Session 23 had no GPU. Next: i, e, h, g (its shapes part: int pages at
+# separate calls (the commands in docs/benchmarks.md). Session 23 had no GPU. Next: i, i2, e, b, h, g (its shapes part: int pages at
 # D 64), then b2 (the offline MoE
 # throughput vs HF, never measured), e and b again (both now print a profile of the step: kernel
 # time by kind and the costliest kernels), a.
@@ -57,8 +58,10 @@ case "${1:-}" in
   b4) MOE_PARTS="6" bash scripts/gpu_moe.sh ;;  # Mixtral-8x7B shape: an H200 (needs_h200)
   c) MATMUL_FLAGS="${MATMUL_FLAGS:---tilings all --tokens 1 --shapes qkv gate_up down --modes fp8 int8 int4 --no-peers}" \
      T_MATMUL=${T_MATMUL:-540} QUANT_PARTS=1 bash scripts/gpu_quant.sh ;;
-  i) MATMUL_FLAGS="${MATMUL_FLAGS:---modes fp8 int8 int4 --tokens 1 64}" T_MATMUL=${T_MATMUL:-570} QUANT_PARTS=1 \
+  i) MATMUL_FLAGS="${MATMUL_FLAGS:---modes fp8 --tokens 1 64}" T_MATMUL=${T_MATMUL:-570} QUANT_PARTS=1 \
      bash scripts/gpu_quant.sh ;;
+  i2) MATMUL_FLAGS="${MATMUL_FLAGS:---modes int8 int4 --tokens 1 64 --no-peers}" T_MATMUL=${T_MATMUL:-570} \
+     QUANT_PARTS=1 bash scripts/gpu_quant.sh ;;
   e) QUANT_PARTS=3 T_LAT=${T_LAT:-180} bash scripts/gpu_quant.sh ;;  # warm-up measures ~6 Mosaic tilings a layout more
   d) MASK_ON="${MASK_ON:-thread engine dispatch}" T_UP=${T_UP:-100} T_BENCH=${T_BENCH:-60} \
      bash scripts/gpu_structured_serving.sh ;;
@@ -77,5 +80,5 @@ case "${1:-}" in
   g) export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
      timeout -k 10 ${T_SHAPES:-120} python3 scripts/check_decode_shapes.py 2>&1 | tail -30
      timeout -k 10 ${T_INT:-90} python3 scripts/check_mosaic_quant.py --formats fp8,int8,int4 2>&1 | tail -40 ;;
-  *) echo "usage: $0 a|b|b2|b3|b4|c|d|e|f|g|h|i" >&2; exit 2 ;;
+  *) echo "usage: $0 a|b|b2|b3|b4|c|d|e|f|g|h|i|i2" >&2; exit 2 ;;
 esac
