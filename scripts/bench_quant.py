@@ -140,7 +140,7 @@ def bench_matmul(tokens: list[int], C: float, tilings: str = "engine", modes=("f
                     continue
                 try:
                     nk = [jax.jit(qi.to_nk)(q) for q in quant[mode]]
-                    for t in qi.tilings_for(M, K, N, num_sms()):
+                    for t in qi.tilings_for(M, K, N, num_sms(), mode):
                         paths[f"{mode}_w{mode[3]}a16_mosaic_{t.name}"] = (
                             lambda x, w, t=t: qi.int_matmul(x, w, t), nk, qbytes(nk[0]))
                 except Exception as e:  # noqa: BLE001

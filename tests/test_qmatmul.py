@@ -15,8 +15,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from jaxllm.kernels import qmatmul
 from jaxllm.quantization import checkpoints
-from jaxllm.quantization.qarray import FP8_MAX, QArray
-from jaxllm.quantization.quantize import quantize_fp8, quantize_int4, quantize_int8
+from jaxllm.quantization.quantize import quantize_fp8, quantize_fp8_blocks, quantize_int4, quantize_int8
 
 K, N = 512, 256
 
@@ -32,18 +31,6 @@ def _gguf_k(qtype: str, size: int, rng) -> np.ndarray:
     return raw.reshape(N, -1)
 
 
-def _fp8_blocks(w: np.ndarray, bn: int, bk: int) -> QArray:
-    """HF FP8 layout: values [N, K] e4m3, `weight_scale_inv` [N/bn, K/bk] (bn = N, bk = K: one
-    per-tensor scale)."""
-    import ml_dtypes
-
-    wt = w.T
-    blocks = wt.reshape(N // bn, bn, K // bk, bk)
-    s = np.abs(blocks).max(axis=(1, 3)) / FP8_MAX
-    v = (blocks / s[:, None, :, None]).reshape(N, K).astype(ml_dtypes.float8_e4m3fn)
-    return QArray(v, s.astype(np.float32), None, kind="fp8", act="none")
-
-
 def weights() -> dict:
     rng = np.random.default_rng(0)
     w = (rng.standard_normal((K, N)) * 0.05).astype(np.float32)  # [K, N]
@@ -52,8 +39,8 @@ def weights() -> dict:
         "int4_g64": quantize_int4(w, group=64, search=False),
         "int8_channel": quantize_int8(w),
         "fp8_channel": quantize_fp8(w, search=1),  # W8A8 in XLA; weight-only in the kernel
-        "fp8_block128": _fp8_blocks(w, 128, 128),
-        "fp8_tensor": _fp8_blocks(w, N, K),
+        "fp8_block128": quantize_fp8_blocks(w, 128, 128),
+        "fp8_tensor": quantize_fp8_blocks(w, N, K),
         "q4_0": checkpoints.gguf_linear(gguf_quantize(w.T, GT.Q4_0), "Q4_0", "w"),
         "q4_1": checkpoints.gguf_linear(gguf_quantize(w.T, GT.Q4_1), "Q4_1", "w"),
         "q8_0": checkpoints.gguf_linear(gguf_quantize(w.T, GT.Q8_0), "Q8_0", "w"),

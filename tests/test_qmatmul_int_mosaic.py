@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxllm.kernels import qmatmul_int_mosaic as q4
-from jaxllm.quantization.quantize import quantize_int4, quantize_int8
+from jaxllm.quantization.quantize import quantize_fp8_blocks, quantize_int4, quantize_int8
 
 K, N = 512, 128
 
@@ -24,18 +24,22 @@ def _races() -> bool:
 def _weight(seed: int = 0, offset: float = 0.0, kind: str = "int4"):
     rng = np.random.default_rng(seed)
     w = (rng.standard_normal((K, N)) * 0.05 + offset).astype(np.float32)
+    if kind == "fp8":  # HF FP8's layout: values [N, K], `weight_scale_inv` per 128 x 128 block
+        return quantize_fp8_blocks(w, 128, 128)
+    if kind == "fp8_tensor":
+        return quantize_fp8_blocks(w, N, K)
     return quantize_int4(w, group=128, search=False) if kind == "int4" else quantize_int8(w)
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "fp8", "fp8_tensor"])
 def test_layout_is_the_same_weight(kind):
     """`to_nk`: int4 as signed nibbles q - 8 in jnp.int4 [N, K] (scales and offsets as stored),
     int8 as int8 [N, K]: the same float weight, from numpy (load) or jax (device) arrays."""
     w = _weight(offset=0.3, kind=kind)  # int4 offsets far from 0
     for src in (w, jax.tree.map(jnp.asarray, w)):
         nk = q4.to_nk(src)
-        assert nk.values.dtype == (jnp.int4 if kind == "int4" else jnp.int8)
-        assert nk.values.shape == (N, K) and nk.shape == (K, N) and nk.kind == kind
+        assert nk.values.dtype == {"int4": jnp.int4, "int8": jnp.int8}.get(kind, jnp.float8_e4m3fn)
+        assert nk.values.shape == (N, K) and nk.shape == (K, N) and nk.kind == kind.partition("_")[0]
         if kind == "int4":
             v = np.asarray(nk.values, np.int8)
             assert v.min() >= -8 and v.max() <= 7
@@ -46,7 +50,8 @@ def test_layout_is_the_same_weight(kind):
 
 
 @pytest.mark.parametrize("kind,M,tiling", [("int4", 1, q4.Tiling(64, 2, 1)), ("int4", 5, q4.Tiling(64, 3, 2)),
-                                           ("int4", 16, q4.Tiling(128, 2, 4)), ("int8", 3, q4.Tiling(64, 2, 2))],
+                                           ("int4", 16, q4.Tiling(128, 2, 4)), ("int8", 3, q4.Tiling(64, 2, 2)),
+                                           ("fp8", 2, q4.Tiling(64, 2, 2)), ("fp8_tensor", 9, q4.Tiling(128, 3, 1))],
                          ids=lambda a: getattr(a, "name", str(a)))
 def test_matches_the_dequantized_product_in_the_interpreter(kind, M, tiling):
     """Each group's scale and offset on its own partial (a wrong group index, split or reused
@@ -63,15 +68,21 @@ def test_matches_the_dequantized_product_in_the_interpreter(kind, M, tiling):
 
 def test_tilings():
     for M, Kx, Nx in ((1, 4096, 6144), (64, 14336, 4096), (8, 4096, 28672)):
-        ts = q4.tilings_for(M, Kx, Nx)
-        assert ts and all(q4.unsupported(M, Kx, Nx, t) is None for t in ts)
-        assert all(q4.Tiling.parse(t.name) == t for t in ts)
+        for kind in ("int4", "int8", "fp8"):
+            ts = q4.tilings_for(M, Kx, Nx, kind=kind)
+            assert ts and all(q4.unsupported(M, Kx, Nx, t, kind) is None for t in ts)
+            assert all(q4.Tiling.parse(t.name) == t for t in ts)
+            assert all(q4.smem_bytes(M, t, kind) <= q4.SMEM_LIMIT for t in ts)
+    # fp8 at 64 rows: 6 stages of (128 x 128 fp8 + 64 x 128 f16 x + scales) do not fit (Mosaic
+    # counted 232,496 bytes); fewer do
+    assert "shared memory" in q4.unsupported(64, 4096, 4096, q4.Tiling(128, 6, 1), "fp8")
+    assert {t.stages for t in q4.tilings_for(64, 4096, 4096, kind="fp8") if t.block_n == 128} == {5}
     assert "rows" in q4.unsupported(65, 4096, 4096, q4.Tiling())
     assert "128" in q4.unsupported(8, 4096 + 64, 4096, q4.Tiling())
 
 
 @pytest.mark.parametrize("M", [1, 64])
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "fp8"])
 def test_lowers_for_cuda(kind, M):
     """Every tiling offered for the Llama-3-8B linears exports through Mosaic GPU's lowering (the
     int4 / int8 -> bf16 conversion into wgmma's register operand included)."""
@@ -80,16 +91,19 @@ def test_lowers_for_cuda(kind, M):
             w = q4.Int4NK(jax.ShapeDtypeStruct((Nx, Kx), jnp.int4),
                           jax.ShapeDtypeStruct((Kx // 128, Nx), jnp.float16),
                           jax.ShapeDtypeStruct((Kx // 128, Nx), jnp.float16))
+        elif kind == "fp8":
+            w = q4.Fp8NK(jax.ShapeDtypeStruct((Nx, Kx), jnp.float8_e4m3fn),
+                         jax.ShapeDtypeStruct((Kx // 128, Nx), jnp.float32))
         else:
             w = q4.Int8NK(jax.ShapeDtypeStruct((Nx, Kx), jnp.int8), jax.ShapeDtypeStruct((1, Nx), jnp.float32))
-        for t in q4.tilings_for(M, Kx, Nx):
+        for t in q4.tilings_for(M, Kx, Nx, kind=kind):
             f = jax.jit(lambda x, w, t=t: q4.int_matmul(x, w, t))
             text = f.trace(jax.ShapeDtypeStruct((M, Kx), jnp.bfloat16), w).lower(
                 lowering_platforms=("cuda",)).as_text()
             assert "mosaic" in text.lower()
 
 
-@pytest.mark.parametrize("kind", ["int4", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "int8", "fp8"])
 def test_the_warm_up_relays_out_where_the_kernel_wins(monkeypatch, kind):
     """On Hopper, int4 g128 and per-channel int8 get "mosaic_nk/<tiling>" candidates; a layout
     whose kernel time summed over the decode row counts beats the stored layout's fastest path
@@ -103,7 +117,7 @@ def test_the_warm_up_relays_out_where_the_kernel_wins(monkeypatch, kind):
     w = jax.tree.map(jnp.asarray, _weight(kind=kind))
     x = jnp.asarray(np.random.default_rng(0).standard_normal((4, K)), jnp.float32)
     offered = [p for p in choice.candidates(x.shape, w) if p.startswith("mosaic_nk/")]
-    assert offered == [f"mosaic_nk/{t.name}" for t in q4.tilings_for(4, K, N, choice.num_sms())]
+    assert offered == [f"mosaic_nk/{t.name}" for t in q4.tilings_for(4, K, N, choice.num_sms(), w.kind)]
     times = choice.time_paths(x, w, ["xla", offered[0]], reps=1, chain=2)
     assert set(times) == {"xla", offered[0]}  # checked on the [N, K] layout, then timed
     with monkeypatch.context() as m:  # a layout that cannot be made: the kernel is left out, not fatal
@@ -121,7 +135,7 @@ def test_the_warm_up_relays_out_where_the_kernel_wins(monkeypatch, kind):
             for M in (1, 8):
                 assert choice.measured_path((M, K), w).startswith("mosaic_nk/") == relaid
             relaid_w = choice.relayout({"w": w, "other": jnp.ones(3)})
-            assert isinstance(relaid_w["w"], (q4.Int4NK, q4.Int8NK)) == relaid
+            assert isinstance(relaid_w["w"], (q4.Int4NK, q4.Int8NK, q4.Fp8NK)) == relaid
         finally:
             choice.clear()
 
@@ -160,7 +174,7 @@ def test_engine_with_relaid_weights_keeps_the_xla_paths_ids(monkeypatch, method=
             w2 = choice.two_d(w)
             for M in (4, 64):
                 key = choice.layout_key((M, w2.shape[-2]), w2)
-                choice._MEASURED[key] = f"mosaic_nk/{q4.tilings_for(M, *w2.shape)[0].name}"
+                choice._MEASURED[key] = f"mosaic_nk/{q4.tilings_for(M, *w2.shape, kind=w2.kind)[0].name}"
                 choice.NK_LAYOUTS.add(key[:-1])
         r.relayout_weights()
         assert not choice.quantized_leaves(r.params, r.layer_params)  # every linear re-laid out

@@ -46,7 +46,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxllm.kernels import mgpu_compat
-from jaxllm.kernels.qmatmul_mosaic import grid_splits, padded_rows
+from jaxllm.kernels.qmatmul_mosaic import SMEM_LIMIT, grid_splits, padded_rows
 
 MAX_ROWS = 64
 GROUP = 128  # K rows per pipeline step (= int4's scale group)
@@ -117,6 +117,25 @@ class Int8NK(_NK):
         return (q * self.scale.astype(jnp.float32)).astype(dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8NK(_NK):
+    """A weight-only fp8 weight in blocks (HF FP8 `weight_scale_inv`, 128 x 128; per tensor) for
+    `x @ w`: the values as stored, the block scales expanded to one a row per 128 of K."""
+    values: jax.Array  # float8_e4m3fn [..., N, K] (the QArray's own array)
+    scale: jax.Array  # float32 [..., K / GROUP, N]: the scale of row n over K rows g*128..+127
+    kind = "fp8"
+    pack = 0
+
+    @property
+    def group(self) -> int:
+        return 0  # as `choice.layout_key` keys every fp8 layout
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        q = jnp.swapaxes(self.values.astype(jnp.float32), -1, -2)
+        return (q * jnp.repeat(self.scale, GROUP, axis=-2)).astype(dtype)
+
+
 def takes(w) -> bool:
     """Whether `to_nk` takes this weight: an int4 QArray in groups (and nibble runs) of GROUP
     rows, or a per-channel int8 one, with K a multiple of GROUP."""
@@ -126,6 +145,10 @@ def takes(w) -> bool:
         return False
     if w.kind == "int4":
         return w.group == GROUP and (w.pack or w.group) == GROUP
+    if w.kind == "fp8":  # weight-only blocks whose K extent is whole steps
+        from jaxllm.kernels.qmatmul import fp8_group
+        g = fp8_group(w)
+        return w.act == "none" and w.values.dtype == jnp.float8_e4m3fn and g is not None and g % GROUP == 0
     return w.kind == "int8" and w.group == w.shape[-2]
 
 
@@ -138,6 +161,11 @@ def to_nk(w) -> Int4NK | Int8NK:
         raise ValueError(f"to_nk takes int4 weights in groups of {GROUP} or per-channel int8, got "
                          f"{w.kind} {w.values.shape} g{w.group} p{w.pack}")
     xp = np if isinstance(w.values, np.ndarray) else jnp
+    if w.kind == "fp8":  # [..., nb, kb] block scales -> [..., K / GROUP, N]
+        N, K = w.values.shape[-2:]
+        nb, kb = w.scale.shape[-2:]
+        s = xp.repeat(xp.swapaxes(w.scale.astype(np.float32), -1, -2), N // nb, axis=-1)
+        return Fp8NK(w.values, xp.repeat(s, K // kb // GROUP, axis=-2))
     if w.kind == "int8":
         return Int8NK(xp.swapaxes(w.values, -1, -2), w.scale.astype(np.float32))
     q = unpack_int4(w.values, GROUP, xp).astype(np.int8) - 8  # [..., K, N]
@@ -165,35 +193,55 @@ class Tiling:
 SHAPES = ((64, 8), (128, 6))  # (block_n, stages): 4-16 KB of weight a slot
 
 
-def unsupported(M: int, K: int, N: int, t: Tiling) -> str | None:
+def smem_bytes(M: int, t: Tiling, kind: str) -> int:
+    """Shared memory of a tiling at M rows: `stages` slots of the weight tile, the x tile (2-byte)
+    and the scale rows, the float32 output tile, and 4 KiB for Mosaic's padding of the small
+    tiles and its barriers (its own count was 16-2,600 bytes above the rest on the shapes
+    probed: int4 / int8 / fp8, 1 and 64 rows, 64 / 128 weight rows, 2 / 4 stages)."""
+    Mp = padded_rows(M)
+    slot = t.block_n * GROUP * (1 if kind == "int4" else 2) // 2 + Mp * GROUP * 2
+    slot += {"int4": 2 * t.block_n * 2 + Mp * 4, "fp8": t.block_n * 4}.get(kind, 0)
+    return t.stages * slot + t.block_n * Mp * 4 + 4096
+
+
+def unsupported(M: int, K: int, N: int, t: Tiling, kind: str = "int4") -> str | None:
     if M > MAX_ROWS:
         return f"{M} rows (decode-sized steps only, <= {MAX_ROWS})"
     if t.block_n % 64 or N % t.block_n:
         return f"N={N} is not a multiple of block_n={t.block_n} (itself a multiple of 64)"
     if K % (GROUP * t.k_splits):
         return f"K={K} is not a multiple of {GROUP} x k_splits={t.k_splits}"
+    if smem_bytes(M, t, kind) > SMEM_LIMIT:
+        return f"{smem_bytes(M, t, kind)} bytes of shared memory at {M} rows ({kind})"
     return None
 
 
-def tilings_for(M: int, K: int, N: int, num_sms: int = 132) -> list[Tiling]:
-    """Each shape with the fewest K splits (a power of two) giving one CTA per SM, and twice that."""
+def tilings_for(M: int, K: int, N: int, num_sms: int = 132, kind: str = "int4") -> list[Tiling]:
+    """Each shape with the fewest K splits (a power of two) giving one CTA per SM, and twice that;
+    as many stages as fit in shared memory, up to the shape's."""
     out = []
     for bn, st in SHAPES:
         if N % bn:
             continue
+        while st > 2 and smem_bytes(M, Tiling(bn, st), kind) > SMEM_LIMIT:
+            st -= 1
         for k in grid_splits(N // bn, K // GROUP, num_sms):
             t = Tiling(bn, st, k)
-            if unsupported(M, K, N, t) is None and t not in out:
+            if unsupported(M, K, N, t, kind) is None and t not in out:
                 out.append(t)
     return out
 
 
-def _body(x_gmem, w_gmem, *refs, t: Tiling, K: int, int4: bool, interpret: bool):
-    """refs: int4: (scale, offset, x group sums), then out and the scratch; int8: out, scratch."""
+def _body(x_gmem, w_gmem, *refs, t: Tiling, K: int, kind: str, interpret: bool):
+    """refs: int4: (scale, offset, x group sums), fp8: (row scales,), then out and the scratch."""
+    int4 = kind == "int4"
     if int4:
         s_gmem, o_gmem, xs_gmem, out_gmem, *scratch = refs
+    elif kind == "fp8":
+        s_gmem, out_gmem, *scratch = refs
     else:
         out_gmem, *scratch = refs
+    cdt = x_gmem.dtype  # the wgmma operands: bf16 (integers), f16 (fp8: Mosaic converts it to f16 only)
     j, ks = lax.axis_index("n"), lax.axis_index("k")
     steps = K // (GROUP * t.k_splits)
     Mp = x_gmem.shape[0]
@@ -217,7 +265,9 @@ def _body(x_gmem, w_gmem, *refs, t: Tiling, K: int, int4: bool, interpret: bool)
 
     def step(_, w_smem, *smem):
         *groups, x_smem, total = smem
-        part = product(w_smem[...].astype(jnp.bfloat16), x_smem)  # integers -> bf16 in registers
+        part = product(w_smem[...].astype(cdt), x_smem)  # stored values -> cdt in registers
+        if kind == "fp8":
+            part = part * lax.broadcast_in_dim(groups[0][0, :], (bn, Mp), [0])
         if int4:
             s_smem, o_smem, xs_smem = groups
             s = s_smem[0, :].astype(jnp.float32)
@@ -233,6 +283,9 @@ def _body(x_gmem, w_gmem, *refs, t: Tiling, K: int, int4: bool, interpret: bool)
         specs += [plgpu.BlockSpec((1, bn), lambda k: (g0 + k, j)), plgpu.BlockSpec((1, bn), lambda k: (g0 + k, j)),
                   plgpu.BlockSpec((1, Mp), lambda k: (g0 + k, 0))]
         srcs += [s_gmem, o_gmem, xs_gmem]
+    elif kind == "fp8":
+        specs.append(plgpu.BlockSpec((1, bn), lambda k: (g0 + k, j)))
+        srcs.append(s_gmem)
     total = plgpu.emit_pipeline(
         step,
         grid=(steps,),
@@ -247,19 +300,22 @@ def _body(x_gmem, w_gmem, *refs, t: Tiling, K: int, int4: bool, interpret: bool)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def int_matmul(x: jax.Array, w: Int4NK | Int8NK, tiling: Tiling, interpret: bool = False) -> jax.Array:
-    """x [..., K] @ w ([K, N] as `Int4NK` / `Int8NK`) -> [..., N] in x's dtype (rows taken as bf16)."""
+def int_matmul(x: jax.Array, w: Int4NK | Int8NK | Fp8NK, tiling: Tiling, interpret: bool = False) -> jax.Array:
+    """x [..., K] @ w ([K, N] as `Int4NK` / `Int8NK` / `Fp8NK`) -> [..., N] in x's dtype (rows
+    taken as bf16; f16 for fp8, whose values Mosaic converts to f16 only)."""
     K, N = w.shape
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    why = unsupported(M, K, N, tiling)
+    why = unsupported(M, K, N, tiling, w.kind)
     if why is not None:
         raise ValueError(f"int_matmul {tiling.name}: {why}")
-    int4 = isinstance(w, Int4NK)
+    kind = w.kind
+    int4 = kind == "int4"
+    cdt = jnp.float16 if kind == "fp8" else jnp.bfloat16
     Mp = padded_rows(M)
-    xb = jnp.pad(x2.astype(jnp.bfloat16), ((0, Mp - M), (0, 0)))
-    args = [xb, w.values]
+    xb = jnp.pad(x2.astype(cdt), ((0, Mp - M), (0, 0)))
+    args = [xb, w.values] + ([w.scale] if kind == "fp8" else [])
     if int4:
         xsum = xb.astype(jnp.float32).reshape(Mp, K // GROUP, GROUP).sum(-1).T  # [K / GROUP, Mp]
         args += [w.scale, w.offset, xsum]
@@ -268,11 +324,11 @@ def int_matmul(x: jax.Array, w: Int4NK | Int8NK, tiling: Tiling, interpret: bool
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         params["interpret"] = InterpretGPUParams(detect_races=True)
-        scratch += [plgpu.SMEM((tiling.block_n, GROUP), jnp.bfloat16)]
+        scratch += [plgpu.SMEM((tiling.block_n, GROUP), cdt)]
         if not mgpu_compat.INTERPRETER_TRANSPOSES:
-            scratch += [plgpu.SMEM((GROUP, Mp), jnp.bfloat16)]
+            scratch += [plgpu.SMEM((GROUP, Mp), cdt)]
     out = plgpu.kernel(
-        functools.partial(_body, t=tiling, K=K, int4=int4, interpret=interpret),
+        functools.partial(_body, t=tiling, K=K, kind=kind, interpret=interpret),
         out_type=jax.ShapeDtypeStruct((tiling.k_splits, N, Mp), jnp.float32),
         grid=(N // tiling.block_n, tiling.k_splits), grid_names=("n", "k"), kernel_name=KERNEL_NAME,
         scratch_types=scratch,
@@ -280,6 +336,6 @@ def int_matmul(x: jax.Array, w: Int4NK | Int8NK, tiling: Tiling, interpret: bool
         **params,
     )(*args)
     y = (out.sum(axis=0) if tiling.k_splits > 1 else out[0])[:, :M].T
-    if not int4:
+    if kind == "int8":
         y = y * w.scale.reshape(1, N).astype(jnp.float32)
     return y.astype(x.dtype).reshape(*lead, N)

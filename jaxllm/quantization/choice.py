@@ -80,7 +80,7 @@ def candidates(x_shape: tuple[int, ...], w: QArray, tilings: list[str] | None = 
         fits = qm.tilings_for(int(np.prod(x_shape[:-1])), *w.shape[-2:], num_sms())
         out += [f"mosaic/{t.name}" for t in ([t for t in fits if keep(t.name)] or fits)]
     if hopper and qi.takes(w):
-        fits = qi.tilings_for(int(np.prod(x_shape[:-1])), *w.shape[-2:], num_sms())
+        fits = qi.tilings_for(int(np.prod(x_shape[:-1])), *w.shape[-2:], num_sms(), w.kind)
         out += [NK_PATH + t.name for t in ([t for t in fits if keep(t.name)] or fits)]
     if w.kind == "int8" and w.group == w.shape[-2] and hopper:
         out.append("mgpu")

@@ -10,9 +10,10 @@ Paths:
   mosaic  fp8 W8A8 per channel, decode-sized steps (<= 64 rows), through jaxllm's Mosaic GPU
         kernel (`kernels/qmatmul_mosaic.py`): the weight streamed once by TMA into fp8 wgmmas
         with the rows of x on wgmma's narrow side; "mosaic/<tiling name>" names the tiling.
-  mosaic_nk  int4 g128 / per-channel int8, decode-sized steps, through jaxllm's Mosaic GPU
-        W4A16 / W8A16 kernel (`kernels/qmatmul_int_mosaic.py`) on the weight re-laid out
-        [N, K] (`Int4NK` / `Int8NK`, made once when the warm-up chooses it: `choice.relayout`).
+  mosaic_nk  int4 g128 / per-channel int8 / weight-only fp8 blocks, decode-sized steps, through
+        jaxllm's Mosaic GPU weight-only kernel (`kernels/qmatmul_int_mosaic.py`) on the weight
+        re-laid out [N, K] (`Int4NK` / `Int8NK`; fp8 keeps its values and gets per-row scales:
+        `Fp8NK`), made once when the warm-up chooses it (`choice.relayout`).
   pallas  int8 / int4 weight-only, decode-sized steps (<= 64 rows), through jaxllm's own
         kernel (`kernels/qmatmul.py`, Triton): the stored integers are read once, converted in
         registers, and each scale group's scale applied to its partial product; larger steps
@@ -75,8 +76,8 @@ NK_PATH = "mosaic_nk/"  # the Mosaic int4 / int8 kernel on re-laid-out [N, K] we
 
 
 def is_nk(w) -> bool:
-    from jaxllm.kernels.qmatmul_int_mosaic import Int4NK, Int8NK
-    return isinstance(w, (Int4NK, Int8NK))
+    from jaxllm.kernels.qmatmul_int_mosaic import Fp8NK, Int4NK, Int8NK
+    return isinstance(w, (Int4NK, Int8NK, Fp8NK))
 
 
 def int_nk(x: jax.Array, w, path: str, interpret: bool = False) -> jax.Array:

@@ -97,6 +97,20 @@ def quantize_fp8(w, xp=np, search: int = FP8_SEARCH) -> QArray:
                   act="fp8")
 
 
+def quantize_fp8_blocks(w: np.ndarray, bn: int = 128, bk: int = 128) -> QArray:
+    """Float [K, N] -> HF FP8's layout (weight-only): e4m3 values [N, K], `weight_scale_inv`
+    [N/bn, K/bk] (amax / 448 per block; bn = N, bk = K: one per-tensor scale). What FP8
+    checkpoints hold; tests and benchmarks make them from float weights with it."""
+    import ml_dtypes
+
+    wt = np.asarray(w, np.float32).T
+    n, k = wt.shape
+    blocks = wt.reshape(n // bn, bn, k // bk, bk)
+    s = np.maximum(np.abs(blocks).max(axis=(1, 3)), 1e-12) / FP8_MAX
+    v = (blocks / s[:, None, :, None]).reshape(n, k).astype(ml_dtypes.float8_e4m3fn)
+    return QArray(v, s.astype(np.float32), None, kind="fp8", act="none")
+
+
 def quantize_int8(w, xp=np) -> QArray:
     """Float [..., K, N] -> int8 [..., K, N], symmetric per output channel."""
     w = xp.asarray(w).astype(np.float32)
