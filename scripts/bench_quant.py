@@ -10,8 +10,9 @@ fp8 GEMM); int8 / int4 weight-only through XLA (dequantize-then-dot); int8 throu
 bundled Hopper mixed-type Mosaic kernel; int8 / int4 through jaxllm's Pallas (Triton) kernel
 (`kernels/qmatmul.py`, decode-sized token counts: the engine's tiling and the first one); fp8
 W8A8 through jaxllm's Mosaic GPU kernel (`kernels/qmatmul_mosaic.py`, <= 64 tokens, every
-tiling the warm-up would offer); int4 g128 and int8 through jaxllm's Mosaic GPU W4A16 / W8A16
-kernel (`kernels/qmatmul_int_mosaic.py`, its [N, K] layout made once from the weight); torch `_scaled_mm` fp8 (per-tensor and rowwise
+tiling the warm-up would offer); int4 g128, int8 and HF FP8 128 x 128 blocks (`--modes fp8b`)
+through jaxllm's Mosaic GPU weight-only kernel (`kernels/qmatmul_int_mosaic.py`, its [N, K]
+layout made once from the weight); torch `_scaled_mm` fp8 (per-tensor and rowwise
 scales) and torch bf16 as peers. Kernel time (profiler, launch gaps excluded), weights
 rotated over several copies so L2 never holds them. Floors: weight bytes incl. scales over
 4.25 TB/s and over C, the copy bandwidth measured in the same run; TFLOP/s where compute-bound.
@@ -45,7 +46,8 @@ from jaxllm.kernels import qmatmul_int_mosaic as qi  # noqa: E402
 from jaxllm.kernels import qmatmul_mosaic as qm  # noqa: E402
 from jaxllm.quantization.choice import num_sms  # noqa: E402
 from jaxllm.quantization.kernels import fp8_w8a8, int8_mgpu, matmul, pallas_tiling  # noqa: E402
-from jaxllm.quantization.quantize import quantize_fp8, quantize_int4, quantize_int8  # noqa: E402
+from jaxllm.quantization.quantize import (quantize_fp8, quantize_fp8_blocks, quantize_int4,  # noqa: E402
+                                          quantize_int8)
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 HBM = 4.25e12
@@ -107,6 +109,9 @@ def bench_matmul(tokens: list[int], C: float, tilings: str = "engine", modes=("f
                 quant[mode] = [jax.jit(lambda w, qf=qf: qf(w, jnp))(w) for w in ws]
             except Exception as e:  # noqa: BLE001
                 print(f"{name} quantize {mode}: {e!r}", flush=True)
+        if "fp8b" in modes:  # HF FP8 checkpoints' layout: weight-only, 128 x 128 block scales
+            quant["fp8b"] = [jax.device_put(quantize_fp8_blocks(np.asarray(w.astype(jnp.float32))))
+                             for w in ws]
         for M in tokens:
             x = jax.random.normal(jax.random.fold_in(key, 99), (M, K), jnp.bfloat16)
             flops = 2 * M * K * N
@@ -119,29 +124,31 @@ def bench_matmul(tokens: list[int], C: float, tilings: str = "engine", modes=("f
                 pairs = [(q, jnp.asarray(q.values.T)) for q in quant["int8"]]  # W^T stored once
                 paths["int8_w8a16_mgpu"] = (lambda x, p: int8_mgpu(x, p[0], p[1]), pairs,
                                             qbytes(quant["int8"][0]))
-            if "int4" in quant:
-                paths["int4_w4a16_xla"] = (lambda x, w: matmul(x, w, "xla"), quant["int4"], qbytes(quant["int4"][0]))
-            for mode in ("int8", "int4", "fp8"):  # jaxllm's Pallas (Triton) kernel (fp8: weight-only)
+            for mode, wa in (("int4", "w4a16"), ("fp8b", "w8a16")):
+                if mode in quant:
+                    paths[f"{mode}_{wa}_xla"] = (lambda x, w: matmul(x, w, "xla"), quant[mode], qbytes(quant[mode][0]))
+            for mode in ("int8", "int4", "fp8", "fp8b"):  # jaxllm's Pallas (Triton) kernel (fp8: weight-only)
                 if mode not in quant:
                     continue
                 picked = pallas_tiling(x.shape, quant[mode][0])
                 swept = qmatmul.TILINGS if tilings == "all" else (picked, qmatmul.TILINGS[0])
                 for t in dict.fromkeys(t for t in swept if t is not None):
                     if qmatmul.unsupported(x.shape, quant[mode][0], t) is None:
-                        wa = {"int8": "w8a16", "int4": "w4a16", "fp8": "w8a16"}[mode]
+                        wa = {"int8": "w8a16", "int4": "w4a16", "fp8": "w8a16", "fp8b": "w8a16"}[mode]
                         paths[f"{mode}_{wa}_pallas_{t.name}"] = (
                             lambda x, w, t=t: qmatmul.qmatmul(x, w, t), quant[mode], qbytes(quant[mode][0]))
             if "fp8" in quant and M <= qm.MAX_ROWS:  # jaxllm's Mosaic GPU fp8 W8A8 kernel, every tiling offered
                 for t in qm.tilings_for(M, K, N, num_sms()):
                     paths[f"fp8_w8a8_mosaic_{t.name}"] = (
                         lambda x, w, t=t: qm.fp8_w8a8(x, w, t), quant["fp8"], qbytes(quant["fp8"][0]))
-            for mode in ("int4", "int8"):  # jaxllm's Mosaic GPU W4A16 / W8A16 kernel ([N, K] layout)
+            for mode in ("int4", "int8", "fp8b"):  # jaxllm's Mosaic GPU weight-only kernel ([N, K] layout)
                 if mode not in quant or M > qi.MAX_ROWS or not qi.takes(quant[mode][0]):
                     continue
                 try:
                     nk = [jax.jit(qi.to_nk)(q) for q in quant[mode]]
-                    for t in qi.tilings_for(M, K, N, num_sms(), mode):
-                        paths[f"{mode}_w{mode[3]}a16_mosaic_{t.name}"] = (
+                    wa = {"int4": "w4a16", "int8": "w8a16", "fp8b": "w8a16"}[mode]
+                    for t in qi.tilings_for(M, K, N, num_sms(), nk[0].kind):
+                        paths[f"{mode}_{wa}_mosaic_{t.name}"] = (
                             lambda x, w, t=t: qi.int_matmul(x, w, t), nk, qbytes(nk[0]))
                 except Exception as e:  # noqa: BLE001
                     print(f"{name} {mode} to_nk: {e!r}", flush=True)
@@ -288,7 +295,8 @@ def main() -> None:
     p.add_argument("--json", default=None)
     p.add_argument("--tilings", choices=["engine", "all"], default="engine",
                    help="matmul: jaxllm's Pallas kernel in the engine's tiling and the first, or every tiling")
-    p.add_argument("--modes", nargs="+", default=["fp8", "int8", "int4"], help="matmul: weight formats")
+    p.add_argument("--modes", nargs="+", default=["fp8", "int8", "int4"],
+                   help="matmul: weight formats (fp8 per channel W8A8, int8, int4 g128, fp8b: HF FP8 blocks)")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), help="matmul: which Llama-3-8B linears")
     p.add_argument("--no-peers", action="store_true", help="matmul: leave out the torch peers")
     a = p.parse_args()

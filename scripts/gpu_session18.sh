@@ -35,7 +35,7 @@
 #     (session 23, on the CPU: interpreter-checked, lowered under jax 0.10 and 0.11.2, offered to
 #     the warm-up's choice on Hopper; int weights re-laid out [N, K] where the kernel wins):
 #     bench_quant.py matmul, 1 and 64 tokens, every tiling beside XLA, the Triton kernel and
-#     torch `_scaled_mm`: i fp8, i2 (~9 min) int8 and int4; then e shows whether the step's
+#     torch `_scaled_mm`: i fp8, i2 (~9 min) int8, int4 and HF FP8 blocks; then e shows whether the step's
 #     warm-up picks them
 # Session 20 (one H100) ran a, c and f; session 21 (one H100) ran g and e (fp8 decode step 1.02x
 # bf16; its warm-up's matmul timings were the dispatch's, fixed since), b (failed: a hung
@@ -60,7 +60,7 @@ case "${1:-}" in
      T_MATMUL=${T_MATMUL:-540} QUANT_PARTS=1 bash scripts/gpu_quant.sh ;;
   i) MATMUL_FLAGS="${MATMUL_FLAGS:---modes fp8 --tokens 1 64}" T_MATMUL=${T_MATMUL:-570} QUANT_PARTS=1 \
      bash scripts/gpu_quant.sh ;;
-  i2) MATMUL_FLAGS="${MATMUL_FLAGS:---modes int8 int4 --tokens 1 64 --no-peers}" T_MATMUL=${T_MATMUL:-570} \
+  i2) MATMUL_FLAGS="${MATMUL_FLAGS:---modes int8 int4 fp8b --tokens 1 64 --no-peers}" T_MATMUL=${T_MATMUL:-570} \
      QUANT_PARTS=1 bash scripts/gpu_quant.sh ;;
   e) QUANT_PARTS=3 T_LAT=${T_LAT:-180} bash scripts/gpu_quant.sh ;;  # warm-up measures ~6 Mosaic tilings a layout more
   d) MASK_ON="${MASK_ON:-thread engine dispatch}" T_UP=${T_UP:-100} T_BENCH=${T_BENCH:-60} \
