@@ -1,18 +1,22 @@
-"""Hopper (Mosaic GPU) W4A16 / W8A16 matmul for decode-sized steps: integer weights streamed once.
+"""Hopper (Mosaic GPU) weight-only matmul for decode-sized steps: int4 / int8 / fp8 weights streamed once.
 
-`int_matmul(x [M, K] bf16, w: Int4NK | Int8NK) -> [M, N]` for up to MAX_ROWS rows:
+`int_matmul(x [M, K], w: Int4NK | Int8NK | Fp8NK) -> [M, N]` for up to MAX_ROWS rows, w made
+once by `to_nk` from a QArray:
   int4  w = q * s + o per group of GROUP rows along K and output column (`quantize_int4`'s
-        asymmetric g128), re-laid out by `to_nk`: signed nibbles q - 8 as jnp.int4 [N, K],
-        scale and offset [K / GROUP, N] as stored (float16);
-  int8  w = q * s per output column (`quantize_int8`), re-laid out as int8 [N, K], scale [1, N].
+        asymmetric g128): signed nibbles q - 8 as jnp.int4 [N, K], scale and offset
+        [K / GROUP, N] as stored (float16);
+  int8  w = q * s per output column (`quantize_int8`): int8 [N, K], scale [1, N];
+  fp8   weight-only blocks (HF FP8's 128 x 128 `weight_scale_inv`, or per tensor): the e4m3
+        values as stored ([N, K] already), the block scales expanded to [K / GROUP, N].
 
-As `qmatmul_mosaic.py` for fp8, the roles are swapped for decode: the weight's N rows are
+As `qmatmul_mosaic.py` for fp8 W8A8, the roles are swapped for decode: the weight's N rows are
 wgmma's M side and the M <= 64 rows of x (padded to a multiple of 8) its N side. A step's
-[bn, GROUP] integer tile is loaded from shared memory into registers and converted to bf16
-there (Mosaic's int4 / int8 -> bf16 conversions are bit operations; every value is exact in
-bf16), and is wgmma's A operand from registers; x^T is a transposed view of the [Mp, GROUP] x
-tile. Each step's product goes to a fresh float32 accumulator and then into the running total;
-for int4 with the group's scales:
+[bn, GROUP] weight tile is loaded from shared memory into registers and converted there, to
+bf16 for the integers (Mosaic's int4 / int8 -> bf16 conversions are bit operations; every
+value is exact) and to f16 for fp8 (the one fp8 conversion Mosaic has; x rows are then f16
+too), and is wgmma's A operand from registers; x^T is a transposed view of the [Mp, GROUP] x
+tile. Each step's product goes to a fresh float32 accumulator and then into the running
+total, scaled per row where the kind has per-step scales; for int4:
 
     total[n, m] += (q_g x_g^T)[n, m] * s[g, n] + (o[g, n] + 8 s[g, n]) * sum_k x_g[m, k]
 
@@ -22,15 +26,14 @@ sums of x ([K / GROUP, Mp], float32) come from one small XLA reduction before th
 per-channel scale is applied by the XLA epilogue.
 
 Grid (N / bn strips, k_splits), the splits' float32 partials [k_splits, N, Mp] summed by the
-XLA epilogue, as in the fp8 kernel. The body reads its slot's tiles with plain loads, so it
-ends with a proxy fence (`commit_smem`) before the pipeline refills the slot by TMA. Checked in
-Mosaic GPU's CPU interpreter (where wgmma takes its A operand from a staged shared-memory copy)
-against the dequantized product in tests/test_qmatmul_int_mosaic.py, and lowered for cuda there.
-In the engine (one Hopper GPU) the warm-up measures it per layout ("mosaic4/<tiling>",
-"mosaic8/<tiling>", `quantization/choice.py`) against the paths that read the stored layout;
-where it is faster over the decode-sized buckets the weights are re-laid out once
-(`choice.relayout`) and every decode step uses it (prefill-sized steps: x @ the dequantized
-weight through XLA).
+XLA epilogue, as in the fp8 W8A8 kernel. The body reads its slot's tiles with plain loads, so
+it ends with a proxy fence (`commit_smem`) before the pipeline refills the slot by TMA. Checked
+in Mosaic GPU's CPU interpreter (where wgmma takes its A operand from a staged shared-memory
+copy) against the dequantized product in tests/test_qmatmul_int_mosaic.py, and lowered for cuda
+there. In the engine (one Hopper GPU) the warm-up measures it per layout ("mosaic_nk/<tiling>",
+`quantization/choice.py`) against the paths that read the stored layout; where it is faster
+over the decode-sized buckets the weights are made over once (`choice.relayout`) and every
+decode step uses it (prefill-sized steps: x @ the dequantized weight through XLA).
 """
 
 from __future__ import annotations
@@ -152,13 +155,14 @@ def takes(w) -> bool:
     return w.kind == "int8" and w.group == w.shape[-2]
 
 
-def to_nk(w) -> Int4NK | Int8NK:
-    """An int4 / int8 QArray (`takes`; any leading layer axes) -> this kernel's layout (numpy or
-    jax arrays; done once, at load or warm-up)."""
+def to_nk(w) -> Int4NK | Int8NK | Fp8NK:
+    """An int4 / int8 / weight-only fp8 QArray (`takes`; any leading layer axes) -> this kernel's
+    layout (numpy or jax arrays; done once, at load or warm-up)."""
     from jaxllm.quantization.qarray import unpack_int4
 
     if not takes(w):
-        raise ValueError(f"to_nk takes int4 weights in groups of {GROUP} or per-channel int8, got "
+        raise ValueError(f"to_nk takes int4 weights in groups of {GROUP}, per-channel int8 or "
+                         f"weight-only e4m3 blocks of whole {GROUP}-row steps, got "
                          f"{w.kind} {w.values.shape} g{w.group} p{w.pack}")
     xp = np if isinstance(w.values, np.ndarray) else jnp
     if w.kind == "fp8":  # [..., nb, kb] block scales -> [..., K / GROUP, N]
