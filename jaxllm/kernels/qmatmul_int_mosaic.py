@@ -68,14 +68,6 @@ class _NK:
         v = self.values.shape
         return (*v[:-2], v[-1], v[-2])
 
-    @property
-    def dtype(self):
-        return self.values.dtype
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
-
     def __getitem__(self, i):
         """Index the leading (layer) axes of every part."""
         return jax.tree.map(lambda a: a[i], self)

@@ -9,7 +9,7 @@
 - "tiles<bm>_<bn>x<bk>w<warps>s<stages>": the same kernel with 64- or 128-row blocks
   (`moe_gmm.PREFILL_TILINGS`), offered for prefill-sized row counts (M > DECODE_MAX_ROWS).
 - "direct_decode_<bn>x<bk>k<splits>": the decode kernel over unsorted rows, one slot a row
-  (`moe_gmm.direct_matmul`), offered up to DIRECT_MAX_ROWS rows: `moe.experts` then skips
+  (`moe_gmm.direct_swiglu`), offered up to DIRECT_MAX_ROWS rows: `moe.experts` then skips
   sorting and unsorting the rows (an expert two rows share is read twice).
 - "mosaic_<bn>x<bk>s<stages>": its Hopper twin (`kernels/moe_gmm_mosaic.py`, Mosaic GPU:
   the bundled kernel's TMA/wgmma schedule over only the row blocks that hold rows).

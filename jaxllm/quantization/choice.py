@@ -67,8 +67,8 @@ def candidates(x_shape: tuple[int, ...], w: QArray, tilings: list[str] | None = 
     the [N, K] layout it needs), "mgpu" for per-channel int8 on Hopper."""
     from jaxllm.kernels import prefill_choice, qmatmul
     from jaxllm.kernels import qmatmul_int_mosaic as qi
-    from jaxllm.quantization.kernels import NK_PATH
     from jaxllm.kernels import qmatmul_mosaic as qm
+    from jaxllm.quantization.kernels import NK_PATH
 
     keep = (lambda name: True) if tilings is None else (lambda name: name in tilings)  # noqa: E731
     out = ["xla"]
@@ -118,6 +118,8 @@ def time_paths(x: jax.Array, w: QArray, paths: list[str], reps: int = 5, chain: 
 
 def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 5) -> dict[tuple, str]:
     """Choose a path for each distinct layout of `weights` at each row count (module docstring)."""
+    from jaxllm.quantization.kernels import NK_PATH
+
     seen: dict[tuple, QArray] = {}
     for w in weights:
         w = two_d(w)
@@ -140,7 +142,7 @@ def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 5) -> dic
                 TIMINGS[k] = times
                 if best is None:
                     best = []
-                    for family in ("pallas/", "mosaic/", "mosaic_nk/"):
+                    for family in ("pallas/", "mosaic/", NK_PATH):
                         tiled = {p: t for p, t in times.items() if p.startswith(family)}
                         if tiled:
                             best.append(min(tiled, key=tiled.get).partition("/")[2])
@@ -161,7 +163,9 @@ def _choose_layouts() -> None:
     stored layout. Those weights can then take no other path, so each of their row counts gets
     the kernel's fastest tiling there (or "xla", x @ the dequantized weight, where it was not
     timed)."""
-    nk_path = lambda p: p.startswith("mosaic_nk/")  # noqa: E731 - kernels.NK_PATH
+    from jaxllm.quantization.kernels import NK_PATH
+
+    nk_path = lambda p: p.startswith(NK_PATH)  # noqa: E731
     layouts: dict[tuple, dict[int, dict[str, float]]] = {}
     for k, times in TIMINGS.items():
         layouts.setdefault(k[:-1], {})[k[-1]] = times
