@@ -95,7 +95,7 @@ def qbytes(q) -> int:
 
 
 def bench_matmul(tokens: list[int], C: float, tilings: str = "engine", modes=("fp8", "int8", "int4"),
-                 peers: bool = True) -> list[dict]:
+                 peers: bool = True, only: tuple[str, ...] = ()) -> list[dict]:
     rows = []
     key = jax.random.key(0)
     for name, (K, N) in SHAPES.items():
@@ -153,6 +153,8 @@ def bench_matmul(tokens: list[int], C: float, tilings: str = "engine", modes=("f
                 except Exception as e:  # noqa: BLE001
                     print(f"{name} {mode} to_nk: {e!r}", flush=True)
             ref = None
+            if only:  # bf16 stays: it is the reference the others' errors are taken against
+                paths = {k: v for k, v in paths.items() if k == "bf16" or any(o in k for o in only)}
             for path, (fn, wl, wbytes) in paths.items():
                 row = {"shape": name, "K": K, "N": N, "tokens": M, "path": path, "weight_bytes": wbytes}
                 try:
@@ -299,13 +301,15 @@ def main() -> None:
                    help="matmul: weight formats (fp8 per channel W8A8, int8, int4 g128, fp8b: HF FP8 blocks)")
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), help="matmul: which Llama-3-8B linears")
     p.add_argument("--no-peers", action="store_true", help="matmul: leave out the torch peers")
+    p.add_argument("--paths", nargs="+", default=[],
+                   help="matmul: only the paths whose names contain one of these (e.g. mosaic xla); bf16 always")
     a = p.parse_args()
     C = copy_bandwidth(2.0)["C"]
     SINK.update(path=a.json, C=C)
     print(f"C = {C / 1e12:.2f} TB/s", flush=True)
     for name in [n for n in SHAPES if n not in a.shapes]:
         del SHAPES[name]
-    rows = (bench_matmul(a.tokens, C, a.tilings, a.modes, not a.no_peers) if a.what == "matmul"
+    rows = (bench_matmul(a.tokens, C, a.tilings, a.modes, not a.no_peers, tuple(a.paths)) if a.what == "matmul"
             else bench_attention(a.batch, a.ctx, C))
     if a.json:
         with open(a.json, "w") as f:

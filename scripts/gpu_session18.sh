@@ -58,7 +58,7 @@ case "${1:-}" in
   b4) MOE_PARTS="6" bash scripts/gpu_moe.sh ;;  # Mixtral-8x7B shape: an H200 (needs_h200)
   c) MATMUL_FLAGS="${MATMUL_FLAGS:---tilings all --tokens 1 --shapes qkv gate_up down --modes fp8 int8 int4 --no-peers}" \
      T_MATMUL=${T_MATMUL:-540} QUANT_PARTS=1 bash scripts/gpu_quant.sh ;;
-  i) MATMUL_FLAGS="${MATMUL_FLAGS:---modes fp8 --tokens 1 64}" T_MATMUL=${T_MATMUL:-570} QUANT_PARTS=1 \
+  i) MATMUL_FLAGS="${MATMUL_FLAGS:---modes fp8 int8 int4 --tokens 1 64 --paths mosaic xla}" T_MATMUL=${T_MATMUL:-570} QUANT_PARTS=1 \
      bash scripts/gpu_quant.sh ;;
   i2) MATMUL_FLAGS="${MATMUL_FLAGS:---modes int8 int4 fp8b --tokens 1 64 --no-peers}" T_MATMUL=${T_MATMUL:-570} \
      QUANT_PARTS=1 bash scripts/gpu_quant.sh ;;
