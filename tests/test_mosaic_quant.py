@@ -116,6 +116,68 @@ def test_mosaic_decode_on_int_pages_matches_reference(name, splits, reqs, kv_hea
     assert not ipc.get_races().races_found
 
 
+# The producer converts (`deq_stages` d > 0): (format, splits, requests, kv heads, group, page
+# size, head dim, pipeline stages, d). Steps past both rings (9 pages of 8 at 64 keys a step
+# with 2 stages wrap twice), one step only, and a split.
+PRODUCER_CASES = [
+    ("fp8", 1, [(27, 1), (130, 1), (3, 1)], 2, 4, 8, 64, 2, 2),
+    ("fp8_e5m2", 2, [(200, 1), (9, 1)], 1, 8, 16, 128, 3, 1),
+    ("int8", 1, [(70, 1), (300, 1)], 1, 4, 16, 128, 3, 2),
+    ("int4", 1, [(27, 1), (200, 1), (3, 1)], 2, 4, 8, 64, 2, 3),
+]
+
+
+@pytest.mark.parametrize("name,splits,reqs,kv_heads,group,page_size,head_dim,stages,dst",
+                         PRODUCER_CASES)
+def test_mosaic_decode_with_producer_conversion_matches_reference(
+        name, splits, reqs, kv_heads, group, page_size, head_dim, stages, dst):
+    """deq_stages > 0: the producer warpgroup converts each tile into a ring of f16 staging
+    tiles behind its copies and the consumer only waits for them; in the interpreter with its
+    race detector (every barrier phase and staging slot reuse checked) against the reference
+    on the same quantized pages."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+    from jaxllm.kernels import mosaic_decode
+
+    rng = np.random.default_rng(41)
+    q, kv, md = make_batch(rng, reqs, page_size=page_size, num_kv_heads=kv_heads, group=group,
+                           head_dim=head_dim, pad_reqs=1, pad_tokens=1, dtype=jnp.bfloat16)
+    kv = kv * jnp.asarray(np.exp(rng.uniform(-2, 2, kv.shape[:-1] + (1,))), kv.dtype)
+    pages = quantized_pages(kv, name)
+    got = mosaic_decode.paged_decode_attention(q, pages, jnp.int32(1), md, sm_scale=0.3,
+                                               num_splits=splits, num_stages=stages,
+                                               interpret=True, deq_stages=dst)
+    got = np.asarray(got, np.float32)
+    n = len(reqs)
+    want = np.asarray(ref.ragged_paged_attention(q, pages, jnp.int32(1), md, sm_scale=0.3),
+                      np.float32)
+    assert rel_err(got[:n], want[:n]) < 3e-3
+    unquantized = np.asarray(ref.ragged_paged_attention(q, kv, jnp.int32(1), md, sm_scale=0.3),
+                             np.float32)
+    assert rel_err(want[:n], unquantized[:n]) > 6e-3  # the kernel read the quantized values
+    assert not got[n:].any()  # the padding token
+    assert not ipc.get_races().races_found
+
+
+@pytest.mark.parametrize("name,splits,page_size,stages,dst", [
+    ("fp8", 1, 16, 2, 2), ("fp8", 4, 16, 3, 2), ("fp8_e5m2", 1, 16, 4, 1), ("int8", 1, 16, 2, 2),
+    ("int4", 2, 16, 3, 2)])
+def test_mosaic_decode_with_producer_conversion_lowers_for_cuda(name, splits, page_size, stages,
+                                                                 dst):
+    """The producer-converts schedule's compiled path (staging rings, the three barrier rings),
+    exported for cuda on the CPU at Llama-3 heads (D 128)."""
+    from jaxllm.kernels import mosaic_decode
+
+    rng = np.random.default_rng(23)
+    q, kv, md = make_batch(rng, [(300, 1), (20, 1), (77, 1)], page_size=page_size, num_kv_heads=8,
+                           group=4, head_dim=128, num_layers=1, pad_reqs=0, pad_tokens=1,
+                           dtype=jnp.bfloat16)
+    f = jax.jit(lambda q, kv, md: mosaic_decode.paged_decode_attention(
+        q, kv, jnp.int32(0), md, sm_scale=0.1, num_splits=splits, num_stages=stages,
+        deq_stages=dst))
+    exported = jax.export.export(f, platforms=["cuda"])(q, quantized_pages(kv, name), md)
+    assert "mosaic_gpu" in exported.mlir_module()
+
+
 @pytest.mark.parametrize("name,splits,page_size,head_dim,early", [
     ("int8", 1, 16, 128, False), ("int8", 4, 16, 128, True), ("int8", 1, 32, 128, True),
     ("int8", 2, 8, 64, True), ("int4", 1, 16, 128, True), ("int4", 4, 32, 128, False),

@@ -66,7 +66,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
                    kv_ref, *refs, sm_scale: float, num_kv_heads: int, num_pages: int, page_size: int,
                    ppb: int, nst: int, num_splits: int, staged: bool, early_v: bool,
                    interpret: bool, heads: int, qpi: int,
-                   ints: mosaic_kv_quant.IntPages | None):
+                   ints: mosaic_kv_quant.IntPages | None, dst: int):
     """Body; refs = outputs (o [, lse]) then the scoped SMEM / barriers.
 
     qpi > 1 (`queries_per_item`): CTA index `tok` is an item of up to qpi consecutive tokens
@@ -85,7 +85,8 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
     else:
         o_ref, lse_ref, scratch = refs[0], None, refs[1:]
     (q_smem, k_smem, v_smem, o_smem, lse_smem,
-     q_bar, k_bar, v_bar, free_bar, k_deq, v_deq, q16_smem, k_meta, v_meta, *a_bufs) = scratch
+     q_bar, k_bar, v_bar, free_bar, k_deq, v_deq, q16_smem, k_meta, v_meta,
+     kdeq_bar, vdeq_bar, deq_free, *a_bufs) = scratch
     if o_smem is None:  # one split: stage the bf16 output in q's buffer (q is in registers)
         o_smem = q_smem
     active = active_ref[0]  # splits in use
@@ -118,18 +119,23 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
     num_tokens = q_ref.shape[0]
     keys = ppb * page_size
 
-    def page_tile(slot, which: int):
-        """The slot's [BK, D] K (which 0) or V (1) tile as the wgmma reads it: fp8 pages (scale
-        1.0) and int8 / int4 pages (with the slot's scale bytes) dequantized in registers into
-        the f16 staging tile; model-dtype pages as they are."""
-        ref, deq, meta = ((k_smem, k_deq, k_meta), (v_smem, v_deq, v_meta))[which]
-        if deq is None:
-            return ref.at[slot]
+    def convert(slot, which: int, deq) -> None:
+        """fp8 pages (scale 1.0) and int8 / int4 pages (with the slot's scale bytes): the slot's
+        [BK, D] K (which 0) or V (1) tile dequantized in registers into the f16 tile `deq`."""
+        ref, meta = ((k_smem, k_meta), (v_smem, v_meta))[which]
         if ints is not None:
             mosaic_kv_quant.dequant_tile(ints, ref.at[slot], meta.at[slot], deq, interpret)
         else:
             deq[...] = ref.at[slot][...].astype(deq.dtype)
         plgpu.commit_smem()  # the generic-proxy stores, before the async wgmma reads them
+
+    def page_tile(slot, which: int):
+        """The slot's K (which 0) or V (1) tile as the consumer's wgmma reads it: quantized pages
+        converted here into the one f16 staging tile (dst == 0), model-dtype pages as they are."""
+        ref, deq = ((k_smem, k_deq), (v_smem, v_deq))[which]
+        if deq is None:
+            return ref.at[slot]
+        convert(slot, which, deq)
         return deq
 
     kv_len = pos_ref[tok] + 1  # keys 0..position; padding tokens (-1) see none
@@ -146,8 +152,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
         base = (layer_ref[0] * 2 * num_kv_heads + kvh) * num_pages  # K pages of this head
         v_off = num_kv_heads * num_pages
 
-        @pl.loop(0, steps)
-        def _(step):
+        def issue(step):
             slot = lax.rem(step, jnp.int32(nst))
 
             @pl.when(step >= nst)
@@ -163,10 +168,39 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
                     mosaic_kv_quant.copy_page(ints, kv_ref, page + v_off, v_smem.at[slot],
                                               v_meta.at[slot], j, v_bar.at[slot], interpret)
                     continue
-                dst = pl.ds(j * page_size, page_size)
-                plgpu.copy_gmem_to_smem(kv_ref.at[page], k_smem.at[slot, dst], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(kv_ref.at[page + v_off], v_smem.at[slot, dst],
+                at = pl.ds(j * page_size, page_size)
+                plgpu.copy_gmem_to_smem(kv_ref.at[page], k_smem.at[slot, at], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(kv_ref.at[page + v_off], v_smem.at[slot, at],
                                         v_bar.at[slot])
+
+        def convert_step(step):  # dst > 0: the producer converts too, `lag` steps behind
+            slot, d = lax.rem(step, jnp.int32(nst)), lax.rem(step, jnp.int32(dst))
+
+            @pl.when(step >= dst)
+            def _():
+                plgpu.barrier_wait(deq_free.at[d])  # the consumer is done with staging slot d
+
+            plgpu.barrier_wait(k_bar.at[slot])
+            convert(slot, 0, k_deq.at[d])
+            plgpu.barrier_arrive(kdeq_bar.at[d])
+            plgpu.barrier_wait(v_bar.at[slot])
+            convert(slot, 1, v_deq.at[d])
+            plgpu.barrier_arrive(vdeq_bar.at[d])
+            plgpu.barrier_arrive(free_bar.at[slot])  # the quantized slot is read: refill it
+
+        if dst == 0:
+            pl.loop(0, steps)(issue)
+        else:  # issuing step i waits for step i - nst's conversion, made at i - nst + lag < i
+            lag = nst - 1
+
+            @pl.loop(0, steps + lag)
+            def _(i):
+                pl.when(i < steps)(lambda: issue(i))
+                pl.when(i >= lag)(lambda: convert_step(i - lag))
+
+            @pl.loop(jnp.maximum(steps - dst, 0), steps)
+            def _(step):
+                plgpu.barrier_wait(deq_free.at[lax.rem(step, jnp.int32(dst))])
 
         # Observe the last releases too: free on hardware, and it keeps every
         # barrier phase accounted for (the CPU interpreter checks that).
@@ -216,9 +250,13 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
         def body(step, carry):
             acc, m, l = carry
             slot = lax.rem(step, jnp.int32(nst))
-            plgpu.barrier_wait(k_bar.at[slot])
-
-            k_tile = page_tile(slot, 0)
+            d = lax.rem(step, jnp.int32(max(dst, 1)))
+            if dst:  # converted by the producer into staging slot d
+                plgpu.barrier_wait(kdeq_bar.at[d])
+                k_tile = k_deq.at[d]
+            else:
+                plgpu.barrier_wait(k_bar.at[slot])
+                k_tile = page_tile(slot, 0)
             v_tiles = []
 
             def qk(acc_ref):
@@ -227,7 +265,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
                     a = q_src[...] if interpret else mgpu_compat.load(
                         q_src, layout=plgpu.Layout.WGMMA, optimized=False)
                 plgpu.wgmma(acc_ref, operand(a, 0), keys_t(k_tile))
-                if early_v:  # convert the V tile while the async QK wgmma runs
+                if early_v and not dst:  # convert the V tile while the async QK wgmma runs
                     plgpu.barrier_wait(v_bar.at[slot])
                     v_tiles.append(page_tile(slot, 1))
                 return acc_ref[...]
@@ -243,7 +281,10 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
             alpha = jnp.exp2(m - m_new)
             l = l * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            if not early_v:
+            if dst:
+                plgpu.barrier_wait(vdeq_bar.at[d])
+                v_tiles.append(v_deq.at[d])
+            elif not early_v:
                 plgpu.barrier_wait(v_bar.at[slot])
                 v_tiles.append(page_tile(slot, 1))
             v_tile = v_tiles[0]
@@ -253,7 +294,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
                 return acc_ref[...]
 
             acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
-            plgpu.barrier_arrive(free_bar.at[slot])
+            plgpu.barrier_arrive((deq_free.at[d] if dst else free_bar.at[slot]))
             return acc, m_new, l
 
         acc, m, l = lax.fori_loop(0, steps, body, (acc, m, l))
@@ -300,7 +341,8 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
                            num_stages: int | None = None, interpret: bool = False,
                            reduction_scratch_bytes: int | None = None,
                            return_partials: bool = False, num_sms: int = 132,
-                           early_v_convert: bool = True, queries_per_item: int = 1) -> jax.Array:
+                           early_v_convert: bool = True, queries_per_item: int = 1,
+                           deq_stages: int = 0) -> jax.Array:
     """Decode attention, q [T, H, D] -> [T, H, D]; same contract as ref.ragged_paged_attention.
 
     Without num_splits the grid has the splits one real token would want, and the
@@ -312,6 +354,10 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     queries_per_item (speculative verification, `items`): a CTA takes up to this many consecutive
     tokens of one request, all their G query heads in its 64 rows, so a request's K/V pages are
     read once for its k + 1 verified tokens, not once per token.
+    deq_stages (fp8 / int8 / int4 pages): 0, the consumer converts each tile itself, between its
+    wgmmas; d > 0, the producer warpgroup converts them, num_stages - 1 steps behind its copies,
+    into a d-deep ring of f16 staging tiles, so the conversion overlaps the consumer's wgmmas and
+    softmax (as FlashAttention-3's producer transposes fp8 V). Model-dtype pages ignore it.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_layers, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
@@ -329,6 +375,9 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     if block_keys != 64:  # 32: wgmma wants K % 64 == 0; 128 failed the check (docs/kernels.md)
         raise ValueError(f"block_keys must be 64, got {block_keys}")
     ppb = max(1, block_keys // page_size)
+    dst = deq_stages if staged else 0
+    if dst < 0:
+        raise ValueError(f"deq_stages must be >= 0, got {deq_stages}")
     ints = None
     if fmt in ("int8", "int4"):
         ints = mosaic_kv_quant.IntPages(fmt, page_size, width, head_dim, ppb)
@@ -382,12 +431,15 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
         plgpu.Barrier(num_barriers=num_stages),
-        # fp8 / int pages: the dequantized f16 K and V tiles the wgmmas read (`page_tile`).
-        plgpu.SMEM((keys, head_dim), cdt, transforms=staging) if staged else None,
-        plgpu.SMEM((keys, head_dim), cdt, transforms=staging) if staged else None,
+        # fp8 / int pages: the dequantized f16 K and V tiles the wgmmas read (`page_tile`; a
+        # ring of dst when the producer converts).
+        *((plgpu.SMEM((dst, keys, head_dim) if dst else (keys, head_dim), cdt, transforms=staging)
+           if staged else None,) * 2),
         # f16 staging at D == BK: the scaled f16 q, read again every step (`reload_q`)
         plgpu.SMEM((ROWS, head_dim), cdt) if staged and head_dim == keys else None,
         *meta_bufs,  # int8 / int4 pages: the scale (and minimum) bytes
+        # dst > 0: staged K / V tile d ready (producer -> consumer), staging slot d free (back)
+        *((plgpu.Barrier(num_barriers=dst) if dst else None,) * 3),
     )
     if interpret:  # staging for wgmma's A operand, see `operand`
         scratch += (plgpu.SMEM((ROWS, head_dim), cdt),
@@ -397,7 +449,8 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     pages_smem = (num_stages * keys * head_dim * 2 * item if ints is None
                   else ints.smem_bytes(num_stages))
     smem = (2 * ROWS * head_dim + pages_smem
-            + staged * 2 * keys * head_dim * 2 + (staged and head_dim == keys) * ROWS * head_dim * 2
+            + staged * 2 * keys * head_dim * 2 * max(dst, 1)
+            + (staged and head_dim == keys) * ROWS * head_dim * 2
             + (splits > 1) * (ROWS * head_dim * 4 + ROWS * 4))
     # Mosaic reserves scratch for cross-warp reductions; the softmax only reduces along
     # rows (within a warp), so drop it when that lets two CTAs share an SM (<= 113 KB).
@@ -415,7 +468,7 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         _decode_kernel, sm_scale=float(sm_scale), num_kv_heads=num_kv_heads,
         num_pages=num_pages, page_size=page_size, ppb=ppb, nst=num_stages, num_splits=splits,
         staged=staged, early_v=staged and early_v_convert, interpret=interpret, heads=group,
-        qpi=qpi, ints=ints)
+        qpi=qpi, ints=ints, dst=dst)
     grid = ((num_ctas,), ("w",)) if splits > 1 else ((num_tokens, num_kv_heads), ("t", "h"))
     outs = plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch,
