@@ -1,7 +1,7 @@
 """GPU check of the Mosaic decode kernel on quantized KV pages; one JSON line per case.
 
     python3 scripts/check_mosaic_quant.py [--batch 64] [--ctx 2048] [--formats fp8,fp8_e5m2,int8,int4]
-        [--inner 10] [--json $OUT/check_mosaic_quant.json] [--sweep 1:2,2:3,...]
+        [--inner 10] [--json $OUT/check_mosaic_quant.json] [--sweep 1:2,1:3:2,...]
 
 Decode, one new token per request, B requests at context ctx, Llama-3-8B heads (32 q / 8 kv,
 D 128), 16-token pages shuffled in the pool (bench_kernels.decode_case). Cases: the Mosaic
@@ -17,9 +17,10 @@ quantized pages (bench_quant.quantized_kv). Each case is
     kernel time from a profiler trace (gpu_us); x_bf16_* = time / the bf16 Mosaic kernel's,
     x_pallas_* = the Mosaic kernel's time / the Pallas kernel's on the same pages;
     frac_C = bytes read and written / time / C (copy bandwidth measured here).
---sweep SPLITS:STAGES,... adds, for bf16 and every format, the Mosaic kernel at those split and
-pipeline-stage counts ("mosaic_s<S>n<N>"; the default is decode_schedule.default_config's): fewer
-stages leave room for more CTAs an SM, more splits give more CTAs. A failing case prints its error in its line and the others go on. About a minute on an H200.
+--sweep SPLITS:STAGES[:DEQ],... adds, for bf16 and every format, the Mosaic kernel at those split and
+pipeline-stage counts ("mosaic_s<S>n<N>[d<DEQ>]"; the default is decode_schedule.default_config's): fewer
+stages leave room for more CTAs an SM, more splits give more CTAs; DEQ > 0 has the producer
+warpgroup convert quantized tiles into a DEQ-deep f16 ring (`deq_stages`; bf16 pages ignore it). A failing case prints its error in its line and the others go on. About a minute on an H200.
 """
 
 from __future__ import annotations
@@ -89,10 +90,10 @@ def main() -> None:
                 device=jax.devices()[0].device_kind, jax=jax.__version__, C=C)
     rows, times, pages = [], {}, {}  # (format, kernel) -> {"us", "gpu_us"}; format -> pages
     sweep = []
-    for pair in filter(None, a.sweep.split(",")):
-        s_, n_ = (int(v) for v in pair.split(":"))
-        sweep.append(f"mosaic_s{s_}n{n_}")
-        fns[sweep[-1]] = functools.partial(fns["mosaic"], num_splits=s_, num_stages=n_)
+    for spec in filter(None, a.sweep.split(",")):
+        s_, n_, d_ = ([int(v) for v in spec.split(":")] + [0])[:3]
+        sweep.append(f"mosaic_s{s_}n{n_}" + (f"d{d_}" if d_ else ""))
+        fns[sweep[-1]] = functools.partial(fns["mosaic"], num_splits=s_, num_stages=n_, deq_stages=d_)
     plan = [("bf16", k) for k in ["mosaic"] + sweep] + [
         (f, k) for f in a.formats.split(",") for k in ["pallas", "mosaic", "mosaic_late_v"] + sweep]
     for fmt, kname in plan:
