@@ -219,6 +219,29 @@ def test_mosaic_backend_routes_decode_steps_by_page_format(monkeypatch, name, de
     assert calls == ["decode" if decode_kernel else "prefill", "prefill"]
 
 
+def test_decode_deq_stages_reach_the_kernel_and_bad_values_name_the_variable(monkeypatch):
+    """JAXLLM_DECODE_DEQ_STAGES is passed to the decode kernel as `deq_stages` (default 0);
+    a negative or non-integer value is an error naming the variable."""
+    from jaxllm.kernels import mosaic_attention, mosaic_decode
+
+    seen = []
+    monkeypatch.setattr(mosaic_decode, "paged_decode_attention",
+                        lambda q, *a, **k: seen.append(k["deq_stages"]) or q)
+    rng = np.random.default_rng(24)
+    q, kv, md = make_batch(rng, [(40, 1), (9, 1)], page_size=8, num_kv_heads=2, group=4,
+                           head_dim=128, pad_reqs=1, pad_tokens=1, dtype=jnp.bfloat16)
+    pages = quantized_pages(kv, "fp8")
+    for value in (None, "2"):
+        if value is not None:
+            monkeypatch.setenv("JAXLLM_DECODE_DEQ_STAGES", value)
+        mosaic_attention(q, pages, jnp.int32(0), md, sm_scale=0.1)
+    assert seen == [0, 2]
+    for bad in ("-1", "two"):
+        monkeypatch.setenv("JAXLLM_DECODE_DEQ_STAGES", bad)
+        with pytest.raises(ValueError, match="JAXLLM_DECODE_DEQ_STAGES"):
+            mosaic_attention(q, pages, jnp.int32(0), md, sm_scale=0.1)
+
+
 def test_mosaic_backend_routes_int_pages_by_shape(monkeypatch):
     """int8 / int4 pages go to the decode kernel only for routed formats (int4 at D = 128 by
     default: int8 measured slower there than in the Pallas kernel; D = 64 unchecked on a GPU)

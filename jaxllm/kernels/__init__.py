@@ -85,7 +85,8 @@ def mosaic_attention(q, kv_pages, layer, md, *, sm_scale: float,
     if num_tokens <= num_reqs and decode_head_dim_ok(q.shape[2], kv_pages.dtype):
         g = _pow2(group)  # a group that is no power of two (SmolLM2: 9 q / 3 kv heads) padded
         qpi = max(min(queries_per_request, mosaic_decode.ROWS // g), 1)
-        fn = functools.partial(mosaic_decode.paged_decode_attention, queries_per_item=qpi)
+        fn = functools.partial(mosaic_decode.paged_decode_attention, queries_per_item=qpi,
+                               deq_stages=decode_deq_stages())
         if g != group:
             return padded_group(fn, q, kv_pages, layer, md, sm_scale=sm_scale)
         return fn(q, kv_pages, layer, md, sm_scale=sm_scale)
@@ -100,6 +101,14 @@ def mosaic_attention(q, kv_pages, layer, md, *, sm_scale: float,
                                              decode_fn=mosaic_decode.paged_decode_attention,
                                              prefill_fn=prefill_fn)
     return prefill_fn(q, kv_pages, layer, md, sm_scale=sm_scale)
+
+
+def decode_deq_stages() -> int:
+    """JAXLLM_DECODE_DEQ_STAGES: 0 (default) the decode kernel's consumer converts quantized
+    tiles itself; d > 0 its producer warpgroup converts them into a d-deep f16 ring
+    (`mosaic_decode.paged_decode_attention(deq_stages=d)`; untimed on a GPU, so opt-in)."""
+    from jaxllm.envs import env_int
+    return env_int("JAXLLM_DECODE_DEQ_STAGES", 0, minimum=0)
 
 
 def decode_head_dim_ok(head_dim: int, page_dtype) -> bool:
