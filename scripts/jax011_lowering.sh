@@ -16,6 +16,6 @@ if [ ! -x "$V/bin/python" ]; then
 fi
 "$V/bin/python" -c "import jax; print('jax', jax.__version__)"
 FILES=("$@")
-[ ${#FILES[@]} -gt 0 ] || FILES=(tests/test_mosaic_quant.py tests/test_mosaic_heads.py tests/test_mosaic_verify.py tests/test_qmatmul_mosaic.py tests/test_qmatmul_int_mosaic.py
+[ ${#FILES[@]} -gt 0 ] || FILES=(tests/test_mosaic_quant.py tests/test_mosaic_heads.py tests/test_mosaic_verify.py tests/test_qmatmul_mosaic.py tests/test_qmatmul_int_mosaic.py tests/test_moe_gmm_ws.py
                                  tests/test_mosaic_prefill_fp8.py tests/test_prefill_kernel.py)
 PYTHONPATH=$PWD "$V/bin/python" -m pytest -rfEp -p no:cacheprovider "${FILES[@]}" -k "${K:-lowers_for_cuda or cuda}"

@@ -13,6 +13,9 @@
   sorting and unsorting the rows (an expert two rows share is read twice).
 - "mosaic_<bn>x<bk>s<stages>": its Hopper twin (`kernels/moe_gmm_mosaic.py`, Mosaic GPU:
   the bundled kernel's TMA/wgmma schedule over only the row blocks that hold rows).
+- "ws_<bn>x<bk>s<stages>": a warp-specialized Hopper kernel (`kernels/moe_gmm_ws.py`: the twin's
+  slot schedule, a memory warpgroup and two compute warpgroups), offered for prefill-sized row
+  counts.
 - "mgpu_<bm>x<bn>": JAX's bundled Mosaic GPU kernel
   (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`) at one tiling. It needs the
   group sizes to cover every row, so the rows no group covers (padding, other
@@ -88,6 +91,19 @@ class DirectGmm(DecodeGmm):
         return moe_gmm.direct_swiglu(x, w_gate, w_up, w_down, groups, self.tiling, interpret=self.interpret)
 
 
+class WsGmm(DecodeGmm):
+    """The warp-specialized Hopper kernel for prefill-sized row counts (`kernels/moe_gmm_ws.py`)."""
+
+    def __call__(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        from jaxllm.kernels import moe_gmm_ws
+        return moe_gmm_ws.grouped_matmul(x, w, group_sizes, self.tiling, interpret=self.interpret)
+
+    def pair(self, x, w1, w2, group_sizes):
+        from jaxllm.kernels import moe_gmm_ws
+        return moe_gmm_ws.grouped_matmul_pair(x, w1, w2, group_sizes, self.tiling,
+                                              interpret=self.interpret)
+
+
 class MosaicGmm(DecodeGmm):
     """The Hopper (Mosaic GPU) twin of the decode kernel (`kernels/moe_gmm_mosaic.py`)."""
 
@@ -138,6 +154,14 @@ def candidates(M: int, E: int, H: int, F: int, platform: str | None = None,
         for t in moe_gmm.PREFILL_TILINGS:
             if t.fits(H, F) and t.fits(F, H):
                 out[t.name] = DecodeGmm(t)
+        try:
+            from jaxllm.kernels import moe_gmm_ws
+
+            for t in moe_gmm_ws.TILINGS:
+                if t.fits(H, F) and t.fits(F, H):
+                    out[t.name] = WsGmm(t)
+        except Exception as e:  # a jax without Mosaic GPU's warp-specialized pipeline
+            log.info("warp-specialized grouped matmul unavailable: %s", e)
     try:
         for t in MGPU_TILINGS:
             bm, bn, bk, _, gbn = t
