@@ -5,7 +5,10 @@
 #     producer warpgroup convert the tiles (new) -- with ptxas' register / spill report, then
 #   m (~6 min): gpu_session18.sh i (fp8 / int8 / int4 decode matmuls, Mosaic and XLA paths,
 #     1 and 64 tokens, torch peers);
-#   km: k then m in one call (T_CHECK + T_MATMUL <= 570 s).
+#   g (~3 min): issue 15 -- the MoE grouped matmul at 8,192 tokens (Qwen3-30B-A3B experts), the
+#     warp-specialized kernel (kernels/moe_gmm_ws.py, new) beside ragged_dot_mgpu, the Triton
+#     tiles and torch `_grouped_mm` (bench_moe.py gmm);
+#   km: k then m in one call (T_CHECK + T_MATMUL <= 570 s); kg: k then g.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
@@ -25,9 +28,18 @@ for r in json.load(open(sys.argv[1])):
           f"frac_C={r.get('frac_C', float('nan')):.2f} {r.get('error', '')[-200:]}")
 PY
 }
+part_g() {
+  echo "== g. MoE grouped matmul, 8,192 tokens"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 10 ${T_GMM:-300} python3 scripts/bench_moe.py gmm \
+    --random-shape qwen3-30b-a3b --tokens ${GMM_TOKENS:-8192} --output-json "$OUT/moe_gmm.json" \
+    > "$OUT/moe_gmm.log" 2>&1; echo "rc=$?"
+  grep -v "^ *$" "$OUT/moe_gmm.log" | tail -40
+}
 case "${1:-}" in
   k) part_k ;;
   m) bash scripts/gpu_session18.sh i ;;
+  g) part_g ;;
+  kg) part_k; part_g ;;
   km) part_k; T_MATMUL=${T_MATMUL:-360} bash scripts/gpu_session18.sh i ;;
-  *) echo "usage: $0 k|m|km"; exit 2 ;;
+  *) echo "usage: $0 k|m|g|km|kg"; exit 2 ;;
 esac
