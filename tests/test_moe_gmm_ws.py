@@ -69,3 +69,61 @@ def test_lowers_for_cuda_at_qwen3_moe_shapes(tiling):
     assert tiling.smem_bytes() <= 227 * 1024
     assert tiling.name in gmm_impls.candidates(M, E, H, F, "gpu")
     assert tiling.name not in gmm_impls.candidates(64, E, H, F, "gpu")  # prefill-sized rows only
+
+
+def test_engine_with_the_kernel_matches_ragged_dot_greedy_ids(monkeypatch):
+    """The whole engine (layer scan, padding tokens and rows, prefill and decode steps) with this
+    kernel's gate/up pair and down as every expert matmul, through the interpreter, gives the
+    greedy ids of the same engine on ragged_dot (tiny Qwen3-MoE, H 64, F 32: 16-column halves of
+    32-column strips). The tiny model runs in float32 and the kernel multiplies bf16 (wgmma), so
+    both sides round the expert matmuls' inputs and outputs to bf16 alike."""
+    import functools
+
+    from hf_tiny import make, make_llm, random_prompts
+
+    from jaxllm import SamplingParams
+    from jaxllm.models import moe, moe_model
+
+    t = ws.WsTiling(block_n=16, block_k=32, stages=2)
+    b16, f32 = jnp.bfloat16, jnp.float32
+    traced = []
+
+    def ref(a, b, s):
+        return jax.lax.ragged_dot(a, b, s, preferred_element_type=f32).astype(b16)
+
+    def kernel(a, b, s):
+        return ws.grouped_matmul(a, b, s, t, interpret=True, num_sms=4)
+
+    def pair_of(one):
+        def pair(a, b, c, s):
+            return tuple(one(a.astype(b16), w.astype(b16), s).astype(f32) for w in (b, c))
+        return pair
+
+    def gmm_of(one, use_pair_kernel):
+        class Gmm:
+            __call__ = staticmethod(lambda a, b, s: one(a.astype(b16), b.astype(b16), s).astype(f32))
+            direct_mlp = staticmethod(lambda rows: None)
+
+            @staticmethod
+            def pair(a, b, c, s):
+                if not use_pair_kernel:
+                    return pair_of(one)(a, b, c, s)
+                traced.append(a.shape)
+                g, u = ws.grouped_matmul_pair(a.astype(b16), b.astype(b16), c.astype(b16), s, t,
+                                              interpret=True, num_sms=4)
+                return g.astype(f32), u.astype(f32)
+        return Gmm()
+
+    model, cfg, sd = make("qwen3_moe")
+    assert (cfg["hidden_size"], cfg["moe_intermediate_size"]) == (64, 32)
+    prompts = random_prompts(2, cfg["vocab_size"], 3, 40, seed=5)
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    init = moe_model.MoeLlama.__init__
+    ids = []
+    for gmm in (gmm_of(ref, False), gmm_of(kernel, True)):
+        monkeypatch.setattr(moe_model.MoeLlama, "__init__", lambda self, *a, gmm=gmm, **kw: init(
+            self, *a, **{**kw, "experts_fn": functools.partial(moe.experts, gmm=gmm)}))
+        llm = make_llm((cfg, sd), token_buckets=(64,), max_model_len=128)
+        ids.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])
+    assert ids[0] == ids[1] and all(len(i) == 3 for i in ids[0])
+    assert traced  # the kernel's engine traced its steps through the kernel
