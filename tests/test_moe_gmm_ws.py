@@ -12,7 +12,7 @@ import pytest
 from jaxllm.kernels import moe_gmm_ws as ws
 from jaxllm.models import gmm as gmm_impls
 
-TILING = ws.WsTiling(block_n=64, block_k=64, stages=2)
+TILING = ws.WsTiling(block_m=64, block_n=128, block_k=64, stages=2)
 
 
 def _inputs(M: int, G: int, K: int, N: int, seed: int = 0):
@@ -44,10 +44,10 @@ def test_groups_across_row_blocks_with_an_empty_expert():
 
 def test_pair_with_padding_rows_and_a_deeper_ring():
     """Gate and up in one launch; the rows no group covers (padding) are left undefined; K of
-    4 steps through a 3-deep ring; a strip of 2 x 128 columns."""
+    4 steps through a 3-deep ring; 128-row slots, the warpgroups splitting the rows."""
     sizes = np.array([5, 0, 0, 100, 3, 0], np.int32)
     x, w1, w2 = _inputs(120, 6, 256, 256, seed=1)
-    t = ws.WsTiling(block_n=128, block_k=64, stages=3)
+    t = ws.WsTiling(block_m=128, block_n=128, block_k=64, stages=3)
     g, u = jax.jit(lambda *a: ws.grouped_matmul_pair(*a, t, interpret=True, num_sms=2))(
         x, w1, w2, jnp.asarray(sizes))
     _check(g, x, w1, sizes)
@@ -84,7 +84,7 @@ def test_engine_with_the_kernel_matches_ragged_dot_greedy_ids(monkeypatch):
     from jaxllm import SamplingParams
     from jaxllm.models import moe, moe_model
 
-    t = ws.WsTiling(block_n=16, block_k=32, stages=2)
+    t = ws.WsTiling(block_m=64, block_n=32, block_k=32, stages=2)
     b16, f32 = jnp.bfloat16, jnp.float32
     traced = []
 

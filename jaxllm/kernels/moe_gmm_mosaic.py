@@ -45,18 +45,18 @@ class MosaicTiling:
 TILINGS = (MosaicTiling(128, 64, 4), MosaicTiling(64, 128, 4), MosaicTiling(64, 64, 6))
 
 
-def num_slots(M: int, G: int) -> int:
-    return -(-M // BLOCK_M) + min(G, M)
+def num_slots(M: int, G: int, block_m: int = BLOCK_M) -> int:
+    return -(-M // block_m) + min(G, M)
 
 
-def slots(group_sizes: jax.Array, M: int) -> tuple[jax.Array, jax.Array]:
-    """([3, S] per slot (expert, row block, live), [M] each sorted row's slot)."""
+def slots(group_sizes: jax.Array, M: int, block_m: int = BLOCK_M) -> tuple[jax.Array, jax.Array]:
+    """([3, S] per slot (expert, row block of block_m, live), [M] each sorted row's slot)."""
     G = group_sizes.shape[0]
-    S = num_slots(M, G)
+    S = num_slots(M, G, block_m)
     sizes = group_sizes.astype(jnp.int32)
     start = jnp.cumsum(sizes) - sizes
-    b0 = start // BLOCK_M
-    nblk = jnp.where(sizes > 0, (start + sizes - 1) // BLOCK_M - b0 + 1, 0)
+    b0 = start // block_m
+    nblk = jnp.where(sizes > 0, (start + sizes - 1) // block_m - b0 + 1, 0)
     ends = jnp.cumsum(nblk)
     s = jnp.arange(S, dtype=jnp.int32)
     g = jnp.minimum(jnp.searchsorted(ends, s, side="right", method="compare_all").astype(jnp.int32),
@@ -66,7 +66,7 @@ def slots(group_sizes: jax.Array, M: int) -> tuple[jax.Array, jax.Array]:
     rows = jnp.arange(M, dtype=jnp.int32)
     rg = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), rows, side="right",
                                       method="compare_all").astype(jnp.int32), G - 1)
-    row_slot = (ends - nblk)[rg] + rows // BLOCK_M - b0[rg]  # uncovered rows: any slot (undefined)
+    row_slot = (ends - nblk)[rg] + rows // block_m - b0[rg]  # uncovered rows: any slot (undefined)
     return jnp.stack([g, block, live]), jnp.clip(row_slot, 0, S - 1)
 
 

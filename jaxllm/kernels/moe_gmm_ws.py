@@ -5,15 +5,18 @@ JAX's bundled `ragged_dot_mgpu` at 264 TFLOP/s, 0.61x torch `_grouped_mm` (docs/
 kernel runs one warpgroup a CTA: it issues its TMA copies, waits, multiplies and stores in turn,
 and finds each tile's group by an unrolled pass over all G group sizes.
 
-Here the schedule of `moe_gmm_mosaic.py` (a list, built in XLA, of the (expert, 64-row block)
-slots that hold rows; a slot-major `[S, 64, N]` output that one gather puts back in row order)
+Here the schedule of `moe_gmm_mosaic.py` (a list, built in XLA, of the (expert, bm-row block)
+slots that hold rows; a slot-major `[S, bm, N]` output that one gather puts back in row order)
 meets the structure of JAX's `hopper_matmul_mgpu.py`: a persistent CTA per SM walks the
-(slot, column strip) tiles; a memory warpgroup streams the slot's x rows `[64, bk]` and the
-expert's weight strip `[bk, 2 bn]` through a `stages`-deep ring
-(`plgpu.emit_pipeline_warp_specialized`), and two compute warpgroups each take half of the
-strip (wgmma 64 x bn, accumulators in registers) and store their `[64, bn]` through shared
-memory with TMA while the next tile's copies are in flight. Tiles of dead slots (past the
-live ones) return at once. Gate and up run in one launch (`pair`): strips over both weights.
+(slot, column strip) tiles; a memory warpgroup streams the slot's x rows `[bm, bk]` and the
+expert's weight strip `[bk, bn]` through a `stages`-deep ring
+(`plgpu.emit_pipeline_warp_specialized`), and two compute warpgroups multiply (wgmma,
+accumulators in registers) and store their part through shared memory with TMA while the next
+tile's copies are in flight. bm = 64: each warpgroup takes half the strip's columns; bm = 128:
+each takes 64 of the rows and the whole strip, so a weight byte brought in serves twice the
+rows (the tile CUTLASS's Hopper GEMMs use), for up to 127 rows of padding an expert instead of
+63. Tiles of dead slots (past the live ones) return at once. Gate and up run in one launch
+(`pair`): strips over both weights.
 """
 
 from __future__ import annotations
@@ -27,28 +30,36 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxllm.kernels.moe_gmm_mosaic import BLOCK_M, slots
+from jaxllm.kernels.moe_gmm_mosaic import slots
+
+WG_ROWS = 64  # wgmma M
 
 
 @dataclasses.dataclass(frozen=True)
 class WsTiling:
-    block_n: int = 128  # columns a compute warpgroup (the CTA's strip: 2 x block_n)
+    block_m: int = 64  # rows a slot (64: the warpgroups split the strip; 128: they split the rows)
+    block_n: int = 256  # the CTA's column strip
     block_k: int = 64
     stages: int = 4
 
     @property
     def name(self) -> str:
-        return f"ws_{self.block_n}x{self.block_k}s{self.stages}"
+        return f"ws{self.block_m}_{self.block_n}x{self.block_k}s{self.stages}"
+
+    @property
+    def wg_cols(self) -> int:  # columns a compute warpgroup multiplies and stores
+        return self.block_n if self.block_m == 2 * WG_ROWS else self.block_n // 2
 
     def fits(self, K: int, N: int) -> bool:
-        return N % (2 * self.block_n) == 0 and K % self.block_k == 0
+        return N % self.block_n == 0 and K % self.block_k == 0
 
     def smem_bytes(self, itemsize: int = 2) -> int:  # ring + the two warpgroups' output tiles
-        ring = self.stages * (BLOCK_M * self.block_k + self.block_k * 2 * self.block_n)
-        return (ring + 2 * BLOCK_M * self.block_n) * itemsize
+        ring = self.stages * (self.block_m * self.block_k + self.block_k * self.block_n)
+        return (ring + 2 * WG_ROWS * self.wg_cols) * itemsize
 
 
-TILINGS = (WsTiling(128, 64, 4), WsTiling(64, 64, 6), WsTiling(128, 64, 3))
+TILINGS = (WsTiling(64, 256, 64, 4), WsTiling(64, 128, 64, 6), WsTiling(128, 256, 64, 3),
+           WsTiling(128, 128, 64, 5))
 
 
 def _transforms(cols: int, itemsize: int = 2):
@@ -59,14 +70,15 @@ def _transforms(cols: int, itemsize: int = 2):
 def _body(sched_gmem, x_gmem, *refs, t: WsTiling, num_slots_: int, K: int, N: int):
     """refs = the weights (one, or gate and up), then the slot-major output [S, 64, n_w * N]."""
     w_refs, o_gmem = refs[:-1], refs[-1]
-    bn, strip = t.block_n, 2 * t.block_n
+    bm, strip, wn = t.block_m, t.block_n, t.wg_cols
+    split_rows = bm == 2 * WG_ROWS
     strips = N // strip
     cols = len(w_refs) * strips
 
     def pipeline(body, ctx):
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(K // t.block_k,), memory_registers=40,
-            in_specs=[plgpu.BlockSpec((BLOCK_M, t.block_k), lambda k: (0, k),
+            in_specs=[plgpu.BlockSpec((bm, t.block_k), lambda k: (0, k),
                                       transforms=_transforms(t.block_k)),
                       plgpu.BlockSpec((t.block_k, strip), lambda k: (k, 0),
                                       transforms=_transforms(strip))],
@@ -77,7 +89,7 @@ def _body(sched_gmem, x_gmem, *refs, t: WsTiling, num_slots_: int, K: int, N: in
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_refs[0].at[0]),
-        out_smem=plgpu.SMEM((2, BLOCK_M, bn), o_gmem.dtype, transforms=_transforms(bn)),
+        out_smem=plgpu.SMEM((2, WG_ROWS, wn), o_gmem.dtype, transforms=_transforms(wn)),
         collective_axes="wg")
     def _scope(allocs, out_smem):
         wg = lax.axis_index("wg")
@@ -94,23 +106,27 @@ def _body(sched_gmem, x_gmem, *refs, t: WsTiling, num_slots_: int, K: int, N: in
 
                     def ctx(eval_pipeline):
                         @functools.partial(pl.run_scoped,
-                                           acc_ref=plgpu.ACC((BLOCK_M, bn), jnp.float32))
+                                           acc_ref=plgpu.ACC((WG_ROWS, wn), jnp.float32))
                         def _(acc_ref):
                             eval_pipeline(acc_ref)
                             acc = acc_ref[...].astype(o_gmem.dtype)
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store
                             out_smem[wg] = acc
                             plgpu.commit_smem()
-                            col = i * N + j * strip + wg * bn
+                            col = i * N + j * strip + (0 if split_rows else wg * wn)
+                            rows = pl.ds(wg * WG_ROWS if split_rows else 0, WG_ROWS)
                             plgpu.copy_smem_to_gmem(out_smem.at[wg],
-                                                    o_gmem.at[s, :, pl.ds(col, bn)])
+                                                    o_gmem.at[s, rows, pl.ds(col, wn)])
 
                     def mma(_, x_smem, w_smem, acc_ref):
-                        plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, pl.ds(wg * bn, bn)])
+                        if split_rows:
+                            plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], w_smem)
+                        else:
+                            plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, pl.ds(wg * wn, wn)])
                         plgpu.wgmma_wait(0)
                         return acc_ref
 
-                    pipeline(mma, ctx)(x_gmem.at[pl.ds(block * BLOCK_M, BLOCK_M)],
+                    pipeline(mma, ctx)(x_gmem.at[pl.ds(block * bm, bm)],
                                        w_gmem.at[expert, :, pl.ds(j * strip, strip)],
                                        allocations=allocs)
 
@@ -123,9 +139,11 @@ def _call(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array, t: Ws
     G, _, N = ws[0].shape
     if not t.fits(K, N) or any(w.shape != ws[0].shape for w in ws):
         raise ValueError(f"tiling {t.name} does not fit K={K}, N={N} (weights {[w.shape for w in ws]})")
-    sched, row_slot = slots(group_sizes, M)
+    if t.block_m not in (WG_ROWS, 2 * WG_ROWS):
+        raise ValueError(f"block_m must be {WG_ROWS} or {2 * WG_ROWS}, got {t.block_m}")
+    sched, row_slot = slots(group_sizes, M, t.block_m)
     S = sched.shape[1]
-    pad = -M % BLOCK_M  # whole row blocks for the TMA copies
+    pad = -M % t.block_m  # whole row blocks for the TMA copies
     xp = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
     params = {}
     if interpret:
@@ -133,12 +151,12 @@ def _call(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array, t: Ws
         params["interpret"] = InterpretGPUParams(detect_races=True)
     out = plgpu.kernel(
         functools.partial(_body, t=t, num_slots_=S, K=K, N=N),
-        out_type=jax.ShapeDtypeStruct((S, BLOCK_M, len(ws) * N), x.dtype),
+        out_type=jax.ShapeDtypeStruct((S, t.block_m, len(ws) * N), x.dtype),
         grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **params,
     )(sched, xp, *(w.astype(x.dtype) for w in ws))
-    return out[row_slot, jnp.arange(M) % BLOCK_M]
+    return out[row_slot, jnp.arange(M) % t.block_m]
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
