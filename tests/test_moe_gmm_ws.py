@@ -71,6 +71,7 @@ def test_lowers_for_cuda_at_qwen3_moe_shapes(tiling):
     assert tiling.name not in gmm_impls.candidates(64, E, H, F, "gpu")  # prefill-sized rows only
 
 
+@pytest.mark.slow  # ~70 s: every warm-up and step runs the kernel in the interpreter
 def test_engine_with_the_kernel_matches_ragged_dot_greedy_ids(monkeypatch):
     """The whole engine (layer scan, padding tokens and rows, prefill and decode steps) with this
     kernel's gate/up pair and down as every expert matmul, through the interpreter, gives the
@@ -117,7 +118,7 @@ def test_engine_with_the_kernel_matches_ragged_dot_greedy_ids(monkeypatch):
     model, cfg, sd = make("qwen3_moe")
     assert (cfg["hidden_size"], cfg["moe_intermediate_size"]) == (64, 32)
     prompts = random_prompts(2, cfg["vocab_size"], 3, 40, seed=5)
-    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     init = moe_model.MoeLlama.__init__
     ids = []
     for gmm in (gmm_of(ref, False), gmm_of(kernel, True)):
@@ -125,5 +126,5 @@ def test_engine_with_the_kernel_matches_ragged_dot_greedy_ids(monkeypatch):
             self, *a, **{**kw, "experts_fn": functools.partial(moe.experts, gmm=gmm)}))
         llm = make_llm((cfg, sd), token_buckets=(64,), max_model_len=128)
         ids.append([o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])
-    assert ids[0] == ids[1] and all(len(i) == 3 for i in ids[0])
+    assert ids[0] == ids[1] and all(len(i) == 2 for i in ids[0])
     assert traced  # the kernel's engine traced its steps through the kernel
