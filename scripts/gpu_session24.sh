@@ -9,6 +9,10 @@
 #     warp-specialized kernel (kernels/moe_gmm_ws.py, new) beside ragged_dot_mgpu, the Triton
 #     tiles and torch `_grouped_mm` (bench_moe.py gmm);
 #   km: k then m in one call (T_CHECK + T_MATMUL <= 570 s); kg: k then g.
+# None ran in session 24 (every device start failed). Next session, in order: kg, m, then
+# gpu_session18.sh e (decode step with quantized weights: does the warm-up pick the Mosaic
+# matmuls?), b (MoE decode incl. the direct path), h, g, b2, a. If the sweep shows a deq_stages
+# config faster than the default, make it the default for quantized pages (decode_schedule).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
