@@ -110,28 +110,36 @@ def _body(sched_gmem, x_gmem, *refs, t: MosaicTiling, num_slots_: int, K: int, N
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _call(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array, t: MosaicTiling,
-          interpret: bool, num_sms: int) -> jax.Array:
-    M, K = x.shape
-    G, _, N = ws[0].shape
-    if not t.fits(K, N) or any(w.shape != ws[0].shape for w in ws):
-        raise ValueError(f"tiling {t.name} does not fit K={K}, N={N} (weights {[w.shape for w in ws]})")
-    sched, row_slot = slots(group_sizes, M)
+def launch(body, x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array, block_m: int,
+           interpret: bool, num_sms: int, **kernel_kw) -> jax.Array:
+    """The slot schedule around a persistent kernel `body(sched, x, *ws, out, num_slots_=S)`:
+    the slot list, x padded to whole row blocks (for the TMA copies), the slot-major output
+    [S, block_m, len(ws) * N] and the gather that puts every row back from its own slot."""
+    M = x.shape[0]
+    sched, row_slot = slots(group_sizes, M, block_m)
     S = sched.shape[1]
-    pad = -M % BLOCK_M  # whole row blocks for the TMA copies
+    pad = -M % block_m
     xp = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
-    params = {}
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        params["interpret"] = InterpretGPUParams(detect_races=True)
+        kernel_kw["interpret"] = InterpretGPUParams(detect_races=True)
     out = plgpu.kernel(
-        functools.partial(_body, t=t, num_slots_=S, K=K, N=N),
-        out_type=jax.ShapeDtypeStruct((S, BLOCK_M, len(ws) * N), x.dtype),
+        functools.partial(body, num_slots_=S),
+        out_type=jax.ShapeDtypeStruct((S, block_m, len(ws) * ws[0].shape[2]), x.dtype),
         grid=(num_sms,), grid_names=("sm",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        **params,
+        **kernel_kw,
     )(sched, xp, *(w.astype(x.dtype) for w in ws))
-    return out[row_slot, jnp.arange(M) % BLOCK_M]
+    return out[row_slot, jnp.arange(M) % block_m]
+
+
+def _call(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array, t: MosaicTiling,
+          interpret: bool, num_sms: int) -> jax.Array:
+    K, N = ws[0].shape[1:]
+    if not t.fits(K, N) or any(w.shape != ws[0].shape for w in ws):
+        raise ValueError(f"tiling {t.name} does not fit K={K}, N={N} (weights {[w.shape for w in ws]})")
+    return launch(functools.partial(_body, t=t, K=K, N=N), x, ws, group_sizes, BLOCK_M, interpret,
+                  num_sms)
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,

@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxllm.kernels.moe_gmm_mosaic import slots
+from jaxllm.kernels.moe_gmm_mosaic import launch
 
 WG_ROWS = 64  # wgmma M
 
@@ -135,28 +135,13 @@ def _body(sched_gmem, x_gmem, *refs, t: WsTiling, num_slots_: int, K: int, N: in
 
 def _call(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array, t: WsTiling,
           interpret: bool, num_sms: int) -> jax.Array:
-    M, K = x.shape
-    G, _, N = ws[0].shape
+    K, N = ws[0].shape[1:]
     if not t.fits(K, N) or any(w.shape != ws[0].shape for w in ws):
         raise ValueError(f"tiling {t.name} does not fit K={K}, N={N} (weights {[w.shape for w in ws]})")
     if t.block_m not in (WG_ROWS, 2 * WG_ROWS):
         raise ValueError(f"block_m must be {WG_ROWS} or {2 * WG_ROWS}, got {t.block_m}")
-    sched, row_slot = slots(group_sizes, M, t.block_m)
-    S = sched.shape[1]
-    pad = -M % t.block_m  # whole row blocks for the TMA copies
-    xp = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
-    params = {}
-    if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-        params["interpret"] = InterpretGPUParams(detect_races=True)
-    out = plgpu.kernel(
-        functools.partial(_body, t=t, num_slots_=S, K=K, N=N),
-        out_type=jax.ShapeDtypeStruct((S, t.block_m, len(ws) * N), x.dtype),
-        grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        **params,
-    )(sched, xp, *(w.astype(x.dtype) for w in ws))
-    return out[row_slot, jnp.arange(M) % t.block_m]
+    return launch(functools.partial(_body, t=t, K=K, N=N), x, ws, group_sizes, t.block_m,
+                  interpret, num_sms, num_threads=3, thread_name="wg")
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
