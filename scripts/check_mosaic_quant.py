@@ -17,10 +17,12 @@ quantized pages (bench_quant.quantized_kv). Each case is
     kernel time from a profiler trace (gpu_us); x_bf16_* = time / the bf16 Mosaic kernel's,
     x_pallas_* = the Mosaic kernel's time / the Pallas kernel's on the same pages;
     frac_C = bytes read and written / time / C (copy bandwidth measured here).
---sweep SPLITS:STAGES[:DEQ],... adds, for bf16 and every format, the Mosaic kernel at those split and
-pipeline-stage counts ("mosaic_s<S>n<N>[d<DEQ>]"; the default is decode_schedule.default_config's): fewer
-stages leave room for more CTAs an SM, more splits give more CTAs; DEQ > 0 has the producer
-warpgroup convert quantized tiles into a DEQ-deep f16 ring (`deq_stages`; bf16 pages ignore it). A failing case prints its error in its line and the others go on. About a minute on an H200.
+--sweep SPLITS:STAGES[:DEQ],... adds the Mosaic kernel at those split and pipeline-stage counts
+("mosaic_s<S>n<N>[d<DEQ>]"; the default is decode_schedule.default_config's): fewer stages leave
+room for more CTAs an SM, more splits give more CTAs; DEQ > 0 has the producer warpgroup convert
+quantized tiles into a DEQ-deep f16 ring (`deq_stages`; bf16 pages take only the DEQ 0 entries,
+as they have nothing to convert). A failing case prints its error in its line and the others go
+on. About a minute on an H200.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=2048)
     p.add_argument("--formats", default=",".join(MOSAIC_FORMATS))
     p.add_argument("--inner", type=int, default=10)
-    p.add_argument("--sweep", default="", help="SPLITS:STAGES pairs for extra Mosaic cases")
+    p.add_argument("--sweep", default="", help="SPLITS:STAGES[:DEQ] entries for extra Mosaic cases")
     p.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."),
                                                   "check_mosaic_quant.json"))
     a = p.parse_args()
@@ -89,12 +91,14 @@ def main() -> None:
     head = dict(batch=a.batch, ctx=a.ctx, page=16, heads=f"{H}/{K}x{D}", layers=case["layers"],
                 device=jax.devices()[0].device_kind, jax=jax.__version__, C=C)
     rows, times, pages = [], {}, {}  # (format, kernel) -> {"us", "gpu_us"}; format -> pages
-    sweep = []
+    sweep, converts = [], set()  # converts: the entries with DEQ > 0 (nothing to do on bf16)
     for spec in filter(None, a.sweep.split(",")):
         s_, n_, d_ = ([int(v) for v in spec.split(":")] + [0])[:3]
         sweep.append(f"mosaic_s{s_}n{n_}" + (f"d{d_}" if d_ else ""))
         fns[sweep[-1]] = functools.partial(fns["mosaic"], num_splits=s_, num_stages=n_, deq_stages=d_)
-    plan = [("bf16", k) for k in ["mosaic"] + sweep] + [
+        if d_:
+            converts.add(sweep[-1])
+    plan = [("bf16", k) for k in ["mosaic"] + sweep if k not in converts] + [
         (f, k) for f in a.formats.split(",") for k in ["pallas", "mosaic", "mosaic_late_v"] + sweep]
     for fmt, kname in plan:
         row = dict(head, kv=fmt, kernel=kname)

@@ -68,7 +68,7 @@ def _transforms(cols: int, itemsize: int = 2):
 
 
 def _body(sched_gmem, x_gmem, *refs, t: WsTiling, num_slots_: int, K: int, N: int):
-    """refs = the weights (one, or gate and up), then the slot-major output [S, 64, n_w * N]."""
+    """refs = the weights (one, or gate and up), then the slot-major output [S, bm, n_w * N]."""
     w_refs, o_gmem = refs[:-1], refs[-1]
     bm, strip, wn = t.block_m, t.block_n, t.wg_cols
     split_rows = bm == 2 * WG_ROWS

@@ -250,7 +250,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
         def body(step, carry):
             acc, m, l = carry
             slot = lax.rem(step, jnp.int32(nst))
-            d = lax.rem(step, jnp.int32(max(dst, 1)))
+            d = lax.rem(step, jnp.int32(dst)) if dst else None
             if dst:  # converted by the producer into staging slot d
                 plgpu.barrier_wait(kdeq_bar.at[d])
                 k_tile = k_deq.at[d]
@@ -294,7 +294,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
                 return acc_ref[...]
 
             acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
-            plgpu.barrier_arrive((deq_free.at[d] if dst else free_bar.at[slot]))
+            plgpu.barrier_arrive(deq_free.at[d] if dst else free_bar.at[slot])
             return acc, m_new, l
 
         acc, m, l = lax.fori_loop(0, steps, body, (acc, m, l))

@@ -13,9 +13,9 @@
   sorting and unsorting the rows (an expert two rows share is read twice).
 - "mosaic_<bn>x<bk>s<stages>": its Hopper twin (`kernels/moe_gmm_mosaic.py`, Mosaic GPU:
   the bundled kernel's TMA/wgmma schedule over only the row blocks that hold rows).
-- "ws_<bn>x<bk>s<stages>": a warp-specialized Hopper kernel (`kernels/moe_gmm_ws.py`: the twin's
-  slot schedule, a memory warpgroup and two compute warpgroups), offered for prefill-sized row
-  counts.
+- "ws<bm>_<bn>x<bk>s<stages>": a warp-specialized Hopper kernel (`kernels/moe_gmm_ws.py`: the
+  twin's slot schedule over bm-row slots, a memory warpgroup and two compute warpgroups), offered
+  for prefill-sized row counts.
 - "mgpu_<bm>x<bn>": JAX's bundled Mosaic GPU kernel
   (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`) at one tiling. It needs the
   group sizes to cover every row, so the rows no group covers (padding, other
