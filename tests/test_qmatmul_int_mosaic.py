@@ -184,3 +184,24 @@ def test_engine_with_relaid_weights_keeps_the_xla_paths_ids(monkeypatch, method=
     assert {int(np.prod(s[:-1])) for s in calls} == {4, 64}
     assert got_ids == want_ids
     np.testing.assert_allclose(got_lps, want_lps, atol=2e-2)
+
+
+@pytest.mark.parametrize("kind", ["int4", "int8", "fp8"])
+def test_every_pipelined_block_is_whole_128_byte_units(kind):
+    """A TMA destination must start 128-byte aligned, and the pipeline lays its slots end to end:
+    int4's [1, 8] float32 x group sums (32 bytes a slot, 1-row steps) faulted on an H100 with
+    "misaligned address" (session 25). Every block at every padded row count is whole 128-byte
+    units, and the dtypes counted are those `to_nk` / `int_matmul` pass."""
+    nk = q4.to_nk(_weight(kind=kind))
+    for bn in (64, 128):
+        for Mp in range(8, q4.MAX_ROWS + 1, 8):
+            blocks = q4.slot_blocks(nk.kind, bn, Mp)
+            for role, shape, dtype in blocks:
+                nbytes = int(np.prod(shape)) * jnp.dtype(dtype).itemsize // (2 if dtype == jnp.int4 else 1)
+                assert nbytes % 128 == 0, (kind, bn, Mp, role, shape, dtype)
+    assert blocks[0][2] == nk.values.dtype
+    if kind == "int4":
+        assert {jnp.dtype(b[2]) for b in blocks if b[0] == "row"} == {nk.scale.dtype, nk.offset.dtype}
+        assert q4.slot_blocks("int4", 64, 8)[3][1] == (1, 32)  # padded from 8
+    if kind == "fp8":
+        assert blocks[1][2] == nk.scale.dtype

@@ -53,6 +53,14 @@ from jaxllm.kernels.qmatmul_mosaic import SMEM_LIMIT, grid_splits, padded_rows
 
 MAX_ROWS = 64
 GROUP = 128  # K rows per pipeline step (= int4's scale group)
+XS_MIN = 32  # int4's x group-sum rows are padded to a multiple of 32 float32 (128 bytes): each
+# pipeline slot of a TMA destination must start 128-byte aligned; [1, 8] slots of 32 bytes
+# faulted on an H100 ("misaligned address", 1-row steps; 64 rows were fine), session 25
+
+
+def xs_width(Mp: int) -> int:
+    """Columns of int4's x group sums: Mp rounded up to whole 128-byte slots."""
+    return -(-Mp // XS_MIN) * XS_MIN
 KERNEL_NAME = "jaxllm_int_matmul"
 
 
@@ -189,6 +197,20 @@ class Tiling:
 SHAPES = ((64, 8), (128, 6))  # (block_n, stages): 4-16 KB of weight a slot
 
 
+def slot_blocks(kind: str, block_n: int, Mp: int) -> list[tuple[str, tuple[int, int], object]]:
+    """(role, block shape, dtype) of each operand the pipeline copies a step, in the kernel's
+    order: the weight tile, int4's scale / offset rows and x group sums, fp8's row scales, the x
+    tile. Every block is a whole number of 128-byte units (`XS_MIN`)."""
+    w = {"int4": jnp.int4, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}[kind]
+    out = [("w", (block_n, GROUP), w)]
+    if kind == "int4":
+        out += [("row", (1, block_n), jnp.float16), ("row", (1, block_n), jnp.float16),
+                ("xs", (1, xs_width(Mp)), jnp.float32)]
+    elif kind == "fp8":
+        out.append(("row", (1, block_n), jnp.float32))
+    return out + [("x", (Mp, GROUP), jnp.float16 if kind == "fp8" else jnp.bfloat16)]
+
+
 def smem_bytes(M: int, t: Tiling, kind: str) -> int:
     """Shared memory of a tiling at M rows: `stages` slots of the weight tile, the x tile (2-byte)
     and the scale rows, the float32 output tile, and 4 KiB for Mosaic's padding of the small
@@ -196,7 +218,7 @@ def smem_bytes(M: int, t: Tiling, kind: str) -> int:
     probed: int4 / int8 / fp8, 1 and 64 rows, 64 / 128 weight rows, 2 / 4 stages)."""
     Mp = padded_rows(M)
     slot = t.block_n * GROUP * (1 if kind == "int4" else 2) // 2 + Mp * GROUP * 2
-    slot += {"int4": 2 * t.block_n * 2 + Mp * 4, "fp8": t.block_n * 4}.get(kind, 0)
+    slot += {"int4": 2 * t.block_n * 2 + xs_width(Mp) * 4, "fp8": t.block_n * 4}.get(kind, 0)
     return t.stages * slot + t.block_n * Mp * 4 + 4096
 
 
@@ -269,26 +291,22 @@ def _body(x_gmem, w_gmem, *refs, t: Tiling, K: int, kind: str, interpret: bool):
             s = s_smem[0, :].astype(jnp.float32)
             o = o_smem[0, :].astype(jnp.float32) + 8.0 * s  # the stored offset of q, not q - 8
             part = (part * lax.broadcast_in_dim(s, (bn, Mp), [0])
-                    + lax.broadcast_in_dim(o, (bn, Mp), [0]) * lax.broadcast_in_dim(xs_smem[0, :], (bn, Mp), [1]))
+                    + lax.broadcast_in_dim(o, (bn, Mp), [0]) * lax.broadcast_in_dim(xs_smem[0, :Mp], (bn, Mp), [1]))
         plgpu.commit_smem()  # the slot's plain reads, ordered before the TMA that refills it
         return total + part
 
     g0 = ks * steps
-    specs, srcs = [plgpu.BlockSpec((bn, GROUP), lambda k: (j, g0 + k))], [w_gmem]
-    if int4:
-        specs += [plgpu.BlockSpec((1, bn), lambda k: (g0 + k, j)), plgpu.BlockSpec((1, bn), lambda k: (g0 + k, j)),
-                  plgpu.BlockSpec((1, Mp), lambda k: (g0 + k, 0))]
-        srcs += [s_gmem, o_gmem, xs_gmem]
-    elif kind == "fp8":
-        specs.append(plgpu.BlockSpec((1, bn), lambda k: (g0 + k, j)))
-        srcs.append(s_gmem)
+    srcs = [w_gmem] + ([s_gmem, o_gmem, xs_gmem] if int4 else [s_gmem] if kind == "fp8" else []) + [x_gmem]
+    column = {"w": lambda k: (j, g0 + k), "row": lambda k: (g0 + k, j), "x": lambda k: (0, g0 + k),
+              "xs": lambda k: (g0 + k, 0)}  # block index of each operand's step-k tile
+    specs = [plgpu.BlockSpec(shape, column[role]) for role, shape, _ in slot_blocks(kind, bn, Mp)]
     total = plgpu.emit_pipeline(
         step,
         grid=(steps,),
-        in_specs=[*specs, plgpu.BlockSpec((Mp, GROUP), lambda k: (0, g0 + k))],
+        in_specs=specs,
         max_concurrent_steps=t.stages,
         init_carry=jnp.zeros((bn, Mp), jnp.float32),
-    )(*srcs, x_gmem)
+    )(*srcs)
     o_smem = scratch[0]
     o_smem[...] = total
     plgpu.commit_smem()
@@ -314,6 +332,7 @@ def int_matmul(x: jax.Array, w: Int4NK | Int8NK | Fp8NK, tiling: Tiling, interpr
     args = [xb, w.values] + ([w.scale] if kind == "fp8" else [])
     if int4:
         xsum = xb.astype(jnp.float32).reshape(Mp, K // GROUP, GROUP).sum(-1).T  # [K / GROUP, Mp]
+        xsum = jnp.pad(xsum, ((0, 0), (0, xs_width(Mp) - Mp)))  # 128-byte slots (XS_MIN)
         args += [w.scale, w.offset, xsum]
     scratch = [plgpu.SMEM((tiling.block_n, Mp), jnp.float32)]
     params = {}
