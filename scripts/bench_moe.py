@@ -93,6 +93,7 @@ def gmm_bench(args) -> dict:
 
     from bench_latency import copy_bandwidth
     from jaxllm.models import gmm as gmm_impls
+    from jaxllm.models import moe
 
     E, k, H, F = args.experts, args.top_k, args.hidden, args.inter
     C = copy_bandwidth(args.copy_gib)
@@ -102,6 +103,7 @@ def gmm_bench(args) -> dict:
     key = jax.random.key(0)
     w_gu = (jax.random.normal(key, (E, H, 2 * F), jnp.float32) / np.sqrt(H)).astype(jnp.bfloat16)
     w_d = (jax.random.normal(jax.random.key(1), (E, F, H), jnp.float32) / np.sqrt(F)).astype(jnp.bfloat16)
+    w_pair = (jnp.array(w_gu[..., :F]), jnp.array(w_gu[..., F:])) if args.pairs else None  # the engine's layout
     rng = np.random.default_rng(0)
     for T in args.tokens:
         M = T * k
@@ -119,6 +121,7 @@ def gmm_bench(args) -> dict:
             x, w_gu, w_d, sizes)
         # "direct_*" (unsorted rows, one slot a row): the same sorted rows given by their expert ids
         groups_r = jnp.asarray(np.stack([np.repeat(np.arange(E), s) for s in sizes_np]).astype(np.int32))
+        variants = []  # (name, swiglu_of(x, a, b, routes), a: w_gu or the engine's (w_gate, w_up))
         for name, impl in gmm_impls.candidates(M, E, H, F).items():
             if name.startswith("direct_"):
                 mlp = impl.direct_mlp(M)
@@ -128,9 +131,20 @@ def gmm_bench(args) -> dict:
             else:
                 def swiglu_of(x, a, b, s, impl=impl):
                     return gmm_impls.swiglu(x, a, b, s, impl)
+            variants.append((name, swiglu_of, w_gu))
+            if hasattr(impl, "pair") and not name.startswith("direct_") and args.pairs:
+                # As the engine calls it (models/moe.expert_mlp): gate and up stored apart, `pair`
+                # multiplies both in one launch; "_split": two launches of the one-weight call.
+                def pair_of(x, a, b, s, impl=impl):
+                    return moe.expert_mlp(x, a[0], a[1], b, s, impl)
+
+                def split_of(x, a, b, s, impl=impl):
+                    return moe.expert_mlp(x, a[0], a[1], b, s, lambda x, w, s: impl(x, w, s))
+                variants += [(name + "_pair", pair_of, w_pair), (name + "_split", split_of, w_pair)]
+        for name, swiglu_of, a_arg in variants:
             routes = groups_r if name.startswith("direct_") else sizes_r
             try:
-                got = jax.jit(swiglu_of)(x, w_gu, w_d, routes[0])
+                got = jax.jit(swiglu_of)(x, a_arg, w_d, routes[0])
                 err = float(jnp.linalg.norm((got - ref).astype(jnp.float32)) /
                             jnp.linalg.norm(ref.astype(jnp.float32)))
                 if not err <= 3e-2:  # NaN fails too: a wrong kernel is not timed
@@ -143,12 +157,12 @@ def gmm_bench(args) -> dict:
                         return y.astype(x.dtype) * 0.5 + x * 0.5
                     return jax.lax.fori_loop(0, reps, body, x)
                 f = jax.jit(run)
-                t = timed(f, x, w_gu, w_d, routes) / reps
+                t = timed(f, x, a_arg, w_d, routes) / reps
                 row[name] = {"s": t, "x_floor": t / floor, "tflops": flops / t / 1e12, "rel_err": err}
                 if T <= 64 and args.kernels and jax.default_backend() == "gpu":
                     try:  # where the time goes: GPU time per kernel name per step
                         from bench_kernels import gpu_kernels
-                        per = gpu_kernels(lambda: f(x, w_gu, w_d, routes), calls=2)
+                        per = gpu_kernels(lambda: f(x, a_arg, w_d, routes), calls=2)
                         row[name]["kernels_us"] = {k[:70]: round(v / reps * 1e6, 2) for k, v in
                                                    sorted(per.items(), key=lambda kv: -kv[1])[:8]}
                         row[name]["gpu_busy_s"] = sum(per.values()) / reps
@@ -390,6 +404,9 @@ def main() -> None:
     p.add_argument("--copy-gib", type=float, default=4.0, help="size of the copy-bandwidth pass")
     p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
                    help="gmm: GPU time per kernel name at <= 64 tokens (a profiler trace per variant)")
+    p.add_argument("--pairs", action="store_true",
+                   help="gmm: also time each kernel with gate and up stored apart, as the engine calls it "
+                        "(`<name>_pair`: one launch for both; `<name>_split`: two launches)")
     p.add_argument("--rotations", type=int, default=16,
                    help="gmm: routings timed in turn (<= 512 tokens), so experts come from HBM")
     args = p.parse_args()
