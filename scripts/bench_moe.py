@@ -103,7 +103,7 @@ def gmm_bench(args) -> dict:
     key = jax.random.key(0)
     w_gu = (jax.random.normal(key, (E, H, 2 * F), jnp.float32) / np.sqrt(H)).astype(jnp.bfloat16)
     w_d = (jax.random.normal(jax.random.key(1), (E, F, H), jnp.float32) / np.sqrt(F)).astype(jnp.bfloat16)
-    w_pair = (jnp.array(w_gu[..., :F]), jnp.array(w_gu[..., F:])) if args.pairs else None  # the engine's layout
+    w_pair = (jnp.array(w_gu[..., :F]), jnp.array(w_gu[..., F:]))  # the engine's layout: stored apart
     rng = np.random.default_rng(0)
     for T in args.tokens:
         M = T * k
@@ -126,11 +126,13 @@ def gmm_bench(args) -> dict:
             if name.startswith("direct_"):
                 mlp = impl.direct_mlp(M)
 
-                def swiglu_of(x, a, b, s, mlp=mlp):  # s: the rows' expert ids here
-                    return mlp(x, a[..., :F], a[..., F:], b, s)
-            else:
-                def swiglu_of(x, a, b, s, impl=impl):
-                    return gmm_impls.swiglu(x, a, b, s, impl)
+                def swiglu_of(x, a, b, s, mlp=mlp):  # s: the rows' expert ids here; a: (gate, up)
+                    return mlp(x, a[0], a[1], b, s)  # (slicing w_gu here copied it every call)
+                variants.append((name, swiglu_of, w_pair))
+                continue
+
+            def swiglu_of(x, a, b, s, impl=impl):
+                return gmm_impls.swiglu(x, a, b, s, impl)
             variants.append((name, swiglu_of, w_gu))
             if hasattr(impl, "pair") and not name.startswith("direct_") and args.pairs:
                 # As the engine calls it (models/moe.expert_mlp): gate and up stored apart, `pair`
