@@ -126,7 +126,7 @@ def launch(body, x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array
     out = plgpu.kernel(
         functools.partial(body, num_slots_=S),
         out_type=jax.ShapeDtypeStruct((S, block_m, len(ws) * ws[0].shape[2]), x.dtype),
-        grid=(num_sms,), grid_names=("sm",),
+        grid=(num_sms,), grid_names=("sm",), kernel_name="jaxllm_moe_gmm",  # profiles: a matmul
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **kernel_kw,
     )(sched, xp, *(w.astype(x.dtype) for w in ws))
