@@ -12,7 +12,8 @@ bundled Hopper mixed-type Mosaic kernel; int8 / int4 through jaxllm's Pallas (Tr
 W8A8 through jaxllm's Mosaic GPU kernel (`kernels/qmatmul_mosaic.py`, <= 64 tokens, every
 tiling the warm-up would offer); int4 g128, int8 and HF FP8 128 x 128 blocks (`--modes fp8b`)
 through jaxllm's Mosaic GPU weight-only kernel (`kernels/qmatmul_int_mosaic.py`, its [N, K]
-layout made once from the weight); torch `_scaled_mm` fp8 (per-tensor and rowwise
+layout made once from the weight); fp8 W8A8 at prefill-sized token counts through jaxllm's
+warp-specialized GEMM with the scales fused (`kernels/fp8_gemm_ws.py`, "fp8_w8a8_ws_*"); torch `_scaled_mm` fp8 (per-tensor and rowwise
 scales) and torch bf16 as peers. Kernel time (profiler, launch gaps excluded), weights
 rotated over several copies so L2 never holds them. Floors: weight bytes incl. scales over
 4.25 TB/s and over C, the copy bandwidth measured in the same run; TFLOP/s where compute-bound.
@@ -42,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_kernels import copy_bandwidth, decode_case, gpu_kernels, gpu_time, rel_err  # noqa: E402
 
 from jaxllm.kernels import kv_quant, qmatmul  # noqa: E402
+from jaxllm.kernels import fp8_gemm_ws as fg  # noqa: E402
 from jaxllm.kernels import qmatmul_int_mosaic as qi  # noqa: E402
 from jaxllm.kernels import qmatmul_mosaic as qm  # noqa: E402
 from jaxllm.quantization.choice import num_sms  # noqa: E402
@@ -141,6 +143,11 @@ def bench_matmul(tokens: list[int], C: float, tilings: str = "engine", modes=("f
                 for t in qm.tilings_for(M, K, N, num_sms()):
                     paths[f"fp8_w8a8_mosaic_{t.name}"] = (
                         lambda x, w, t=t: qm.fp8_w8a8(x, w, t), quant["fp8"], qbytes(quant["fp8"][0]))
+            if "fp8" in quant and M > qm.MAX_ROWS:  # jaxllm's warp-specialized fp8 GEMM, scales fused
+                for t in fg.TILINGS:
+                    if t.unsupported(M, K, N) is None:
+                        paths[f"fp8_w8a8_ws_{t.name}"] = (
+                            lambda x, w, t=t: fg.fp8_w8a8(x, w, t), quant["fp8"], qbytes(quant["fp8"][0]))
             for mode in ("int4", "int8", "fp8b"):  # jaxllm's Mosaic GPU weight-only kernel ([N, K] layout)
                 if mode not in quant or M > qi.MAX_ROWS or not qi.takes(quant[mode][0]):
                     continue
@@ -172,8 +179,8 @@ def bench_matmul(tokens: list[int], C: float, tilings: str = "engine", modes=("f
                         row["transpose_in_hlo"] = " transpose(" in hlo
                     per = cycle_kernels(f, x, wl)
                     t = sum(per.values())
-                    if "pallas" in path or "mosaic" in path:  # the kernel vs the XLA ops around it
-                        own = ("qmatmul" if "pallas" in path else
+                    if "pallas" in path or "mosaic" in path or "_ws_" in path:  # the kernel vs the XLA ops around it
+                        own = ("qmatmul" if "pallas" in path else fg.KERNEL_NAME if "_ws_" in path else
                                qi.KERNEL_NAME if path.startswith("int") else qm.KERNEL_NAME)
                         row["kernel_s"] = sum(v for k, v in per.items() if own in k)
                         row["other_kernels"] = {k[:60]: round(v * 1e6, 2) for k, v in per.items()

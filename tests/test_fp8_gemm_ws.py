@@ -1,0 +1,100 @@
+"""The warp-specialized Hopper fp8 W8A8 GEMM (kernels/fp8_gemm_ws.py) in Mosaic GPU's CPU
+interpreter (simulated TMA, barriers, wgmma, three warpgroups; race detection) against the
+plain scaled product, the QArray wrapper against the engine's XLA fp8 path, and its lowering
+for cuda at Llama-3-8B's prefill shapes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.kernels import fp8_gemm_ws as fg
+
+
+def _races() -> bool:
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+    return ipc.get_races().races_found
+
+
+def _operands(M: int, K: int, N: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    xq = jnp.asarray(rng.standard_normal((M, K)) * 8, jnp.float8_e4m3fn)
+    w = jnp.asarray(rng.standard_normal((N, K)) * 8, jnp.float8_e4m3fn)
+    sx = jnp.asarray(rng.uniform(0.5, 2.0, M) / 64, jnp.float32)  # distinct per row and column:
+    sw = jnp.asarray(rng.uniform(0.5, 2.0, N) / 64, jnp.float32)  # a swapped or shifted one shows
+    return xq, sx, w, sw
+
+
+def _want(xq, sx, w, sw):
+    y = np.asarray(xq, np.float32) @ np.asarray(w, np.float32).T
+    return y * np.asarray(sx)[:, None] * np.asarray(sw)[None, :]
+
+
+@pytest.mark.parametrize("M,tiling,num_sms", [
+    (200, fg.GemmTiling(block_n=128, block_k=128, stages=2, band=2), 3),  # 2 row blocks x 3 strips
+    (64, fg.GemmTiling(block_n=128, block_k=128, stages=3, band=8), 2),  # padded rows, a wrapped ring
+], ids=["pad_rows_band2", "one_tile_idle_sm"])  # (block_n 256: minutes of interpreter compile)
+def test_matches_the_scaled_product_in_the_interpreter(M, tiling, num_sms):
+    """Each row's and column's own scale, the rows past M dropped, tiles walked in planar-snake
+    order by fewer CTAs than tiles (each CTA several tiles: the pipeline and the scale barrier
+    reused), K of 4 steps."""
+    N = 3 * tiling.block_n if M > 128 else tiling.block_n
+    xq, sx, w, sw = _operands(M, 512, N)
+    got = jax.jit(lambda *a: fg.fp8_gemm(*a, tiling, interpret=True, num_sms=num_sms))(xq, sx, w, sw)
+    assert not _races()
+    assert got.shape == (M, N) and got.dtype == jnp.bfloat16
+    want = _want(xq, sx, w, sw)
+    err = np.abs(np.asarray(got, np.float32) - want).max() / np.abs(want).max()
+    assert err < 1e-2, err
+
+
+def test_the_wrapper_matches_the_engine_fp8_path():
+    """`fp8_w8a8` on a W8A8 QArray (x quantized per token, the per-channel scale) gives what
+    `quantization.kernels.fp8_w8a8` gives through XLA (float32 GEMM of the fp8 values here)."""
+    from jaxllm.quantization.kernels import fp8_w8a8
+    from jaxllm.quantization.quantize import quantize_fp8
+
+    rng = np.random.default_rng(3)
+    q = jax.tree.map(jnp.asarray, quantize_fp8(rng.standard_normal((256, 128)).astype(np.float32) * 0.05))
+    x = jnp.asarray(rng.standard_normal((2, 70, 256)), jnp.bfloat16)
+    t = fg.GemmTiling(block_n=128, block_k=128, stages=2, band=1)
+    got = jax.jit(lambda x, q: fg.fp8_w8a8(x, q, t, interpret=True, num_sms=1))(x, q)
+    want = fp8_w8a8(x, q, upcast=True)
+    assert got.shape == (2, 70, 128) and got.dtype == x.dtype
+    err = float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max()
+                / jnp.abs(want.astype(jnp.float32)).max())
+    assert err < 1e-2, err
+
+
+def test_refuses_what_it_cannot_tile():
+    xq, sx, w, sw = _operands(8, 192, 128)
+    with pytest.raises(ValueError, match="block_k"):
+        fg.fp8_gemm(xq, sx, w, sw, fg.GemmTiling(block_n=128))
+    with pytest.raises(ValueError, match="e4m3"):
+        fg.fp8_gemm(xq.astype(jnp.bfloat16), sx, w, sw)
+    assert "shared memory" in fg.GemmTiling(block_n=256, stages=4).unsupported(128, 4096, 4096)
+
+
+@pytest.mark.parametrize("tiling", fg.TILINGS, ids=lambda t: t.name)
+def test_lowers_for_cuda_at_llama3_prefill_shapes(tiling):
+    """Compiled path (no interpreter): Mosaic's lowering, shared-memory check included, for the
+    four Llama-3-8B linears at 8,192 tokens."""
+    sds = jax.ShapeDtypeStruct
+    f = jax.jit(lambda *a: fg.fp8_gemm(*a, tiling))
+    for K, N in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)):
+        args = (sds((8192, K), jnp.float8_e4m3fn), sds((8192,), jnp.float32),
+                sds((N, K), jnp.float8_e4m3fn), sds((N,), jnp.float32))
+        text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert fg.KERNEL_NAME in text
+
+
+@pytest.mark.parametrize("m,n,band", [(3, 24, 8), (5, 7, 4), (1, 1, 8), (4, 6, 16), (2, 112, 8)])
+def test_snake_visits_every_tile_once(m, n, band):
+    """The tile order: a permutation of all (row block, strip) pairs, bands of strips walked
+    row block by row block (consecutive tiles share a row block or a strip band)."""
+    order = [tuple(int(v) for v in fg._snake(jnp.int32(i), m, n, band)) for i in range(m * n)]
+    assert sorted(order) == [(a, b) for a in range(m) for b in range(n)]
+    w = max(d for d in range(1, min(band, n) + 1) if n % d == 0)
+    assert all(b // w == i // (w * m) for i, (_, b) in enumerate(order))
