@@ -65,12 +65,18 @@ def run_jax(args) -> dict:
     t0 = time.perf_counter()
     max_len = max(args.ttft_lens + [args.prefill_len + 1, 2 * (args.random_input_len + args.random_output_len)]) + 16
     extra = {"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}
+    if args.quantization:  # issue 17: the same workload with quantized weights / KV pages
+        extra["quantization"] = args.quantization
+    if args.kv_cache_dtype:
+        extra["kv_cache_dtype"] = args.kv_cache_dtype
     llm = LLM(random_shape=args.random_shape, max_model_len=max_len, **extra)  # defaults otherwise
     eng = llm.engine
     res["init_s"] = time.perf_counter() - t0
     res["config"] = {"max_num_seqs": eng.cfg.max_num_seqs, "max_num_batched_tokens": eng.token_buckets[-1], "token_buckets": list(eng.token_buckets),
                      "seq_buckets": list(eng.seq_buckets), "num_blocks": eng.runner.num_blocks,
-                     "max_model_len": max_len, "warmup_s": eng.warmup_seconds}
+                     "max_model_len": max_len, "warmup_s": eng.warmup_seconds,
+                     "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
+                     "JAXLLM_FP8_GEMM": os.environ.get("JAXLLM_FP8_GEMM", "")}
     cost = ModelCost.of_runner(eng.runner)
     vocab = eng.model_cfg.vocab_size
     rng = np.random.default_rng(0)
@@ -253,6 +259,8 @@ def main() -> None:
                    help="mixed_profile: record Python spans (slows the host; --no-python-tracer for "
                         "the real GPU idle time)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="default: the engine's")
+    p.add_argument("--quantization", "-q", default=None, help="weights: fp8, int8, int4 (jaxllm only)")
+    p.add_argument("--kv-cache-dtype", default=None, help="KV pages: fp8, int8, int4 (jaxllm only)")
     p.add_argument("--output-json", default=None)
     args = p.parse_args()
     res = run_hf(args) if args.peer == "hf" else run_jax(args)

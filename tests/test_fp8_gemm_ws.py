@@ -98,3 +98,33 @@ def test_snake_visits_every_tile_once(m, n, band):
     assert sorted(order) == [(a, b) for a in range(m) for b in range(n)]
     w = max(d for d in range(1, min(band, n) + 1) if n % d == 0)
     assert all(b // w == i // (w * m) for i, (_, b) in enumerate(order))
+
+
+def test_opt_in_routing_of_prefill_sized_fp8_steps(monkeypatch):
+    """JAXLLM_FP8_GEMM names a tiling: prefill-sized steps (> 64 rows) of a 2-D fp8 W8A8 weight
+    whose shape it takes go to "ws/<tiling>", decode-sized ones and other weights do not; unset,
+    nothing does; a bad name is refused naming the variable. `matmul` on that path gives the
+    XLA path's product (interpreter)."""
+    from jaxllm.quantization import kernels as qk
+    from jaxllm.quantization.quantize import quantize_fp8, quantize_int8
+
+    rng = np.random.default_rng(5)
+    q = jax.tree.map(jnp.asarray, quantize_fp8(rng.standard_normal((256, 128)).astype(np.float32) * 0.05))
+    name = "fg_128x128x128s5b8"
+    assert qk.fp8_gemm_path((200, 256), q) is None  # unset: off
+    monkeypatch.setenv("JAXLLM_FP8_GEMM", name)
+    assert qk.fp8_gemm_path((200, 256), q) == "ws/" + name
+    assert qk.fp8_gemm_path((2, 100, 256), q) == "ws/" + name
+    assert qk.fp8_gemm_path((64, 256), q) is None  # decode-sized: the decode kernels' rows
+    assert qk.fp8_gemm_path((200, 256), quantize_int8(np.ones((256, 128), np.float32))) is None
+    monkeypatch.setenv("JAXLLM_FP8_GEMM", "fg_128x256x128s3b8")  # N = 128: not a whole strip
+    assert qk.fp8_gemm_path((200, 256), q) is None
+    monkeypatch.setenv("JAXLLM_FP8_GEMM", "fast")
+    with pytest.raises(ValueError, match="JAXLLM_FP8_GEMM"):
+        qk.fp8_gemm_path((200, 256), q)
+    x = jnp.asarray(rng.standard_normal((130, 256)), jnp.bfloat16)
+    got = qk.matmul(x, q, path="ws/" + name)
+    want = qk.fp8_w8a8(x, q, upcast=True)
+    err = float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max()
+                / jnp.abs(want.astype(jnp.float32)).max())
+    assert err < 1e-2, err

@@ -106,9 +106,19 @@ def mosaic_attention(q, kv_pages, layer, md, *, sm_scale: float,
 def decode_deq_stages() -> int:
     """JAXLLM_DECODE_DEQ_STAGES: 0 (default) the decode kernel's consumer converts quantized
     tiles itself; d > 0 its producer warpgroup converts them into a d-deep f16 ring
-    (`mosaic_decode.paged_decode_attention(deq_stages=d)`; untimed on a GPU, so opt-in)."""
+    (`mosaic_decode.paged_decode_attention(deq_stages=d)`; slower on an H100 in session 25,
+    so opt-in)."""
     from jaxllm.envs import env_int
     return env_int("JAXLLM_DECODE_DEQ_STAGES", 0, minimum=0)
+
+
+def fp8_gemm_tiling() -> str:
+    """JAXLLM_FP8_GEMM: "" (default) prefill-sized fp8 W8A8 matmuls go through XLA's fp8 GEMM;
+    a tiling name of `kernels/fp8_gemm_ws.py` (e.g. "fg_128x256x128s3b8") sends them to that
+    warp-specialized kernel instead (untimed on a GPU, so opt-in)."""
+    from jaxllm.envs import env_choice
+    from jaxllm.kernels.fp8_gemm_ws import TILINGS
+    return env_choice("JAXLLM_FP8_GEMM", "", ("", *(t.name for t in TILINGS)))
 
 
 def decode_head_dim_ok(head_dim: int, page_dtype) -> bool:

@@ -28,6 +28,8 @@ side by side) says otherwise. The CPU always takes "xla" unless a path is asked 
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -53,13 +55,17 @@ def matmul(x: jax.Array, w: QArray, path: str | None = None) -> jax.Array:
     platform = jax.default_backend()
     if path is None and (platform != "cpu" or is_nk(w)):  # (a re-laid-out weight: tests on the CPU)
         from jaxllm.quantization.choice import measured_path
-        path = measured_path(x.shape, w) or TUNING.get((mode_of(w), "gpu"), "xla")
+        path = measured_path(x.shape, w) or fp8_gemm_path(x.shape, w) or TUNING.get((mode_of(w), "gpu"), "xla")
     path = path or "xla"
     if path == "mgpu":
         return int8_mgpu(x, w)
     if path.startswith("mosaic/"):
         from jaxllm.kernels import qmatmul_mosaic as qm
         return qm.fp8_w8a8(x, w, qm.Tiling.parse(path.partition("/")[2]), interpret=platform == "cpu")
+    if path.startswith(FP8_GEMM_PATH):
+        from jaxllm.kernels import fp8_gemm_ws as fg
+        tiling = {t.name: t for t in fg.TILINGS}[path.partition("/")[2]]
+        return fg.fp8_w8a8(x, w, tiling, interpret=platform == "cpu")
     if path.startswith(NK_PATH) or is_nk(w):
         return int_nk(x, w, path, interpret=platform == "cpu")
     if path.startswith("pallas"):
@@ -73,6 +79,23 @@ def matmul(x: jax.Array, w: QArray, path: str | None = None) -> jax.Array:
 
 
 NK_PATH = "mosaic_nk/"  # the Mosaic int4 / int8 kernel on re-laid-out [N, K] weights
+FP8_GEMM_PATH = "ws/"  # the warp-specialized fp8 W8A8 GEMM, prefill-sized steps (opt-in)
+
+
+def fp8_gemm_path(x_shape: tuple[int, ...], w) -> str | None:
+    """"ws/<tiling>" for a prefill-sized step of a 2-D fp8 W8A8 weight when JAXLLM_FP8_GEMM names
+    a tiling that takes the shape (`kernels.fp8_gemm_tiling`), else None."""
+    from jaxllm.kernels import fp8_gemm_tiling
+    from jaxllm.kernels.qmatmul_mosaic import MAX_ROWS as DECODE_ROWS
+
+    name = fp8_gemm_tiling()
+    rows = math.prod(x_shape[:-1])
+    if not name or getattr(w, "kind", None) != "fp8" or w.act != "fp8" or w.values.ndim != 2 or rows <= DECODE_ROWS:
+        return None
+    from jaxllm.kernels import fp8_gemm_ws as fg
+    tiling = {t.name: t for t in fg.TILINGS}[name]
+    N, K = w.values.shape
+    return FP8_GEMM_PATH + name if tiling.unsupported(rows, K, N) is None else None
 
 
 def is_nk(w) -> bool:
