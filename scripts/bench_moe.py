@@ -134,7 +134,7 @@ def gmm_bench(args) -> dict:
             def swiglu_of(x, a, b, s, impl=impl):
                 return gmm_impls.swiglu(x, a, b, s, impl)
             variants.append((name, swiglu_of, w_gu))
-            if hasattr(impl, "pair") and not name.startswith("direct_") and args.pairs:
+            if hasattr(impl, "pair") and args.pairs:
                 # As the engine calls it (models/moe.expert_mlp): gate and up stored apart, `pair`
                 # multiplies both in one launch; "_split": two launches of the one-weight call.
                 def pair_of(x, a, b, s, impl=impl):

@@ -25,8 +25,8 @@ KINDS = (  # first match wins; names are lower-cased kernel or op names
     ("collective", ("all-reduce", "allreduce", "all_reduce", "nccl", "all-gather", "allgather",
                     "reduce-scatter", "collective")),
     # jaxllm's own matmul kernels are Mosaic / Pallas kernels too (jaxllm_fp8_matmul_*,
-    # jaxllm_int_matmul_*, jaxllm_moe_decode_gmm_*): matmul, not attention
-    ("matmul", ("jaxllm_fp8_matmul", "jaxllm_int_matmul", "qmatmul", "gmm", "ragged_dot")),
+    # jaxllm_fp8_gemm_*, jaxllm_int_matmul_*, jaxllm_moe_decode_gmm_*): matmul, not attention
+    ("matmul", ("jaxllm_fp8_", "jaxllm_int_matmul", "qmatmul", "gmm", "ragged_dot")),
     ("attention", ("mosaic", "attention", "paged", "pallas", "flash", "fmha", "sdpa")),
     ("matmul", ("gemm", "cutlass", "nvjet", "cublas", "sm90_xmma", "matmul", "dot", "wgmma")),
     # MoE routing and the rows' reordering (sort, top-k, scatters, gathers): many small kernels

@@ -57,7 +57,8 @@ def test_kinds():
     assert kind_of("gemm_fusion_dot_546") == "matmul"
     assert kind_of("anonymous_mosaic_gpu_kernel") == "attention"
     # jaxllm's own Mosaic / Pallas matmuls (session 25's profiles counted them as attention)
-    for name in ("jaxllm_fp8_matmul_mosaic_gpu_kernel", "jaxllm_int_matmul_mosaic_gpu_kernel",
+    for name in ("jaxllm_fp8_matmul_mosaic_gpu_kernel", "jaxllm_fp8_gemm_mosaic_gpu_kernel",
+                 "jaxllm_int_matmul_mosaic_gpu_kernel",
                  "jaxllm_moe_gmm_mosaic_gpu_kernel", "jaxllm_moe_decode_gmm", "jaxllm_qmatmul"):
         assert kind_of(name) == "matmul", name
     assert kind_of("jaxllm_ragged_paged_attention") == "attention"

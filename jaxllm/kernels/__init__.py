@@ -117,8 +117,8 @@ def fp8_gemm_tiling() -> str:
     a tiling name of `kernels/fp8_gemm_ws.py` (e.g. "fg_128x256x128s3b8") sends them to that
     warp-specialized kernel instead (untimed on a GPU, so opt-in)."""
     from jaxllm.envs import env_choice
-    from jaxllm.kernels.fp8_gemm_ws import TILINGS
-    return env_choice("JAXLLM_FP8_GEMM", "", ("", *(t.name for t in TILINGS)))
+    from jaxllm.kernels.fp8_gemm_ws import BY_NAME
+    return env_choice("JAXLLM_FP8_GEMM", "", ("", *BY_NAME))
 
 
 def decode_head_dim_ok(head_dim: int, page_dtype) -> bool:

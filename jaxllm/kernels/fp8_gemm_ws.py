@@ -68,11 +68,8 @@ class GemmTiling:
 
 
 TILINGS = (GemmTiling(256, 128, 3), GemmTiling(128, 128, 5), GemmTiling(256, 128, 3, band=16))
+BY_NAME = {t.name: t for t in TILINGS}
 
-
-def _swizzled(cols: int, itemsize: int):
-    swizzle = min(128, cols * itemsize)
-    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
 def _snake(idx, m_iters: int, n_iters: int, band: int):
@@ -97,8 +94,8 @@ def _body(x_gmem, w_gmem, sx_gmem, sw_gmem, o_gmem, *scratch, t: GemmTiling, int
     def pipeline(body, ctx):
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(K // bk,), memory_registers=40,
-            in_specs=[plgpu.BlockSpec((bm, bk), lambda k: (0, k), transforms=_swizzled(bk, 1)),
-                      plgpu.BlockSpec((bn, bk), lambda k: (0, k), transforms=_swizzled(bk, 1))],
+            in_specs=[plgpu.BlockSpec((bm, bk), lambda k: (0, k), transforms=mgpu_compat.swizzled(bk, 1)),
+                      plgpu.BlockSpec((bn, bk), lambda k: (0, k), transforms=mgpu_compat.swizzled(bk, 1))],
             wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=t.stages, compute_context=ctx)
 
     ignore = lambda *_, **__: None  # noqa: E731 -- allocations do not depend on the bodies
@@ -106,7 +103,7 @@ def _body(x_gmem, w_gmem, sx_gmem, sw_gmem, o_gmem, *scratch, t: GemmTiling, int
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem),
-        out_smem=plgpu.SMEM((2, WG_ROWS, bn), o_gmem.dtype, transforms=_swizzled(bn, 2)),
+        out_smem=plgpu.SMEM((2, WG_ROWS, bn), o_gmem.dtype, transforms=mgpu_compat.swizzled(bn, 2)),
         sx_smem=plgpu.SMEM((2, 1, WG_ROWS), jnp.float32),
         sw_smem=plgpu.SMEM((2, 1, bn), jnp.float32),
         scale_bar=plgpu.Barrier(num_arrivals=2, num_barriers=2),  # sx and sw, one per warpgroup

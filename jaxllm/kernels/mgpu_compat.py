@@ -1,6 +1,6 @@
-"""Mosaic GPU calls whose signature differs between the JAX versions jaxllm runs on: 0.10 (the
-CPU machines and CI) and 0.11 (the GPU machine). Each helper is the one spelling both accept
-without a deprecation warning."""
+"""Mosaic GPU helpers the kernels share: calls whose signature differs between the JAX versions
+jaxllm runs on, 0.10 (the CPU machines and CI) and 0.11 (the GPU machine), each the one spelling
+both accept without a deprecation warning; and the swizzled tile layout of TMA'd operands."""
 
 from __future__ import annotations
 
@@ -24,3 +24,10 @@ def load(ref, *, layout=None, optimized: bool = True):
 # 0.11's CPU interpreter reads transposed SMEM views (`ref.transpose`); 0.10's fails on them
 # ("'TransposeTransform' object has no attribute 'indices'"), so kernels stage a copy there.
 INTERPRETER_TRANSPOSES = jax.__version_info__ >= (0, 11)
+
+
+def swizzled(cols: int, itemsize: int = 2):
+    """Transforms of a shared-memory tile with `cols` minor elements of `itemsize` bytes: 8-row
+    tiles of up to 128 bytes, swizzled at that width (what wgmma and TMA read without conflicts)."""
+    swizzle = min(128, cols * itemsize)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)

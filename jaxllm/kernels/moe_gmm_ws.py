@@ -30,6 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxllm.kernels.mgpu_compat import swizzled
 from jaxllm.kernels.moe_gmm_mosaic import launch
 
 WG_ROWS = 64  # wgmma M
@@ -62,10 +63,6 @@ TILINGS = (WsTiling(64, 256, 64, 4), WsTiling(64, 128, 64, 6), WsTiling(128, 256
            WsTiling(128, 128, 64, 5))
 
 
-def _transforms(cols: int, itemsize: int = 2):
-    swizzle = min(128, cols * itemsize)
-    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
-
 
 def _body(sched_gmem, x_gmem, *refs, t: WsTiling, num_slots_: int, K: int, N: int):
     """refs = the weights (one, or gate and up), then the slot-major output [S, bm, n_w * N]."""
@@ -79,9 +76,9 @@ def _body(sched_gmem, x_gmem, *refs, t: WsTiling, num_slots_: int, K: int, N: in
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(K // t.block_k,), memory_registers=40,
             in_specs=[plgpu.BlockSpec((bm, t.block_k), lambda k: (0, k),
-                                      transforms=_transforms(t.block_k)),
+                                      transforms=swizzled(t.block_k)),
                       plgpu.BlockSpec((t.block_k, strip), lambda k: (k, 0),
-                                      transforms=_transforms(strip))],
+                                      transforms=swizzled(strip))],
             wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=t.stages, compute_context=ctx)
 
     ignore = lambda *_, **__: None  # noqa: E731 -- allocations do not depend on the bodies
@@ -89,7 +86,7 @@ def _body(sched_gmem, x_gmem, *refs, t: WsTiling, num_slots_: int, K: int, N: in
     @functools.partial(
         pl.run_scoped,
         allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_refs[0].at[0]),
-        out_smem=plgpu.SMEM((2, WG_ROWS, wn), o_gmem.dtype, transforms=_transforms(wn)),
+        out_smem=plgpu.SMEM((2, WG_ROWS, wn), o_gmem.dtype, transforms=swizzled(wn)),
         collective_axes="wg")
     def _scope(allocs, out_smem):
         wg = lax.axis_index("wg")

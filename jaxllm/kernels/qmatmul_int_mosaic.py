@@ -53,6 +53,7 @@ from jaxllm.kernels.qmatmul_mosaic import SMEM_LIMIT, grid_splits, padded_rows
 
 MAX_ROWS = 64
 GROUP = 128  # K rows per pipeline step (= int4's scale group)
+KERNEL_NAME = "jaxllm_int_matmul"
 XS_MIN = 32  # int4's x group-sum rows are padded to a multiple of 32 float32 (128 bytes): each
 # pipeline slot of a TMA destination must start 128-byte aligned; [1, 8] slots of 32 bytes
 # faulted on an H100 ("misaligned address", 1-row steps; 64 rows were fine), session 25
@@ -61,7 +62,6 @@ XS_MIN = 32  # int4's x group-sum rows are padded to a multiple of 32 float32 (1
 def xs_width(Mp: int) -> int:
     """Columns of int4's x group sums: Mp rounded up to whole 128-byte slots."""
     return -(-Mp // XS_MIN) * XS_MIN
-KERNEL_NAME = "jaxllm_int_matmul"
 
 
 class _NK:

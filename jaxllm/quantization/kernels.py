@@ -64,8 +64,7 @@ def matmul(x: jax.Array, w: QArray, path: str | None = None) -> jax.Array:
         return qm.fp8_w8a8(x, w, qm.Tiling.parse(path.partition("/")[2]), interpret=platform == "cpu")
     if path.startswith(FP8_GEMM_PATH):
         from jaxllm.kernels import fp8_gemm_ws as fg
-        tiling = {t.name: t for t in fg.TILINGS}[path.partition("/")[2]]
-        return fg.fp8_w8a8(x, w, tiling, interpret=platform == "cpu")
+        return fg.fp8_w8a8(x, w, fg.BY_NAME[path.partition("/")[2]], interpret=platform == "cpu")
     if path.startswith(NK_PATH) or is_nk(w):
         return int_nk(x, w, path, interpret=platform == "cpu")
     if path.startswith("pallas"):
@@ -92,10 +91,9 @@ def fp8_gemm_path(x_shape: tuple[int, ...], w) -> str | None:
     rows = math.prod(x_shape[:-1])
     if not name or getattr(w, "kind", None) != "fp8" or w.act != "fp8" or w.values.ndim != 2 or rows <= DECODE_ROWS:
         return None
-    from jaxllm.kernels import fp8_gemm_ws as fg
-    tiling = {t.name: t for t in fg.TILINGS}[name]
+    from jaxllm.kernels.fp8_gemm_ws import BY_NAME
     N, K = w.values.shape
-    return FP8_GEMM_PATH + name if tiling.unsupported(rows, K, N) is None else None
+    return FP8_GEMM_PATH + name if BY_NAME[name].unsupported(rows, K, N) is None else None
 
 
 def is_nk(w) -> bool:
