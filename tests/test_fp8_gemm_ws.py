@@ -100,6 +100,53 @@ def test_snake_visits_every_tile_once(m, n, band):
     assert all(b // w == i // (w * m) for i, (_, b) in enumerate(order))
 
 
+@pytest.mark.parametrize("wins, start", [
+    ({256: True, 2048: True, 16384: True}, 256),  # faster everywhere: every prefill-sized step
+    ({256: False, 2048: True, 16384: True}, 257),  # rows up to the next measured count follow it
+    ({256: True, 2048: False, 16384: True}, 2049),  # only above the largest loss
+    ({256: True, 2048: True, 16384: False}, None),  # slower at the largest count: XLA throughout
+])
+def test_measured_routing_of_prefill_sized_fp8_steps(monkeypatch, wins, start):
+    """Unset JAXLLM_FP8_GEMM, on Hopper: the warm-up times XLA's fp8 GEMM against the kernel at
+    the smallest, a middle and the largest prefill-sized bucket, and `fp8_gemm_path` takes the
+    kernel from the fewest rows at which it won there and at every larger count measured (fake
+    timings here; decode-sized buckets are the decode kernels' and not timed for it);
+    JAXLLM_FP8_GEMM=xla turns the measurement off."""
+    from jaxllm.kernels import prefill_choice
+    from jaxllm.quantization import choice
+    from jaxllm.quantization import kernels as qk
+    from jaxllm.quantization.quantize import quantize_fp8
+
+    rng = np.random.default_rng(6)
+    q = jax.tree.map(jnp.asarray, quantize_fp8(rng.standard_normal((256, 256)).astype(np.float32) * 0.05))
+    tiling = "ws/" + fg.TILINGS[0].name
+    timed = []
+
+    def fake_times(x, w, paths, reps, chain):
+        assert paths == ["xla", tiling]
+        timed.append(x.shape[0])
+        return {"xla": 1.0, tiling: 0.5 if wins[x.shape[0]] else 2.0}
+
+    monkeypatch.setattr(prefill_choice, "is_hopper", lambda: True)
+    monkeypatch.setattr(choice, "time_paths", fake_times)
+    choice.clear()
+    try:
+        choice.measure_gemm(q, [8, 64, 256, 1024, 2048, 4096, 16384], jnp.bfloat16)
+        assert timed == [256, 2048, 16384]
+        for rows in (65, 256, 257, 1024, 2048, 2049, 4096, 16384):
+            want = None if start is None or rows < start else tiling
+            assert qk.fp8_gemm_path((rows, 256), q) == want, rows
+        assert qk.fp8_gemm_path((64, 256), q) is None
+        monkeypatch.setenv("JAXLLM_FP8_GEMM", "xla")
+        assert qk.fp8_gemm_path((16384, 256), q) is None
+        choice.clear()
+        timed.clear()
+        choice.measure_gemm(q, [8, 256, 16384], jnp.bfloat16)
+        assert timed == [] and not choice.GEMM_FROM
+    finally:
+        choice.clear()
+
+
 def test_opt_in_routing_of_prefill_sized_fp8_steps(monkeypatch):
     """JAXLLM_FP8_GEMM names a tiling: prefill-sized steps (> 64 rows) of a 2-D fp8 W8A8 weight
     whose shape it takes go to "ws/<tiling>", decode-sized ones and other weights do not; unset,
@@ -118,6 +165,8 @@ def test_opt_in_routing_of_prefill_sized_fp8_steps(monkeypatch):
     assert qk.fp8_gemm_path((64, 256), q) is None  # decode-sized: the decode kernels' rows
     assert qk.fp8_gemm_path((200, 256), quantize_int8(np.ones((256, 128), np.float32))) is None
     monkeypatch.setenv("JAXLLM_FP8_GEMM", "fg_128x256x128s3b8")  # N = 128: not a whole strip
+    assert qk.fp8_gemm_path((200, 256), q) is None
+    monkeypatch.setenv("JAXLLM_FP8_GEMM", "xla")
     assert qk.fp8_gemm_path((200, 256), q) is None
     monkeypatch.setenv("JAXLLM_FP8_GEMM", "fast")
     with pytest.raises(ValueError, match="JAXLLM_FP8_GEMM"):

@@ -46,6 +46,23 @@ def test_pair_with_padding_rows_and_a_deeper_ring():
     _check(u, x, w2, sizes)
 
 
+def test_split_pair_is_two_launches_of_the_one_weight_kernel(monkeypatch):
+    """`WsSplitGmm.pair` (the engine's "_split" candidate): gate and up each through the one-weight
+    kernel, each equal to ragged_dot on the rows groups cover."""
+    sizes = np.array([30, 0, 41], np.int32)
+    x, w1, w2 = _inputs(80, 3, 128, 128, seed=2)
+    t = ws.WsTiling(block_m=128, block_n=128, block_k=64, stages=2)
+    impl = gmm_impls.WsSplitGmm(t, interpret=True)
+    launches = []
+    one = ws.grouped_matmul
+    monkeypatch.setattr(ws, "grouped_matmul",
+                        lambda *a, **k: launches.append(a[1].shape) or one(*a, **k, num_sms=2))
+    g, u = impl.pair(x, w1, w2, jnp.asarray(sizes))
+    assert len(launches) == 2
+    _check(g, x, w1, sizes)
+    _check(u, x, w2, sizes)
+
+
 @pytest.mark.parametrize("tiling", ws.TILINGS, ids=lambda t: t.name)
 def test_lowers_for_cuda_at_qwen3_moe_shapes(tiling):
     """Compiled path (no interpreter): Mosaic's lowering, shared-memory check included, at
@@ -61,6 +78,9 @@ def test_lowers_for_cuda_at_qwen3_moe_shapes(tiling):
     assert tiling.smem_bytes() <= 227 * 1024
     assert tiling.name in gmm_impls.candidates(M, E, H, F, "gpu")
     assert tiling.name not in gmm_impls.candidates(64, E, H, F, "gpu")  # prefill-sized rows only
+    split = tiling.name + "_split"  # two launches: measured by the engine for 128-row slots
+    assert (split in gmm_impls.candidates(M, E, H, F, "gpu", engine=True)) == (tiling.block_m == 128)
+    assert split not in gmm_impls.candidates(M, E, H, F, "gpu")
 
 
 @pytest.mark.slow  # ~70 s: every warm-up and step runs the kernel in the interpreter

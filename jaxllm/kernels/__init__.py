@@ -113,12 +113,13 @@ def decode_deq_stages() -> int:
 
 
 def fp8_gemm_tiling() -> str:
-    """JAXLLM_FP8_GEMM: "" (default) prefill-sized fp8 W8A8 matmuls go through XLA's fp8 GEMM;
-    a tiling name of `kernels/fp8_gemm_ws.py` (e.g. "fg_128x256x128s3b8") sends them to that
-    warp-specialized kernel instead (untimed on a GPU, so opt-in)."""
+    """JAXLLM_FP8_GEMM: "" (default) prefill-sized fp8 W8A8 matmuls take the warp-specialized
+    kernel of `kernels/fp8_gemm_ws.py` where the warm-up measured it faster than XLA's fp8 GEMM
+    (Hopper, one device; `quantization/choice.measure_gemm`); "xla" always XLA's fp8 GEMM; a
+    tiling name of that file (e.g. "fg_128x256x128s3b8") always that kernel, unmeasured."""
     from jaxllm.envs import env_choice
     from jaxllm.kernels.fp8_gemm_ws import BY_NAME
-    return env_choice("JAXLLM_FP8_GEMM", "", ("", *BY_NAME))
+    return env_choice("JAXLLM_FP8_GEMM", "", ("", "xla", *BY_NAME))
 
 
 def decode_head_dim_ok(head_dim: int, page_dtype) -> bool:

@@ -15,7 +15,8 @@
   the bundled kernel's TMA/wgmma schedule over only the row blocks that hold rows).
 - "ws<bm>_<bn>x<bk>s<stages>": a warp-specialized Hopper kernel (`kernels/moe_gmm_ws.py`: the
   twin's slot schedule over bm-row slots, a memory warpgroup and two compute warpgroups), offered
-  for prefill-sized row counts.
+  for prefill-sized row counts; gate and up in one launch, and for the engine's 128-row tilings
+  also as two ("..._split", `WsSplitGmm`).
 - "mgpu_<bm>x<bn>": JAX's bundled Mosaic GPU kernel
   (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`) at one tiling. It needs the
   group sizes to cover every row, so the rows no group covers (padding, other
@@ -104,6 +105,16 @@ class WsGmm(DecodeGmm):
                                               interpret=self.interpret)
 
 
+class WsSplitGmm(WsGmm):
+    """The warp-specialized kernel with gate and up as two launches of the one-weight call: in
+    session 25's warm-up on an H100 the one-launch `pair` over weights stored apart took ~3x the
+    one-weight kernel's time on the fused [E, H, 2F] weight (5.2 vs 1.8 ms, cause not found), so
+    the engine measures both."""
+
+    def pair(self, x, w1, w2, group_sizes):
+        return self(x, w1, group_sizes), self(x, w2, group_sizes)
+
+
 class MosaicGmm(DecodeGmm):
     """The Hopper (Mosaic GPU) twin of the decode kernel (`kernels/moe_gmm_mosaic.py`)."""
 
@@ -160,6 +171,8 @@ def candidates(M: int, E: int, H: int, F: int, platform: str | None = None,
             for t in moe_gmm_ws.TILINGS:
                 if t.fits(H, F) and t.fits(F, H):
                     out[t.name] = WsGmm(t)
+                    if engine and t.block_m == 2 * moe_gmm_ws.WG_ROWS:  # the bench times `_split` itself
+                        out[t.name + "_split"] = WsSplitGmm(t)
         except Exception as e:  # a jax without Mosaic GPU's warp-specialized pipeline
             log.info("warp-specialized grouped matmul unavailable: %s", e)
     try:

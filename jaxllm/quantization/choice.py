@@ -35,6 +35,8 @@ log = logging.getLogger("jaxllm")
 _MEASURED: dict[tuple, str] = {}  # layout_key(...) -> path
 TIMINGS: dict[tuple, dict[str, float]] = {}  # the figures behind each choice (tests, logs)
 NK_LAYOUTS: set[tuple] = set()  # int layouts (layout_key without rows) re-laid out for "mosaic_nk"
+GEMM_FROM: dict[tuple, tuple[int, str]] = {}  # fp8 W8A8 layout (no rows) -> (fewest rows, tiling) of "ws/"
+GEMM_TIMINGS: dict[tuple, dict[str, float]] = {}  # layout_key -> path -> seconds, prefill-sized rows
 
 
 def layout_key(x_shape: tuple[int, ...], w: QArray) -> tuple:
@@ -46,10 +48,20 @@ def measured_path(x_shape: tuple[int, ...], w: QArray) -> str | None:
     return _MEASURED.get(layout_key(x_shape, w))
 
 
+def gemm_tiling(x_shape: tuple[int, ...], w: QArray) -> str | None:
+    """The warp-specialized fp8 GEMM's tiling where the warm-up measured it faster than XLA's fp8
+    GEMM for this layout at these rows and at every larger row count it measured, else None."""
+    k = layout_key(x_shape, w)
+    hit = GEMM_FROM.get(k[:-1])
+    return hit[1] if hit is not None and k[-1] >= hit[0] else None
+
+
 def clear() -> None:
     _MEASURED.clear()
     TIMINGS.clear()
     NK_LAYOUTS.clear()
+    GEMM_FROM.clear()
+    GEMM_TIMINGS.clear()
 
 
 def two_d(w: QArray) -> QArray:
@@ -146,7 +158,14 @@ def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 5) -> dic
                         tiled = {p: t for p, t in times.items() if p.startswith(family)}
                         if tiled:
                             best.append(min(tiled, key=tiled.get).partition("/")[2])
+    for w in seen.values():
+        measure_gemm(w, rows, dtype, reps)
     _choose_layouts()
+    if GEMM_TIMINGS:
+        log.info("fp8 W8A8 prefill-sized matmuls, XLA's fp8 GEMM vs the warp-specialized one "
+                 "((kind, act, group, pack, K, N, rows) -> us): %s; the kernel taken (layout -> from rows, "
+                 "tiling): %s", {k: {p: round(t * 1e6, 1) for p, t in v.items()} for k, v in GEMM_TIMINGS.items()},
+                 GEMM_FROM or "nowhere")
     if TIMINGS:
         log.info("quantized matmuls by measurement ((kind, act, group, pack, K, N, rows) -> path): %s",
                  {k: f"{_MEASURED[k]} " + ", ".join(f"{p} {t * 1e6:.1f}us" for p, t in v.items())
@@ -155,6 +174,41 @@ def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 5) -> dic
                  "us per call; the same in every candidate's figure): %s",
                  {m: round(t * 1e6, 1) for m, t in floors.items()})
     return dict(_MEASURED)
+
+
+def measure_gemm(w: QArray, rows: list[int], dtype, reps: int = 5) -> None:
+    """On Hopper, for a per-channel fp8 W8A8 layout, unless JAXLLM_FP8_GEMM decides: XLA's fp8
+    GEMM against the warp-specialized GEMM (`kernels/fp8_gemm_ws.py`, its first tiling), each
+    with the activations' per-token quantization, at the smallest, a middle and the largest
+    prefill-sized row count (> the decode kernels' 64). The kernel is taken from the fewest rows
+    at which it was faster there and at every larger count measured (GEMM_FROM); rows between
+    two measured counts follow the next larger one's verdict."""
+    from jaxllm.kernels import fp8_gemm_tiling, prefill_choice
+    from jaxllm.kernels.fp8_gemm_ws import TILINGS
+    from jaxllm.kernels.qmatmul_mosaic import MAX_ROWS as DECODE_ROWS
+    from jaxllm.quantization.kernels import FP8_GEMM_PATH
+
+    if w.kind != "fp8" or w.act != "fp8" or fp8_gemm_tiling() or not prefill_choice.is_hopper():
+        return
+    big = sorted(r for r in set(rows) if r > DECODE_ROWS)
+    t = TILINGS[0]
+    N, K = w.values.shape
+    if not big or t.unsupported(big[-1], K, N) is not None:
+        return
+    wins = {}
+    for M in sorted({big[0], big[len(big) // 2], big[-1]}):
+        x = jax.random.normal(jax.random.key(M), (M, K), jnp.float32).astype(dtype)
+        times = time_paths(x, w, ["xla", FP8_GEMM_PATH + t.name], reps, chain=5)
+        GEMM_TIMINGS[layout_key(x.shape, w)] = times
+        wins[M] = FP8_GEMM_PATH + t.name in times and times[FP8_GEMM_PATH + t.name] < times.get("xla", np.inf)
+    start = None
+    for M in sorted(wins, reverse=True):
+        if not wins[M]:
+            break
+        start = M
+    if start is not None:
+        lost = [M for M in wins if M < start and not wins[M]]
+        GEMM_FROM[layout_key((1, K), w)[:-1]] = (max(lost) + 1 if lost else big[0], t.name)
 
 
 def _choose_layouts() -> None:

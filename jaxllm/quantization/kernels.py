@@ -78,19 +78,26 @@ def matmul(x: jax.Array, w: QArray, path: str | None = None) -> jax.Array:
 
 
 NK_PATH = "mosaic_nk/"  # the Mosaic int4 / int8 kernel on re-laid-out [N, K] weights
-FP8_GEMM_PATH = "ws/"  # the warp-specialized fp8 W8A8 GEMM, prefill-sized steps (opt-in)
+FP8_GEMM_PATH = "ws/"  # the warp-specialized fp8 W8A8 GEMM, prefill-sized steps (by measurement)
 
 
 def fp8_gemm_path(x_shape: tuple[int, ...], w) -> str | None:
-    """"ws/<tiling>" for a prefill-sized step of a 2-D fp8 W8A8 weight when JAXLLM_FP8_GEMM names
-    a tiling that takes the shape (`kernels.fp8_gemm_tiling`), else None."""
+    """"ws/<tiling>" for a prefill-sized step (> 64 rows) of a 2-D fp8 W8A8 weight: the tiling
+    JAXLLM_FP8_GEMM names, or (unset) the one the warm-up measured faster than XLA's fp8 GEMM
+    for this layout at these rows (`choice.gemm_tiling`), where the tiling takes the shape;
+    None otherwise (JAXLLM_FP8_GEMM=xla: never)."""
     from jaxllm.kernels import fp8_gemm_tiling
     from jaxllm.kernels.qmatmul_mosaic import MAX_ROWS as DECODE_ROWS
 
     name = fp8_gemm_tiling()
     rows = math.prod(x_shape[:-1])
-    if not name or getattr(w, "kind", None) != "fp8" or w.act != "fp8" or w.values.ndim != 2 or rows <= DECODE_ROWS:
+    if name == "xla" or getattr(w, "kind", None) != "fp8" or w.act != "fp8" or w.values.ndim != 2 or rows <= DECODE_ROWS:
         return None
+    if not name:
+        from jaxllm.quantization.choice import gemm_tiling
+        name = gemm_tiling(x_shape, w)
+        if name is None:
+            return None
     from jaxllm.kernels.fp8_gemm_ws import BY_NAME
     N, K = w.values.shape
     return FP8_GEMM_PATH + name if BY_NAME[name].unsupported(rows, K, N) is None else None
