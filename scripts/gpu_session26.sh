@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Session 26's follow-up GPU calls (each under the device's 10-minute limit; whole logs in $OUT):
+#   f (~6 min): issue 17 -- engine prefill 8 x 2,048, Llama-3-8B shape, default settings, bf16 and
+#     `--quantization fp8` in ONE call (the ratio within a call; target fp8 >= 1.5x bf16). fp8 now
+#     takes the warp-specialized GEMM where the warm-up measured it faster than XLA's fp8 GEMM
+#     (`quantization/choice.measure_gemm`, logged); session 26 measured 1.46-1.50x across calls.
+#     RUNS adds "fp8xla" (JAXLLM_FP8_GEMM=xla: XLA's fp8 GEMM; its warm-up took > 265 s in session 26).
+#   d (~5 min, an H200: needs_h200): issue 15 -- MoE decode step and prefill MFU (gpu_moe.sh parts
+#     2 and 3), now with the ws kernel's gate/up as two launches among the warm-up's candidates
+#     (`ws..._split`): in session 26 the one-launch pair lost (4.9-5.4 ms an expert block against
+#     2.5 ms) and prefill MFU was 0.436 (target 0.5).
+#   p (~4 min): issue 15 -- bench_moe.py gmm --pairs at 8,192 tokens: each kernel with gate and up
+#     stored apart, one launch (`_pair`) and two (`_split`), beside the fused weight.
+#   m (~6 min): gpu_session18.sh i (quantized decode steps' matmul sweep).
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
+OUT=${OUT:-out}; mkdir -p "$OUT"
+case "${1:-}" in
+  f) for run in ${RUNS:-bf16 fp8}; do
+       q=""; [ "$run" != bf16 ] && q="--quantization fp8"
+       env=""; [ "$run" = fp8xla ] && env="JAXLLM_FP8_GEMM=xla"
+       echo "== f. prefill 8 x 2048, $run"
+       env $env timeout -k 10 ${T_F:-260} python3 scripts/bench_engine.py --random-shape llama3-8b --parts prefill \
+         --prefill-batch 8 --prefill-len 2048 $q --output-json "$OUT/prefill_$run.json" > "$OUT/prefill_$run.log" 2>&1
+       echo "rc=$?"; grep -E "^== (prefill|init)|fp8 W8A8 prefill-sized" "$OUT/prefill_$run.log" | cut -c1-900
+     done ;;
+  d) MOE_PARTS="3 2" bash scripts/gpu_moe.sh; grep -h "MoE grouped matmul" "$OUT"/moe_prefill.log | cut -c1-900 ;;
+  p) bash scripts/gpu_session25.sh p ;;
+  m) bash scripts/gpu_session18.sh i ;;
+  *) echo "usage: $0 f|d|p|m"; exit 2 ;;
+esac
