@@ -140,6 +140,23 @@ def test_chooser_never_picks_a_wrong_kernel(monkeypatch):
     assert {"ragged_dot", "right"} <= set(chooser.timings[16])
 
 
+def test_chooser_reference_survives_a_failing_ragged_dot(monkeypatch):
+    """At prefill sizes the ragged_dot candidate runs out of memory on the GPU (32 GiB at 65,536
+    rows): the check's reference is ragged_dot on the first REF_TOKENS tokens alone, so the first
+    candidate that runs does not become the reference (a wrong one listed first was chosen, and
+    the right ones dropped as "wrong", when it did)."""
+    def out_of_memory(x, w, s):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+    fast_wrong = lambda x, w, s: jnp.zeros((x.shape[0], w.shape[2]), x.dtype)
+    right = lambda x, w, s: jax.lax.ragged_dot(x, w, s) * 1.0
+    monkeypatch.setattr(gmm_impls, "candidates", lambda *a, **k: {
+        "ragged_dot": out_of_memory, "wrong": fast_wrong, "right": right})
+    chooser = gmm_impls.Chooser()
+    M = 4 * gmm_impls.REF_TOKENS
+    chooser.measure([M], E=4, H=64, F=32, dtype=jnp.float32, reps=1)
+    assert set(chooser.timings[M]) == {"right"} and chooser.choice[M] == "right"
+
+
 @pytest.mark.parametrize("tiling", moe_gmm.TILINGS + moe_gmm.PREFILL_TILINGS, ids=lambda t: t.name)
 def test_kernel_lowers_to_triton(tiling):
     """The GPU path: every shipped tiling lowers through Pallas' Triton backend (on this CPU)."""

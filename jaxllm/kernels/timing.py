@@ -46,7 +46,8 @@ def loop_floor(x: jax.Array, reps: int = 5, chain: int = 20) -> float:
 def time_checked(fns: dict[str, Callable], args: tuple, reps: int, what: str, where: str = "",
                  tol: float = 2e-2, catch: bool = False, ref=None, chain: int = 0) -> dict[str, float]:
     """Median seconds per call of each jitted fn(*args) after one checked run: its output must be
-    finite and within `tol` (relative) of `ref` (default: the first fn's output), else it is
+    finite and within `tol` (relative) of `ref` (default: the first fn's output; a `ref` with
+    fewer leading rows than the outputs is compared with their first rows), else it is
     logged and left out. `catch`: a fn that raises is logged and left out too (else the error
     propagates). `chain` > 0: each of the `reps` timings runs `chained(fn, chain)` and counts
     one call as its time / chain (kernels shorter than a dispatch)."""
@@ -63,7 +64,8 @@ def time_checked(fns: dict[str, Callable], args: tuple, reps: int, what: str, wh
             out = np.asarray(jax.block_until_ready(f(*args)), np.float32)
             if first is None:
                 first = out
-            err = float(np.linalg.norm(out - first) / max(np.linalg.norm(first), 1e-30))
+            head = out[:first.shape[0]] if out.ndim and first.ndim and first.shape[0] < out.shape[0] else out
+            err = float(np.linalg.norm(head - first) / max(np.linalg.norm(first), 1e-30))
             if not np.isfinite(out).all() or err > tol:
                 log.warning("%s %s: wrong result%s (rel err %.3g), not timed", what, name, where, err)
                 continue

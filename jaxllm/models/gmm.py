@@ -41,6 +41,7 @@ log = logging.getLogger("jaxllm")
 GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 DECODE_MAX_ROWS = 1024  # the decode kernel re-reads an expert per 16-row block: decode only
+REF_TOKENS = 64  # tokens the warm-up's ragged_dot reference computes (`Chooser.measure`)
 DIRECT_MAX_ROWS = 64  # unsorted rows (one slot a row) for batches up to 64 / top_k tokens
 # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n)
 MGPU_TILINGS = ((64, 128, 64, 4, 1), (128, 128, 64, 4, 2), (128, 256, 64, 3, 1))
@@ -223,7 +224,8 @@ class Chooser:
         """Time each candidate's whole expert block (`moe.experts`: gate, up, down, and the sort
         and unsort around the sorted-row implementations, which the direct ones skip) on this
         expert shape at each row count: rows / top_k tokens, each routed to top_k distinct
-        random experts. Each is checked against ragged_dot first; the fastest is kept.
+        random experts. Each is checked first against ragged_dot on the first REF_TOKENS
+        tokens; the fastest is kept.
         Decode-sized row counts are timed as loops of dependent calls (`timing.chained`): one
         such call takes tens of microseconds, less than its dispatch."""
         from jaxllm.kernels.timing import time_checked
@@ -245,9 +247,14 @@ class Chooser:
             wts = jnp.asarray(rng.random((T, k)), jnp.float32)
             x = jax.random.normal(key, (T, H), jnp.float32).astype(dtype)
             fns = {name: (lambda x, p, i, a, u, b, impl=impl: experts(x, p, i, a, u, b, gmm=impl))
-                   for name, impl in cands.items()}  # "ragged_dot" first: the reference
+                   for name, impl in cands.items()}
+            # The reference: ragged_dot on the first REF_TOKENS tokens alone (a token's output
+            # depends on no other token), against which each candidate's first rows are checked;
+            # ragged_dot over all rows at prefill sizes runs out of memory (32 GiB at 65,536).
+            n = min(T, REF_TOKENS)
+            ref = jax.jit(lambda *a: experts(*a, gmm=ragged_dot_ref))(x[:n], wts[:n], ids[:n], w_g, w_u, w_d)
             times = time_checked(fns, (x, wts, ids, w_g, w_u, w_d), reps, "MoE grouped matmul",
-                                 f" at {M} rows", tol=3e-2, catch=True,
+                                 f" at {M} rows", tol=3e-2, catch=True, ref=ref,
                                  chain=20 if M <= DECODE_MAX_ROWS else 0)
             if times:
                 self.choice[M] = min(times, key=times.get)
