@@ -166,3 +166,31 @@ def test_quantized_leaves_of_an_engine():
     r = llm.engine.runner
     leaves = choice.quantized_leaves(r.params, r.layer_params)
     assert len(leaves) == 7 and all(choice.two_d(q).values.ndim == 2 for q in leaves)
+
+
+def test_kernels_are_measured_once_before_the_pool_sizing(monkeypatch):
+    """The engine hands its token buckets to the runner, which measures the kernels (quantized
+    matmuls, MoE grouped matmul) before the pool sizing compiles its probe step, so the probe
+    holds the kernels the steps will run; the warm-up does not measure again."""
+    from hf_tiny import make, make_llm
+
+    from jaxllm.engine.runner import ModelRunner
+
+    calls = []
+    measure, size = ModelRunner.measure_kernels, ModelRunner._num_blocks
+    monkeypatch.setattr(ModelRunner, "measure_kernels",
+                        lambda self, buckets: calls.append(("measure", buckets)) or measure(self, buckets))
+    monkeypatch.setattr(ModelRunner, "_num_blocks",
+                        lambda self, n: calls.append(("size",)) or size(self, n))
+    monkeypatch.setattr(choice, "measure", lambda *a, **k: calls.append(("timed",)) or {})
+    _, cfg, sd = make("llama3", seed=3)
+    llm = make_llm((cfg, sd), quantization="int8", token_buckets=(16, 64))
+    r = llm.engine.runner
+    assert calls[:2] == [("measure", (16, 64)), ("size",)]
+    assert calls.count(("timed",)) == 0  # the CPU never times (a GPU with one device does)
+    assert [c for c in calls if c[0] == "measure"] == [("measure", (16, 64))] * 2  # warm-up's call: a no-op
+    r.platform = "gpu"  # as on one GPU: the measurement runs, once
+    r._kernels_measured = False
+    r.measure_kernels((16, 64))
+    r.measure_kernels((16, 64))
+    assert calls.count(("timed",)) == 1

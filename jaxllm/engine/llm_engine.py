@@ -97,7 +97,8 @@ class LLMEngine:
                                                  resolve_dtype(cfg.dtype, jax.devices()[0].platform))
         self.runner = ModelRunner(self.model_cfg, cfg, self.max_model_len, state,
                                   max_rows=self.seq_buckets[-1], max_num_tokens=max_tokens,
-                                  extra_block_bytes=draft_bytes, capture=capture)
+                                  extra_block_bytes=draft_bytes, capture=capture,
+                                  token_buckets=tuple(self.token_buckets))
         if cfg.preemption_mode == "swap" and self.runner.channel is not None:
             raise ValueError("preemption_mode='swap' needs a single process (each process would "
                              "hold its own host pages); use preemption_mode='recompute'")

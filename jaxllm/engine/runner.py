@@ -68,7 +68,8 @@ class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int,
                  state: dict | None = None, dtype=None, unroll_layers: bool | None = None,
                  max_rows: int | None = None, max_num_tokens: int | None = None,
-                 extra_block_bytes: int = 0, capture: tuple[int, ...] = ()):
+                 extra_block_bytes: int = 0, capture: tuple[int, ...] = (),
+                 token_buckets: tuple[int, ...] | None = None):
         self.cfg = cfg
         # Hidden states the step returns beside the logits (`Llama.capture`: an EAGLE head's
         # input, jaxllm/spec/eagle.py), kept on the device as `last_hidden` [T, n * E].
@@ -186,6 +187,9 @@ class ModelRunner:
         self.compiler_options: dict = {}  # set by the pool sizing (XLA's memory limit, GPU)
         enable_persistent_cache(self.platform)
         self._compiled: dict[tuple[int, int], object] = {}  # (T, R) -> executable, from `warmup`
+        self._kernels_measured = False
+        if token_buckets is not None:  # before the pool sizing: its probe compiles the chosen kernels
+            self.measure_kernels(token_buckets)
         self.num_traces = 0  # counts step traces (compilations); set before the sizing's probes trace
         self.num_blocks = self._num_blocks(max_model_len)
         self.num_traces = 0  # the sizing's probe compiles do not count
@@ -423,15 +427,17 @@ class ModelRunner:
         finally:
             del sampler.sample  # back to the class's method
 
-    def warmup(self, token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...]) -> float:
-        """Compile every (T, R) pair of `compiled_pairs`, then run each once, writing nothing
-        to the cache. One process: compiled ahead of time on a thread pool (`engine/compile.py`)
-        and kept per pair. Several: the leader runs the steps, so that the followers compile
-        each as its broadcast batch reaches them.
-        """
-        t0 = time.perf_counter()
-        if self.channel is not None and not self.channel.is_leader:
-            return 0.0
+    def measure_kernels(self, token_buckets: tuple[int, ...]) -> None:
+        """One GPU: the quantized matmuls' paths (and the weight layouts they need) and the MoE
+        grouped matmul, chosen by timing them at these token buckets (`quantization/choice.py`,
+        `models/gmm.py`). Once, before the pool sizing compiles its probe step where the engine
+        passes its buckets at construction: the probe then holds the kernels the steps will run
+        (with XLA's fp8 GEMM in their place, its autotuning at 16,384 rows took 104 s of an H200
+        start-up, and an unchosen MoE bucket falls back to ragged_dot, whose HLO expands every
+        row against every expert)."""
+        if self._kernels_measured:
+            return
+        self._kernels_measured = True
         if self.platform == "gpu" and self.tp is None:  # quantized linears: paths by measurement
             from jaxllm.quantization import choice
             weights = choice.quantized_leaves(self.params, self.layer_params)
@@ -443,6 +449,17 @@ class ModelRunner:
             self.gmm_chooser.measure([T * m.moe.top_k for T in token_buckets], m.moe.num_experts,
                                      m.hidden_size, m.moe.moe_intermediate_size, self.dtype,
                                      top_k=m.moe.top_k)
+
+    def warmup(self, token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...]) -> float:
+        """Compile every (T, R) pair of `compiled_pairs`, then run each once, writing nothing
+        to the cache. One process: compiled ahead of time on a thread pool (`engine/compile.py`)
+        and kept per pair. Several: the leader runs the steps, so that the followers compile
+        each as its broadcast batch reaches them.
+        """
+        t0 = time.perf_counter()
+        if self.channel is not None and not self.channel.is_leader:
+            return 0.0
+        self.measure_kernels(token_buckets)
         pairs = compiled_pairs(token_buckets, seq_buckets)
         if self.channel is None:
             sharding = None if self.tp is None else self.tp.replicated
