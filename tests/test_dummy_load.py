@@ -38,6 +38,42 @@ def test_llm_generates_from_config_only_folder(cfg_dir):
     assert llm.stats()["compiles_after_warmup"] == 0
 
 
+@pytest.mark.parametrize("method", ["fp8", "int4"])
+def test_dummy_weights_with_online_quantization(cfg_dir, method):
+    """load_format="dummy" + an online method: the linears are drawn and quantized a layer at a
+    time (`draw_quantized`; a 70B shape's float weights exceed one H200): the same QArray layouts
+    as quantizing the float draw, the other weights drawn as before, the engine generates; one
+    linear's program never holds its whole float stack."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxllm.models.llama import value
+    from jaxllm.quantization.qarray import QArray
+    from jaxllm.quantization.quantize import LINEAR_PARAMS, draw_linear, draw_quantized, quantize_state
+
+    llm = LLM(cfg_dir, load_format="dummy", quantization=method, **SMALL)
+    r = llm.engine.runner
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4 and llm.stats()["compiles_after_warmup"] == 0
+
+    make = lambda: r.model_entry.model_cls(r.model_cfg, jnp.float32, rngs=nnx.Rngs(0))  # noqa: E731
+    got = draw_quantized(make, method)
+    want = quantize_state(jax.jit(lambda: nnx.state(make()))(), method)
+    spec = lambda t: jax.tree.map(lambda a: (a.shape, a.dtype), t)  # noqa: E731
+    assert spec(got) == spec(want)
+    layers = got["layers"]
+    linears = [n for n in LINEAR_PARAMS if n in layers]
+    assert linears and all(isinstance(value(layers[n]), QArray) for n in linears)
+    for n in ("ln_attn", "ln_mlp"):
+        assert jnp.array_equal(value(layers[n]), value(want["layers"][n]))  # drawn as before
+    assert jnp.array_equal(value(got["embed"]), value(want["embed"]))
+    temp = {L: jax.jit(draw_linear, static_argnums=(1, 2, 3)).lower(  # one linear's program
+        jax.random.key(0), (L, 1024, 2048), jnp.bfloat16, method).compile().memory_analysis().temp_size_in_bytes
+        for L in (4, 32)}
+    assert temp[32] <= 1.1 * temp[4], temp  # a layer's temporaries, whatever the stack's depth
+
+
 def test_fallback_tokenizer_spells_every_id():
     tok = byte_tokenizer(300)
     assert tok.encode("héllo") == list("héllo".encode())

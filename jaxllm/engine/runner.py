@@ -32,7 +32,7 @@ from jaxllm.engine.memory import (GiB, StepMemory, base_limit, describe, plan_po
 from jaxllm.engine.sampler import pad_ids
 from jaxllm.kernels import kv_quant
 from jaxllm.quantization.methods import ONLINE_METHODS, check_weights_device
-from jaxllm.quantization.quantize import quantize_state
+from jaxllm.quantization.quantize import draw_quantized, quantize_state
 from jaxllm.models.config import ModelConfig
 from jaxllm.models import registry
 from jaxllm.models.llama import load_state, value
@@ -142,7 +142,10 @@ class ModelRunner:
             self.graphdef, self.params = self.tp.build_params(make, lambda: make(ckpt_cfg), state)
         elif state is None:  # random weights (load_format="dummy", tests): drawn on the device
             self.graphdef, _ = nnx.split(nnx.eval_shape(make))
-            self.params = jax.jit(lambda: nnx.state(make()))()
+            if cfg.quantization in ONLINE_METHODS:  # linears drawn and quantized a layer at a time
+                self.params = draw_quantized(make, cfg.quantization, cfg.seed)
+            else:
+                self.params = jax.jit(lambda: nnx.state(make()))()
         else:
             model = nnx.eval_shape(make)
             load_state(model, state)

@@ -184,8 +184,51 @@ def quantize_state(params, method: str, mesh=None):
             from jaxllm.quantization.tp import qarray_shardings
             out = qarray_shardings(jax.eval_shape(quantize, w), w.sharding.spec, mesh, name)
             q = jax.jit(quantize, out_shardings=out)(w)
-        if hasattr(var, "set_value"):
-            var.set_value(q)
-        else:  # flax < 0.12
-            var.value = q
+        _set(var, q)
     return params
+
+
+def _set(var, v) -> None:
+    if hasattr(var, "set_value"):
+        var.set_value(v)
+    else:  # flax < 0.12
+        var.value = v
+
+
+def draw_quantized(make, method: str, seed: int = 0, scale: float = 0.02):
+    """The nnx state of `make()` for `load_format="dummy"` with an online method, on the device:
+    each decoder linear drawn (scale x normal, as `llama._param`) and quantized one layer at a
+    time, so no float stack ever exists whole (a 70B model's 141 GB of bf16 weights exceed one
+    H200; its fp8 ones fit); every other weight as `make()` draws it. The linears come out
+    as `quantize_state` makes them (the same QArray layouts), from other random draws."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxllm.models.llama import value
+
+    shapes = nnx.state(nnx.eval_shape(make))["layers"]
+    names = [n for n in LINEAR_PARAMS if n in shapes]
+
+    def rest():
+        state = nnx.state(make())
+        for n in names:  # not returned, so never drawn (XLA drops the dead draws)
+            _set(state["layers"][n], jnp.zeros((), value(state["layers"][n]).dtype))
+        return state
+
+    params = jax.jit(rest)()
+    for i, n in enumerate(names):
+        _set(params["layers"][n], jax.jit(draw_linear, static_argnums=(1, 2, 3, 4))(
+            jax.random.key(seed * 7919 + i), value(shapes[n]).shape, value(shapes[n]).dtype, method, scale))
+    return params
+
+
+def draw_linear(key, shape: tuple[int, ...], dtype, method: str, scale: float = 0.02):
+    """A random [L, K, N] linear stack, quantized: drawn and quantized one layer at a time."""
+    import jax
+    import jax.numpy as jnp
+
+    def one(k):
+        return QUANTIZERS[method]((scale * jax.random.normal(k, shape[1:])).astype(dtype), jnp)
+    return jax.lax.map(one, jax.random.split(key, shape[0]))
+
