@@ -12,6 +12,10 @@
 #   p (~4 min): issue 15 -- bench_moe.py gmm --pairs at 8,192 tokens: each kernel with gate and up
 #     stored apart, one launch (`_pair`) and two (`_split`), beside the fused weight.
 #   m (~6 min): gpu_session18.sh i (quantized decode steps' matmul sweep).
+#   s (~6 min, an H200: needs_h200): issue 17 -- Llama-3-70B shape with fp8 weights on one GPU, decode
+#     batch 1 at context 2,048 against its floor (target <= 1.25x). Dummy weights are now drawn and
+#     quantized a layer at a time (`quantization.quantize.draw_quantized`): 141 GB of bf16 never
+#     exist, ~70 GB of fp8 do.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
@@ -28,5 +32,9 @@ case "${1:-}" in
   d) MOE_PARTS="3 2" bash scripts/gpu_moe.sh; grep -h "MoE grouped matmul" "$OUT"/moe_prefill.log | cut -c1-900 ;;
   p) bash scripts/gpu_session25.sh p ;;
   m) bash scripts/gpu_session18.sh i ;;
-  *) echo "usage: $0 f|d|p|m"; exit 2 ;;
+  s) XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 10 ${T_S:-420} python3 scripts/bench_latency.py --random-shape llama3-70b \
+       --quantization fp8 --input-len 2048 --batch-size 1 --num-iters 10 --max-num-batched-tokens 64 \
+       --profile-steps 3 --output-json "$OUT/latency_70b_fp8.json" > "$OUT/latency_70b_fp8.log" 2>&1
+     echo "rc=$?"; tail -25 "$OUT/latency_70b_fp8.log" | cut -c1-400 ;;
+  *) echo "usage: $0 f|d|p|m|s"; exit 2 ;;
 esac
