@@ -16,6 +16,10 @@
 #     batch 1 at context 2,048 against its floor (target <= 1.25x). Dummy weights are now drawn and
 #     quantized a layer at a time (`quantization.quantize.draw_quantized`): 141 GB of bf16 never
 #     exist, ~70 GB of fp8 do.
+#   g (~6 min, an H200: needs_h200): issue 15 -- MoE decode batch 1 is bound by the host launching
+#     the step's 1,650 kernels (session 26's profile: the jitted call's host span ~6.6 ms a step,
+#     GPU busy 4.75 ms, step 7.0 ms): the decode step with XLA's command buffers extended to
+#     custom calls (CUDA graphs over the Triton / Mosaic kernels too) beside the default flags.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
@@ -36,5 +40,12 @@ case "${1:-}" in
        --quantization fp8 --input-len 2048 --batch-size 1 --num-iters 10 --max-num-batched-tokens 64 \
        --profile-steps 3 --output-json "$OUT/latency_70b_fp8.json" > "$OUT/latency_70b_fp8.log" 2>&1
      echo "rc=$?"; tail -25 "$OUT/latency_70b_fp8.log" | cut -c1-400 ;;
-  *) echo "usage: $0 f|d|p|m|s"; exit 2 ;;
+  g) for flags in "" "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1"; do
+       echo "== g. MoE decode, XLA_FLAGS='$flags'"
+       XLA_FLAGS="$flags" XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 10 ${T_G:-270} python3 scripts/bench_moe.py decode \
+         --random-shape qwen3-30b-a3b --batch-size 1 64 --input-len 2048 --num-iters 20 --profile-steps 3 \
+         --output-json "$OUT/moe_decode_g${#flags}.json" > "$OUT/moe_decode_g${#flags}.log" 2>&1; echo "rc=$?"
+       grep -E "^decode|^  /device" "$OUT/moe_decode_g${#flags}.log"
+     done ;;
+  *) echo "usage: $0 f|d|p|m|s|g"; exit 2 ;;
 esac
