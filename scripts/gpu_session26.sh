@@ -17,7 +17,7 @@
 #     quantized a layer at a time (`quantization.quantize.draw_quantized`): 141 GB of bf16 never
 #     exist, ~70 GB of fp8 do.
 #   g (~6 min, an H200: needs_h200): issue 15 -- MoE decode batch 1 is bound by the host launching
-#     the step's 1,650 kernels (session 26's profile: the jitted call's host span ~6.6 ms a step,
+#     the step's 1,650 kernels (session 26's profile: the jitted call's host span ~6.6 ms a step under the profiler,
 #     GPU busy 4.75 ms, step 7.0 ms): the decode step with XLA's command buffers extended to
 #     custom calls (CUDA graphs over the Triton / Mosaic kernels too) beside the default flags.
 set -u
