@@ -17,6 +17,13 @@ each takes 64 of the rows and the whole strip, so a weight byte brought in serve
 rows (the tile CUTLASS's Hopper GEMMs use), for up to 127 rows of padding an expert instead of
 63. Tiles of dead slots (past the live ones) return at once. Gate and up run in one launch
 (`pair`): strips over both weights.
+
+`chained` tilings ("...c") run a CTA's consecutive live tiles as one pipeline of pipelines
+(`pipeline_state` START / STEADY / STOP): the memory warpgroup streams the next tile's first
+blocks while the compute warpgroups finish the current one, instead of each tile draining its
+ring and refilling it (a ~1-2 us bubble a tile: a tenth of a 128 x 256 tile at K = 2,048, a
+quarter at the down projection's K = 768). JAX requires the K steps to be a multiple of the
+ring's depth for it. Interpreter-checked; not yet timed on a GPU, so only the benchmark offers it.
 """
 
 from __future__ import annotations
@@ -42,17 +49,19 @@ class WsTiling:
     block_n: int = 256  # the CTA's column strip
     block_k: int = 64
     stages: int = 4
+    chained: bool = False  # a CTA's tiles as one pipeline of pipelines (module docstring)
 
     @property
     def name(self) -> str:
-        return f"ws{self.block_m}_{self.block_n}x{self.block_k}s{self.stages}"
+        return f"ws{self.block_m}_{self.block_n}x{self.block_k}s{self.stages}" + ("c" if self.chained else "")
 
     @property
     def wg_cols(self) -> int:  # columns a compute warpgroup multiplies and stores
         return self.block_n if self.block_m == 2 * WG_ROWS else self.block_n // 2
 
     def fits(self, K: int, N: int) -> bool:
-        return N % self.block_n == 0 and K % self.block_k == 0
+        return N % self.block_n == 0 and K % self.block_k == 0 and (
+            not self.chained or (K // self.block_k) % self.stages == 0)
 
     def smem_bytes(self, itemsize: int = 2) -> int:  # ring + the two warpgroups' output tiles
         ring = self.stages * (self.block_m * self.block_k + self.block_k * self.block_n)
@@ -61,6 +70,8 @@ class WsTiling:
 
 TILINGS = (WsTiling(64, 256, 64, 4), WsTiling(64, 128, 64, 6), WsTiling(128, 256, 64, 3),
            WsTiling(128, 128, 64, 5))
+CHAINED = (WsTiling(64, 256, 64, 4, True), WsTiling(128, 256, 64, 2, True),
+           WsTiling(128, 128, 64, 4, True))  # K steps of gate/up (32) and down (12): multiples of 2 and 4
 
 
 
@@ -72,9 +83,9 @@ def _body(sched_gmem, x_gmem, *refs, t: WsTiling, num_slots_: int, K: int, N: in
     strips = N // strip
     cols = len(w_refs) * strips
 
-    def pipeline(body, ctx):
+    def pipeline(body, ctx, state=None):
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(K // t.block_k,), memory_registers=40,
+            body, grid=(K // t.block_k,), memory_registers=40, pipeline_state=state,
             in_specs=[plgpu.BlockSpec((bm, t.block_k), lambda k: (0, k),
                                       transforms=swizzled(t.block_k)),
                       plgpu.BlockSpec((t.block_k, strip), lambda k: (k, 0),
@@ -96,6 +107,14 @@ def _body(sched_gmem, x_gmem, *refs, t: WsTiling, num_slots_: int, K: int, N: in
             idx = info.index[0]
             s, c = lax.div(idx, cols), lax.rem(idx, cols)
             expert, block, live = sched_gmem[0, s], sched_gmem[1, s], sched_gmem[2, s]
+            state = None
+            if t.chained:  # live slots come first: this CTA's last live tile is followed by a dead one
+                nxt = idx + lax.axis_size("sm")
+                last = (nxt >= num_slots_ * cols) | (
+                    sched_gmem[2, lax.min(lax.div(nxt, cols), num_slots_ - 1)] == 0)
+                P = plgpu.PipelinePipeline
+                state = jnp.where(info.local_index == 0, int(P.START),
+                                  jnp.where(last, int(P.STOP), int(P.STEADY))).astype(jnp.int32)
             for i, w_gmem in enumerate(w_refs):
                 @pl.when((live > 0) & (lax.div(c, strips) == i))
                 def _(w_gmem=w_gmem, i=i):
@@ -123,7 +142,7 @@ def _body(sched_gmem, x_gmem, *refs, t: WsTiling, num_slots_: int, K: int, N: in
                         plgpu.wgmma_wait(0)
                         return acc_ref
 
-                    pipeline(mma, ctx)(x_gmem.at[pl.ds(block * bm, bm)],
+                    pipeline(mma, ctx, state)(x_gmem.at[pl.ds(block * bm, bm)],
                                        w_gmem.at[expert, :, pl.ds(j * strip, strip)],
                                        allocations=allocs)
 

@@ -169,7 +169,7 @@ def candidates(M: int, E: int, H: int, F: int, platform: str | None = None,
         try:
             from jaxllm.kernels import moe_gmm_ws
 
-            for t in moe_gmm_ws.TILINGS:
+            for t in moe_gmm_ws.TILINGS + (() if engine else moe_gmm_ws.CHAINED):  # chained: bench only
                 if t.fits(H, F) and t.fits(F, H):
                     out[t.name] = WsGmm(t)
                     if engine and t.block_m == 2 * moe_gmm_ws.WG_ROWS:  # the bench times `_split` itself
