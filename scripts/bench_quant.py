@@ -144,7 +144,7 @@ def bench_matmul(tokens: list[int], C: float, tilings: str = "engine", modes=("f
                     paths[f"fp8_w8a8_mosaic_{t.name}"] = (
                         lambda x, w, t=t: qm.fp8_w8a8(x, w, t), quant["fp8"], qbytes(quant["fp8"][0]))
             if "fp8" in quant and M > qm.MAX_ROWS:  # jaxllm's warp-specialized fp8 GEMM, scales fused
-                for t in fg.TILINGS:
+                for t in fg.TILINGS + fg.CHAINED:
                     if t.unsupported(M, K, N) is None:
                         paths[f"fp8_w8a8_ws_{t.name}"] = (
                             lambda x, w, t=t: fg.fp8_w8a8(x, w, t), quant["fp8"], qbytes(quant["fp8"][0]))

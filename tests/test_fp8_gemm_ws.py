@@ -35,7 +35,9 @@ def _want(xq, sx, w, sw):
 @pytest.mark.parametrize("M,tiling,num_sms", [
     (200, fg.GemmTiling(block_n=128, block_k=128, stages=2, band=2), 3),  # 2 row blocks x 3 strips
     (64, fg.GemmTiling(block_n=128, block_k=128, stages=3, band=8), 2),  # padded rows, a wrapped ring
-], ids=["pad_rows_band2", "one_tile_idle_sm"])  # (block_n 256: minutes of interpreter compile)
+    (200, fg.GemmTiling(block_n=128, block_k=128, stages=2, band=2, chained=True), 2),  # 3 tiles a CTA
+    (200, fg.GemmTiling(block_n=128, block_k=128, stages=4, band=1, chained=True), 4),  # one-tile CTAs
+], ids=["pad_rows_band2", "one_tile_idle_sm", "chained", "chained_one_tile_ctas"])  # (block_n 256: minutes of interpreter compile)
 def test_matches_the_scaled_product_in_the_interpreter(M, tiling, num_sms):
     """Each row's and column's own scale, the rows past M dropped, tiles walked in planar-snake
     order by fewer CTAs than tiles (each CTA several tiles: the pipeline and the scale barrier
@@ -75,9 +77,11 @@ def test_refuses_what_it_cannot_tile():
     with pytest.raises(ValueError, match="e4m3"):
         fg.fp8_gemm(xq.astype(jnp.bfloat16), sx, w, sw)
     assert "shared memory" in fg.GemmTiling(block_n=256, stages=4).unsupported(128, 4096, 4096)
+    assert "chained" in fg.GemmTiling(stages=3, chained=True).unsupported(128, 4096, 4096)  # 32 steps
+    assert all(t.unsupported(8192, K, 4096) is None for t in fg.CHAINED for K in (4096, 14336))
 
 
-@pytest.mark.parametrize("tiling", fg.TILINGS, ids=lambda t: t.name)
+@pytest.mark.parametrize("tiling", fg.TILINGS + fg.CHAINED, ids=lambda t: t.name)
 def test_lowers_for_cuda_at_llama3_prefill_shapes(tiling):
     """Compiled path (no interpreter): Mosaic's lowering, shared-memory check included, for the
     four Llama-3-8B linears at 8,192 tokens."""

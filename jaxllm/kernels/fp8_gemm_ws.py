@@ -50,10 +50,12 @@ class GemmTiling:
     stages: int = 3
     band: int = 8  # strips walked together (planar_snake's tile width)
     block_m: int = 2 * WG_ROWS
+    chained: bool = False  # a CTA's tiles as one pipeline of pipelines (as moe_gmm_ws.WsTiling's)
 
     @property
     def name(self) -> str:
-        return f"fg_{self.block_m}x{self.block_n}x{self.block_k}s{self.stages}b{self.band}"
+        return f"fg_{self.block_m}x{self.block_n}x{self.block_k}s{self.stages}b{self.band}" + (
+            "c" if self.chained else "")
 
     def smem_bytes(self) -> int:
         ring = self.stages * (self.block_m + self.block_n) * self.block_k  # 1-byte operands
@@ -64,11 +66,14 @@ class GemmTiling:
             return f"N={N} / K={K} not multiples of block_n={self.block_n} / block_k={self.block_k} (a multiple of 128)"
         if self.smem_bytes() > SMEM_LIMIT:
             return f"{self.smem_bytes()} bytes of shared memory"
+        if self.chained and (K // self.block_k) % self.stages:
+            return f"chained: K={K} is {K // self.block_k} steps, not a multiple of the {self.stages}-deep ring"
         return None
 
 
 TILINGS = (GemmTiling(256, 128, 3), GemmTiling(128, 128, 5), GemmTiling(256, 128, 3, band=16))
-BY_NAME = {t.name: t for t in TILINGS}
+CHAINED = (GemmTiling(256, 128, 2, chained=True), GemmTiling(128, 128, 4, chained=True))  # untimed
+BY_NAME = {t.name: t for t in TILINGS + CHAINED}
 
 
 
@@ -91,9 +96,9 @@ def _body(x_gmem, w_gmem, sx_gmem, sw_gmem, o_gmem, *scratch, t: GemmTiling, int
     bm, bn, bk = t.block_m, t.block_n, t.block_k
     m_iters, n_iters = Mp // bm, N // bn
 
-    def pipeline(body, ctx):
+    def pipeline(body, ctx, state=None):
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(K // bk,), memory_registers=40,
+            body, grid=(K // bk,), memory_registers=40, pipeline_state=state,
             in_specs=[plgpu.BlockSpec((bm, bk), lambda k: (0, k), transforms=mgpu_compat.swizzled(bk, 1)),
                       plgpu.BlockSpec((bn, bk), lambda k: (0, k), transforms=mgpu_compat.swizzled(bk, 1))],
             wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=t.stages, compute_context=ctx)
@@ -144,7 +149,13 @@ def _body(x_gmem, w_gmem, sx_gmem, sw_gmem, o_gmem, *scratch, t: GemmTiling, int
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
-            pipeline(mma, ctx)(x_gmem.at[pl.ds(mi * bm, bm)], w_gmem.at[cols], allocations=allocs)
+            state = None
+            if t.chained:  # START on a CTA's first tile, STOP on its last (every tile is live)
+                P = plgpu.PipelinePipeline
+                last = info.index[0] + lax.axis_size("sm") >= m_iters * n_iters
+                state = jnp.where(info.local_index == 0, int(P.START),
+                                  jnp.where(last, int(P.STOP), int(P.STEADY))).astype(jnp.int32)
+            pipeline(mma, ctx, state)(x_gmem.at[pl.ds(mi * bm, bm)], w_gmem.at[cols], allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -174,7 +185,8 @@ def fp8_gemm(xq: jax.Array, sx: jax.Array, w: jax.Array, sw: jax.Array, tiling: 
     out = plgpu.kernel(
         functools.partial(_body, t=tiling, interpret=interpret),
         out_type=jax.ShapeDtypeStruct((Mp, N), out_dtype),
-        grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg",
+        grid=(min(num_sms, (Mp // tiling.block_m) * (N // tiling.block_n)),),  # no CTA without a tile
+        grid_names=("sm",), num_threads=3, thread_name="wg",
         kernel_name=KERNEL_NAME, scratch_types=scratch,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **kw,
