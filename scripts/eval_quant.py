@@ -60,8 +60,10 @@ GGUF_MODE = ("w_gguf", {"quantization": "gguf"})  # the GGUF's own blocks kept q
 PAD = 256  # forwards are padded to a multiple of this many tokens: one compile per length
 
 
-def full_logprobs(llm, ids: list[int]):
-    """log p(. | ids[:i+1]) for every position i: float32 [len(ids), V], one forward."""
+def full_logprobs(llm, ids: list[int], pad_to: int = PAD):
+    """log p(. | ids[:i+1]) for every position i: float32 [len(ids), V], one forward over ids
+    padded to a multiple of pad_to tokens (rounded up to whole KV blocks; the padding is masked,
+    so the figures do not depend on it, only the forward's cost and the number of compiles)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -70,7 +72,8 @@ def full_logprobs(llm, ids: list[int]):
 
     runner = llm.engine.runner
     n, S = len(ids), runner.block_size
-    pad = -(-n // PAD) * PAD
+    step = -(-pad_to // S) * S
+    pad = -(-n // step) * step
     blocks = pad // S
     L, two, K = runner.kv_pages.shape[:3]
     kv = jnp.zeros((L, two, K, blocks, S, runner.kv_pages.shape[-1]), runner.kv_pages.dtype)
@@ -103,8 +106,9 @@ def make_llm(model, dtype, max_model_len, **kw):
 
 
 def evaluate(model: str | None = None, modes=None, text: str = TEXT, prompt: str = PROMPT,
-             gen_tokens: int = 128, dtype: str = "auto", free_run: bool = False) -> dict:
-    """{mode: figures}; mode "ref" is the unquantized model."""
+             gen_tokens: int = 128, dtype: str = "auto", free_run: bool = False,
+             pad_to: int = PAD) -> dict:
+    """{mode: figures}; mode "ref" is the unquantized model. pad_to: full_logprobs'."""
     from jaxllm import SamplingParams
 
     modes = MODES if modes is None else modes
@@ -120,11 +124,11 @@ def evaluate(model: str | None = None, modes=None, text: str = TEXT, prompt: str
     seq = prompt_ids + list(cont)
 
     def figures(llm) -> tuple[dict, np.ndarray]:
-        lp_text = full_logprobs(llm, text_ids)
+        lp_text = full_logprobs(llm, text_ids, pad_to)
         nll = -lp_text[np.arange(len(text_ids) - 1), text_ids[1:]]
         out = {"ppl": float(np.exp(nll.mean()))}
         if cont:
-            picks = full_logprobs(llm, seq)[len(prompt_ids) - 1:-1].argmax(-1)
+            picks = full_logprobs(llm, seq, pad_to)[len(prompt_ids) - 1:-1].argmax(-1)
             out["agree"] = float(np.mean(picks == np.asarray(cont)))
         if free_run and cont:
             own = llm.generate([{"prompt_token_ids": prompt_ids}], greedy, use_tqdm=False)[0].outputs[0].token_ids

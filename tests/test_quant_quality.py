@@ -33,7 +33,10 @@ LIMIT = {"kv_fp8": (1.02, 0.009), "kv_int8": (1.02, 0.0012), "w_int8": (1.02, 0.
 @pytest.fixture(scope="module")
 def figures():
     modes = [m for m in MODES if m[0] in LIMIT]
-    res = evaluate(None, modes, TEXT, gen_tokens=0)
+    # pad_to=1: one forward of the text's 769 tokens padded to whole KV blocks (784), not to the
+    # script's 1,024 (its PAD): the padding is masked, so the figures are the same (bit for bit
+    # on the CPU) at ~60% of the forward's time.
+    res = evaluate(None, modes, TEXT, gen_tokens=0, pad_to=1)
     print({k: (round(v.get("ppl_ratio", 0), 4), round(v.get("kl", 0), 5))
            for k, v in res.items() if not k.startswith("_")})
     return res
