@@ -10,7 +10,10 @@
 #     (`ws..._split`): in session 26 the one-launch pair lost (4.9-5.4 ms an expert block against
 #     2.5 ms) and prefill MFU was 0.436 (target 0.5).
 #   p (~4 min): issue 15 -- bench_moe.py gmm --pairs at 8,192 tokens: each kernel with gate and up
-#     stored apart, one launch (`_pair`) and two (`_split`), beside the fused weight.
+#     stored apart, one launch (`_pair`) and two (`_split`), beside the fused weight; the chained
+#     ws tilings (`moe_gmm_ws.CHAINED`, bench only) are among the kernels.
+#   q (~5 min): issue 17 -- the fp8 GEMM at 8,192 tokens again, now with the chained tilings
+#     (`fp8_gemm_ws.CHAINED`: a CTA's tiles as one pipeline of pipelines), beside XLA and torch.
 #   m (~6 min): gpu_session18.sh i (quantized decode steps' matmul sweep).
 #   s (~6 min, an H200: needs_h200): issue 17 -- Llama-3-70B shape with fp8 weights on one GPU, decode
 #     batch 1 at context 2,048 against its floor (target <= 1.25x). Dummy weights are now drawn and
@@ -35,6 +38,7 @@ case "${1:-}" in
      done ;;
   d) MOE_PARTS="3 2" bash scripts/gpu_moe.sh; grep -h "MoE grouped matmul" "$OUT"/moe_prefill.log | cut -c1-900 ;;
   p) bash scripts/gpu_session25.sh p ;;
+  q) bash scripts/gpu_session25.sh q ;;
   m) bash scripts/gpu_session18.sh i ;;
   s) XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 10 ${T_S:-420} python3 scripts/bench_latency.py --random-shape llama3-70b \
        --quantization fp8 --input-len 2048 --batch-size 1 --num-iters 10 --max-num-batched-tokens 64 \
@@ -47,5 +51,5 @@ case "${1:-}" in
          --output-json "$OUT/moe_decode_g${#flags}.json" > "$OUT/moe_decode_g${#flags}.log" 2>&1; echo "rc=$?"
        grep -E "^decode|^  /device" "$OUT/moe_decode_g${#flags}.log"
      done ;;
-  *) echo "usage: $0 f|d|p|m|s|g"; exit 2 ;;
+  *) echo "usage: $0 f|d|p|q|m|s|g"; exit 2 ;;
 esac
