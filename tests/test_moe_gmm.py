@@ -157,6 +157,21 @@ def test_chooser_reference_survives_a_failing_ragged_dot(monkeypatch):
     assert set(chooser.timings[M]) == {"right"} and chooser.choice[M] == "right"
 
 
+def test_chooser_skips_ragged_dot_at_prefill_sizes(monkeypatch):
+    """Above DECODE_MAX_ROWS rows XLA's ragged_dot is not timed beside the kernels (117 ms and
+    32 GiB at 65,536 rows on an H200); below, it is."""
+    timed = []
+    right = lambda x, w, s: jax.lax.ragged_dot(x, w, s) * 1.0
+    ragged = lambda x, w, s: timed.append(x.shape[0]) or gmm_impls.ragged_dot_ref(x, w, s)
+    monkeypatch.setattr(gmm_impls, "candidates", lambda M, *a, **k: {
+        "ragged_dot": ragged, "right": right})
+    chooser = gmm_impls.Chooser()
+    M = 2 * gmm_impls.DECODE_MAX_ROWS
+    chooser.measure([16, M], E=4, H=64, F=32, dtype=jnp.float32, reps=1)
+    assert set(chooser.timings[M]) == {"right"} and set(chooser.timings[16]) == {"ragged_dot", "right"}
+    assert timed and all(m == 16 for m in timed)  # traced only for the 16-row bucket
+
+
 @pytest.mark.parametrize("tiling", moe_gmm.TILINGS + moe_gmm.PREFILL_TILINGS, ids=lambda t: t.name)
 def test_kernel_lowers_to_triton(tiling):
     """The GPU path: every shipped tiling lowers through Pallas' Triton backend (on this CPU)."""

@@ -248,6 +248,9 @@ class Chooser:
             x = jax.random.normal(key, (T, H), jnp.float32).astype(dtype)
             fns = {name: (lambda x, p, i, a, u, b, impl=impl: experts(x, p, i, a, u, b, gmm=impl))
                    for name, impl in cands.items()}
+            if M > DECODE_MAX_ROWS and len(fns) > 1:  # XLA's ragged_dot expands every row against
+                del fns["ragged_dot"]  # every expert (H200: 117 ms, 32 GiB at 65,536 rows): never
+                # chosen there, and still what an unmeasured row count falls back to
             # The reference: ragged_dot on the first REF_TOKENS tokens alone (a token's output
             # depends on no other token), against which each candidate's first rows are checked;
             # ragged_dot over all rows at prefill sizes runs out of memory (32 GiB at 65,536).
