@@ -152,10 +152,8 @@ def _body(x_gmem, w_gmem, sx_gmem, sw_gmem, o_gmem, *scratch, t: GemmTiling, int
 
             state = None
             if t.chained:  # START on a CTA's first tile, STOP on its last (every tile is live)
-                P = plgpu.PipelinePipeline
                 last = info.index[0] + lax.axis_size("sm") >= m_iters * n_iters
-                state = jnp.where(info.local_index == 0, int(P.START),
-                                  jnp.where(last, int(P.STOP), int(P.STEADY))).astype(jnp.int32)
+                state = mgpu_compat.chain_state(info.local_index == 0, last)
             pipeline(mma, ctx, state)(x_gmem.at[pl.ds(mi * bm, bm)], w_gmem.at[cols], allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)

@@ -1,13 +1,14 @@
 """Mosaic GPU helpers the kernels share: calls whose signature differs between the JAX versions
 jaxllm runs on, 0.10 (the CPU machines and CI) and 0.11 (the GPU machine), each the one spelling
-both accept without a deprecation warning; and the swizzled tile layout of TMA'd operands."""
+both accept without a deprecation warning; the swizzled tile layout of TMA'd operands; the
+`pipeline_state` of chained warp-specialized pipelines."""
 
 from __future__ import annotations
 
 import inspect
 
 import jax
-
+import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 # 0.11 made `load`'s index optional and deprecated passing it ("index the reference via
@@ -31,3 +32,11 @@ def swizzled(cols: int, itemsize: int = 2):
     tiles of up to 128 bytes, swizzled at that width (what wgmma and TMA read without conflicts)."""
     swizzle = min(128, cols * itemsize)
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
+
+
+def chain_state(first, last) -> jax.Array:
+    """`pipeline_state` of one tile when a CTA runs its tiles as one chain of warp-specialized
+    pipelines: START on its first tile (a lone tile too: its memory thread just skips the final
+    wait), STOP on its last, STEADY between."""
+    P = plgpu.PipelinePipeline
+    return jnp.where(first, int(P.START), jnp.where(last, int(P.STOP), int(P.STEADY))).astype(jnp.int32)

@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxllm.kernels.mgpu_compat import swizzled
+from jaxllm.kernels.mgpu_compat import chain_state, swizzled
 from jaxllm.kernels.moe_gmm_mosaic import launch
 
 WG_ROWS = 64  # wgmma M
@@ -112,9 +112,7 @@ def _body(sched_gmem, x_gmem, *refs, t: WsTiling, num_slots_: int, K: int, N: in
                 nxt = idx + lax.axis_size("sm")
                 last = (nxt >= num_slots_ * cols) | (
                     sched_gmem[2, lax.min(lax.div(nxt, cols), num_slots_ - 1)] == 0)
-                P = plgpu.PipelinePipeline
-                state = jnp.where(info.local_index == 0, int(P.START),
-                                  jnp.where(last, int(P.STOP), int(P.STEADY))).astype(jnp.int32)
+                state = chain_state(info.local_index == 0, last)
             for i, w_gmem in enumerate(w_refs):
                 @pl.when((live > 0) & (lax.div(c, strips) == i))
                 def _(w_gmem=w_gmem, i=i):

@@ -63,6 +63,14 @@ def value(p: nnx.Variable) -> jax.Array:
     return p.get_value() if hasattr(p, "get_value") else p.value
 
 
+def set_value(p: nnx.Variable, v) -> None:
+    """Give a variable a new array (flax >= 0.12 deprecates assigning `.value`)."""
+    if hasattr(p, "set_value"):
+        p.set_value(v)
+    else:
+        p.value = v
+
+
 def _param(shape: tuple[int, ...], dtype, rngs: nnx.Rngs, scale: float | None = 0.02) -> nnx.Param:
     if scale is None:
         return nnx.Param(jnp.ones(shape, dtype))
@@ -136,10 +144,7 @@ class Llama(nnx.Module):
 
     def _set_kv_scale(self, used: jax.Array) -> None:
         if self.calibrate_kv:
-            if hasattr(self.kv_scale, "set_value"):
-                self.kv_scale.set_value(used)
-            else:
-                self.kv_scale.value = used
+            set_value(self.kv_scale, used)
 
     def _attention(self, x: jax.Array, w: dict[str, jax.Array], kv_pages: jax.Array,
                    layer: jax.Array, md: AttentionMetadata, inv_freq: np.ndarray):
@@ -315,11 +320,7 @@ def split_layers(params, num_layers: int, shards: int = 1, fuse: bool = True) ->
         arr = value(var)
         for i in range(num_layers):
             out[i][name] = arr[i]
-        empty = jnp.zeros((0,), arr.dtype)
-        if hasattr(var, "set_value"):
-            var.set_value(empty)
-        else:
-            var.value = empty
+        set_value(var, jnp.zeros((0,), arr.dtype))
     return [fuse_layer(w, shards) for w in out] if fuse else out
 
 
@@ -432,9 +433,5 @@ def load_state(model: Llama, state: dict) -> None:
                 param = getattr(mod, name)
                 if value(param).shape != val.shape:
                     raise ValueError(f"{name}: expected {value(param).shape}, got {val.shape}")
-                val = jax.tree.map(jnp.asarray, val)  # arrays, or a quantization.QArray's parts
-                if hasattr(param, "set_value"):
-                    param.set_value(val)
-                else:
-                    param.value = val
+                set_value(param, jax.tree.map(jnp.asarray, val))  # arrays, or a QArray's parts
     assign(model, state)

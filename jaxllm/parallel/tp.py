@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxllm.models.config import ModelConfig
-from jaxllm.models.llama import value
+from jaxllm.models.llama import set_value, value
 from jaxllm.parallel.attention import shard_attention
 from jaxllm.parallel.embedding import shard_embedding
 from jaxllm.parallel.experts import check_experts, shard_experts
@@ -111,11 +111,7 @@ class TensorParallel:
         """
         stacks = [v for k in ("layers", "experts") if k in params for v in params[k].values()]
         for var in stacks:
-            empty = jax.device_put(np.zeros((0,), value(var).dtype), self.replicated)
-            if hasattr(var, "set_value"):
-                var.set_value(empty)
-            else:  # flax < 0.12
-                var.value = empty
+            set_value(var, jax.device_put(np.zeros((0,), value(var).dtype), self.replicated))
         num_layers = len(layers)
 
         def put(name: str, a: Any) -> Any:

@@ -166,7 +166,7 @@ def quantize_state(params, method: str, mesh=None):
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.models.llama import value
+    from jaxllm.models.llama import set_value, value
 
     # One layer at a time (lax.map over the stacked layer axis): the quantizers' float32 copies
     # and scale-search candidates of a whole [L, K, N] stack asked an 8B model's step for
@@ -184,15 +184,8 @@ def quantize_state(params, method: str, mesh=None):
             from jaxllm.quantization.tp import qarray_shardings
             out = qarray_shardings(jax.eval_shape(quantize, w), w.sharding.spec, mesh, name)
             q = jax.jit(quantize, out_shardings=out)(w)
-        _set(var, q)
+        set_value(var, q)
     return params
-
-
-def _set(var, v) -> None:
-    if hasattr(var, "set_value"):
-        var.set_value(v)
-    else:  # flax < 0.12
-        var.value = v
 
 
 def draw_quantized(make, method: str, seed: int = 0, scale: float = 0.02):
@@ -205,7 +198,7 @@ def draw_quantized(make, method: str, seed: int = 0, scale: float = 0.02):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxllm.models.llama import value
+    from jaxllm.models.llama import set_value, value
 
     shapes = nnx.state(nnx.eval_shape(make))["layers"]
     names = [n for n in LINEAR_PARAMS if n in shapes]
@@ -213,12 +206,12 @@ def draw_quantized(make, method: str, seed: int = 0, scale: float = 0.02):
     def rest():
         state = nnx.state(make())
         for n in names:  # not returned, so never drawn (XLA drops the dead draws)
-            _set(state["layers"][n], jnp.zeros((), value(state["layers"][n]).dtype))
+            set_value(state["layers"][n], jnp.zeros((), value(state["layers"][n]).dtype))
         return state
 
     params = jax.jit(rest)()
     for i, n in enumerate(names):
-        _set(params["layers"][n], jax.jit(draw_linear, static_argnums=(1, 2, 3, 4))(
+        set_value(params["layers"][n], jax.jit(draw_linear, static_argnums=(1, 2, 3, 4))(
             jax.random.key(seed * 7919 + i), value(shapes[n]).shape, value(shapes[n]).dtype, method, scale))
     return params
 
