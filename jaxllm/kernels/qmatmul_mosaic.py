@@ -193,7 +193,11 @@ def fp8_w8a8(x: jax.Array, w, tiling: Tiling, interpret: bool = False,
     # Rows padded before quantizing (zero rows quantize to zero): the pad fuses into the two
     # quantization fusions instead of a third kernel over the fp8 rows (session 25's profile:
     # reduce, pad and convert were ~1.3 us each, four matmuls a layer).
-    xq, sx = quantize_rows_fp8(jnp.pad(x2, ((0, padded_rows(M) - M), (0, 0))))
+    pad = ((0, padded_rows(M) - M), (0, 0))
+    if isinstance(x2, jax.Array):
+        xq, sx = quantize_rows_fp8(jnp.pad(x2, pad))
+    else:  # act.Fp8Rows: quantized by the op that made it; zero rows pad it
+        xq, sx = (jnp.pad(a, pad) for a in quantize_rows_fp8(x2))
     yt = fp8_matmul(xq, w.values, tiling, interpret, num_sms or device_sms())  # [N, Mp]
     y = yt[:, :M].T * sx[:M] * w.scale[:, 0].astype(jnp.float32)
     return y.astype(x.dtype).reshape(*lead, -1)

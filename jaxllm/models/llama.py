@@ -17,9 +17,10 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.kernels.metadata import AttentionMetadata
-from jaxllm.kernels import kv_quant
+from jaxllm.kernels import act_quant, kv_quant
 from jaxllm.kernels.ref import write_kv
 from jaxllm.models.config import ModelConfig
+from jaxllm.quantization import act
 
 AttentionFn = Callable[..., jax.Array]
 
@@ -51,11 +52,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm computed in float32, cast back before the weight (as HF does)."""
-    xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return w * xf.astype(x.dtype)
+rms_norm = act_quant.rms_norm_ref  # float32 statistics, cast back before the weight (as HF does)
 
 
 def value(p: nnx.Variable) -> jax.Array:
@@ -158,9 +155,10 @@ class Llama(nnx.Module):
         cfg = self.cfg
         T = x.shape[0]
         H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = rms_norm(x, w["ln_attn"], cfg.rms_norm_eps)
+        h = act.norm(x, w["ln_attn"], cfg.rms_norm_eps, w.get("wq", w.get("wqkv")))  # fp8 rows for fp8 W8A8
         if "wqkv" in w:  # fused (the unrolled layout, `fuse_layer`): one matmul, shard-major columns
-            qkv = jnp.einsum("te,esp->tsp", h, w["wqkv"])
+            wqkv = w["wqkv"]
+            qkv = jnp.einsum("te,esp->tsp", h, wqkv) if isinstance(wqkv, jax.Array) else (h @ wqkv)[:, None]
             if cfg.qkv_bias:
                 qkv = qkv + w["bqkv"]
             nq, nk = H * D // qkv.shape[1], K * D // qkv.shape[1]
@@ -197,16 +195,18 @@ class Llama(nnx.Module):
         return x + o, kv_pages, scale
 
     def _mlp(self, h: jax.Array, w: dict[str, jax.Array], md: AttentionMetadata) -> jax.Array:
+        if "w_gu" in w and not isinstance(w["w_gu"], jax.Array):  # fp8 W8A8 [gate; up]: one matmul
+            return act.silu_mul(h @ w["w_gu"], None, w["w_down"]) @ w["w_down"]
         if "w_gu" in w:  # fused gate/up [E, S, 2, F/S]: one matmul
             gu = jnp.einsum("te,esgf->tsgf", h, w["w_gu"])
             gate, up = (gu[:, :, i].reshape(h.shape[0], -1) for i in (0, 1))
             return (jax.nn.silu(gate) * up) @ w["w_down"]
-        return (jax.nn.silu(h @ w["w_gate"]) * (h @ w["w_up"])) @ w["w_down"]
+        return act.silu_mul(h @ w["w_gate"], h @ w["w_up"], w["w_down"]) @ w["w_down"]
 
     def _layer(self, x: jax.Array, w: dict[str, jax.Array], kv_pages: jax.Array,
                layer: jax.Array, md: AttentionMetadata, inv_freq: np.ndarray):
         x, kv_pages, scale = self._attention(x, w, kv_pages, layer, md, inv_freq)
-        h = rms_norm(x, w["ln_mlp"], self.cfg.rms_norm_eps)
+        h = act.norm(x, w["ln_mlp"], self.cfg.rms_norm_eps, w.get("w_gate", w.get("w_gu")))
         return x + self._mlp(h, w, md), kv_pages, scale
 
     # Hidden states the step also returns, [T, n * E] (EAGLE heads, jaxllm/spec/eagle.py): the
@@ -293,7 +293,17 @@ def fuse_layer(w: dict[str, jax.Array], shards: int = 1) -> dict[str, jax.Array]
 
     out = dict(w)
     if not all(isinstance(w[n], jax.Array) for n in ("wq", "w_gate") if n in w):
-        return out  # quantized linears (quantization.QArray) stay separate matmuls
+        # Quantized linears: fp8 W8A8 ones fused as one QArray [q; k; v] / [gate; up] when not
+        # split over devices (`act.fuse`); others (and any under tensor parallelism) stay apart.
+        for name, parts in (("wqkv", ("wq", "wk", "wv")), ("w_gu", ("w_gate", "w_up"))):
+            fused = act.fuse([w[n] for n in parts]) if shards == 1 and all(n in w for n in parts) else None
+            if fused is not None:
+                out[name] = fused
+                for n in parts:
+                    out.pop(n)
+        if "wqkv" in out and "bq" in w:
+            out["bqkv"] = jnp.concatenate([out.pop(n) for n in ("bq", "bk", "bv")], axis=-1)[None]
+        return out
     if any(w[n].shape[-1] % shards for n in ("wq", "wk", "wv", "w_gate", "w_up") if n in w):
         shards = 1  # a split the mesh cannot make evenly: replicated (as param_spec does)
     if all(n in w for n in ("wq", "wk", "wv")):

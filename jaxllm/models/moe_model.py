@@ -29,6 +29,7 @@ from jaxllm.models.config import ModelConfig
 from jaxllm.models.llama import Llama, LayerStack, _param, rms_norm, value
 from jaxllm.models.moe import expert_loads, experts as moe_experts, route, split_experts
 from jaxllm.models.moe_config import MoEConfig
+from jaxllm.quantization import act
 
 EXPERT_WEIGHTS = ("e_gate", "e_up", "e_down")
 
@@ -127,7 +128,7 @@ class MoeLlama(Llama):
         """One decoder layer: (x, kv_pages, expert load [E] or None for a dense layer, the
         layer's (k_scale, v_scale) as used)."""
         x, kv_pages, scale = self._attention(x, w, kv_pages, layer, md, inv_freq)
-        h = rms_norm(x, w["ln_mlp"], self.cfg.rms_norm_eps)
+        h = act.norm(x, w["ln_mlp"], self.cfg.rms_norm_eps, None if "router" in w else w.get("w_gate"))
         if "router" not in w:
             return x + self._mlp(h, w, md), kv_pages, None, scale
         y, load = self._moe(h, w, md)

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.kernels import qmatmul
-from jaxllm.quantization.qarray import FP8_MAX, QArray
+from jaxllm.quantization.qarray import QArray
 
 # (mode, platform) -> path; fill from scripts/gpu_quant.sh's matmul table.
 TUNING: dict[tuple[str, str], str] = {
@@ -57,6 +57,9 @@ def matmul(x: jax.Array, w: QArray, path: str | None = None) -> jax.Array:
         from jaxllm.quantization.choice import measured_path
         path = measured_path(x.shape, w) or fp8_gemm_path(x.shape, w) or TUNING.get((mode_of(w), "gpu"), "xla")
     path = path or "xla"
+    from jaxllm.quantization.act import Fp8Rows, takes_rows
+    if isinstance(x, Fp8Rows) and not takes_rows(w):  # (act.norm / silu_mul check the consumer)
+        x = x.dequantize()
     if path == "mgpu":
         return int8_mgpu(x, w)
     if path.startswith("mosaic/"):
@@ -131,11 +134,14 @@ def pallas_tiling(x_shape: tuple[int, ...], w: QArray, min_ctas: int = 256):
     return next((t for t in fits if ctas[t] >= min_ctas), max(fits, key=ctas.get))
 
 
-def quantize_rows_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Per-token (row) dynamic fp8: (x_q float8_e4m3fn [..., K], scale float32 [..., 1])."""
-    xf = x.astype(jnp.float32)
-    s = jnp.maximum(jnp.max(jnp.abs(xf), axis=-1, keepdims=True), 1e-12) / FP8_MAX
-    return (xf / s).astype(jnp.float8_e4m3fn), s
+def quantize_rows_fp8(x) -> tuple[jax.Array, jax.Array]:
+    """Per-token (row) dynamic fp8: (x_q float8_e4m3fn [..., K], scale float32 [..., 1]); an
+    `act.Fp8Rows` (quantized by the op that made it) as it is."""
+    from jaxllm.quantization.act import Fp8Rows
+    if isinstance(x, Fp8Rows):
+        return x.values, x.scale
+    from jaxllm.kernels.act_quant import quantize_ref
+    return quantize_ref(x)
 
 
 def fp8_w8a8(x: jax.Array, w: QArray, upcast: bool = False) -> jax.Array:

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Session 27's GPU calls (each under the device's 10-minute limit; whole logs in $OUT):
+#   a (~1.5 min): the fused per-token fp8 quantization (kernels/act_quant.py: RMSNorm + quantize,
+#     silu(gate) * up + quantize, one Triton kernel each) against XLA's kernels for the same ops,
+#     16,384 / 64 / 1 rows, Llama-3-8B widths, with the bytes floor (scripts/bench_act_quant.py).
+#   f (~7 min): issue 17 -- engine prefill 8 x 2,048, Llama-3-8B shape, bf16 and `--quantization
+#     fp8` in ONE call (target fp8 >= 1.5x bf16), now with the fused quantization feeding every
+#     fp8 linear (RUNS adds "fp8unfused": JAXLLM_ACT_QUANT=xla, each matmul quantizing its input).
+#   af: a then f in one call.
+#   s, d, g, q, p, m: as scripts/gpu_session26.sh.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
+OUT=${OUT:-out}; mkdir -p "$OUT"
+bw() { case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in *H100*) echo 3.35e12 ;; *) echo 4.8e12 ;; esac; }
+case "${1:-}" in
+  a) timeout -k 10 ${T_A:-150} python3 scripts/bench_act_quant.py --bw "$(bw)" --output-json "$OUT/act_quant.json" \
+       > "$OUT/act_quant.log" 2>&1; echo "rc=$?"; grep -E "^device|^\{" "$OUT/act_quant.log"; tail -3 "$OUT/act_quant.log" | cut -c1-600 ;;
+  f) for run in ${RUNS:-bf16 fp8}; do
+       q=""; [ "$run" != bf16 ] && q="--quantization fp8"
+       env=""; [ "$run" = fp8unfused ] && env="JAXLLM_ACT_QUANT=xla"
+       echo "== f. prefill 8 x 2048, $run"
+       env $env timeout -k 10 ${T_F:-240} python3 scripts/bench_engine.py --random-shape llama3-8b --parts prefill \
+         --prefill-batch 8 --prefill-len 2048 $q --output-json "$OUT/prefill_$run.json" > "$OUT/prefill_$run.log" 2>&1
+       echo "rc=$?"; grep -E "^== (prefill|init)|fp8 W8A8 prefill-sized|Error" "$OUT/prefill_$run.log" | cut -c1-900
+     done ;;
+  af) bash "$0" a; bash "$0" f ;;
+  *) bash scripts/gpu_session26.sh "$@" ;;
+esac
