@@ -60,7 +60,8 @@ def test_lowers_for_cuda():
     w = jnp.zeros((14336,), jnp.bfloat16)
     for f, args in ((lambda x, w: aq.norm_quant(x, w, 1e-5), (x, w)),
                     (lambda g, u: aq.silu_mul_quant(g, u), (x, x)),
-                    (lambda x, w: aq.norm_quant(x, w, 1e-5), (x[:, :4096], w[:4096]))):
+                    (lambda x, w: aq.norm_quant(x, w, 1e-5), (x[:, :4096], w[:4096])),
+                    (lambda gu: aq.silu_mul_quant(gu), (jnp.zeros((4, 57344), jnp.bfloat16),))):
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "jaxllm_act_quant" in text
 
@@ -148,3 +149,21 @@ def test_unrolled_fp8_fuses_qkv_and_gate_up(monkeypatch, arch):
     unrolled = run(llm)
     assert unrolled[0] == scanned[0]
     np.testing.assert_allclose(unrolled[1], scanned[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("T,F", [(3, 192), (2, 14336)])
+def test_fused_gate_up_halves(T, F):
+    """A fused gate/up matmul's [T, 2F] output read in place: the same as the two halves."""
+    x, _, g = _inputs(T, 2 * F, jnp.float32)
+    q, s = aq.silu_mul_quant(x, interpret=True)
+    q2, s2 = aq.silu_mul_quant(x[:, :F], x[:, F:], interpret=True)
+    qr, sr = aq.silu_mul_quant_ref(x)
+    np.testing.assert_array_equal(np.asarray(q.astype(jnp.float32)), np.asarray(q2.astype(jnp.float32)))
+    np.testing.assert_allclose(np.asarray(s), np.asarray(sr), rtol=1e-6)
+    assert q.shape == (T, F)
+
+
+def test_supported_widths():
+    assert aq.supported(4096) is None and aq.supported(14336) is None and aq.supported(576) is None
+    assert aq.supported(4104) is not None  # 8 x 513: chunks of 8
+    assert [aq.num_warps(k) for k in (576, 4096, 8192, 14336)] == [4, 4, 8, 16]

@@ -151,7 +151,9 @@ class ModelRunner:
             load_state(model, state)
             self.graphdef, self.params = nnx.split(model)
         if cfg.quantization in ONLINE_METHODS:  # fp8 / int8 / int4 at load (quantization/)
+            t0 = time.perf_counter()
             self.params = quantize_state(self.params, cfg.quantization, self.tp and self.tp.mesh)
+            log.info("weights quantized (%s) in %.1f s", cfg.quantization, time.perf_counter() - t0)
         self.weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
         # Quantized KV caches store rows of W (not D) elements of kv_dtype (kernels/kv_quant.py).
         self.kv_dtype, self.kv_width = kv_quant.page_layout(cfg.kv_cache_dtype, self.dtype,
@@ -445,8 +447,11 @@ class ModelRunner:
             from jaxllm.quantization import choice
             weights = choice.quantized_leaves(self.params, self.layer_params)
             if weights:
+                t0 = time.perf_counter()
+                log.info("timing the quantized matmuls' paths at tokens %s ...", tuple(token_buckets))
                 choice.measure(weights, list(token_buckets), self.dtype)
                 self.relayout_weights()
+                log.info("quantized matmuls' paths chosen in %.1f s", time.perf_counter() - t0)
         if self.gmm_chooser is not None:
             m = self.model_cfg
             self.gmm_chooser.measure([T * m.moe.top_k for T in token_buckets], m.moe.num_experts,

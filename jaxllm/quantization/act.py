@@ -62,10 +62,11 @@ def fused() -> bool:
     return env_choice("JAXLLM_ACT_QUANT", "kernel", ("kernel", "xla")) == "kernel"
 
 
-def _rows(fn_kernel, fn_ref, *args, out_dtype, **kw) -> Fp8Rows:
+def _rows(fn_kernel, fn_ref, *args, width: int, out_dtype, **kw) -> Fp8Rows:
+    """The kernel (a GPU, a row width it takes), else its reference, on args flattened to rows."""
     lead = args[0].shape[:-1]
     flat = [a.reshape(-1, a.shape[-1]) if a.ndim == len(lead) + 1 else a for a in args]
-    fn = fn_ref if jax.default_backend() == "cpu" else fn_kernel
+    fn = fn_ref if jax.default_backend() == "cpu" or act_quant.supported(width) else fn_kernel
     q, s = fn(*flat, **kw)
     return Fp8Rows(q.reshape(*lead, q.shape[-1]), s.reshape(*lead, 1), out_dtype)
 
@@ -74,7 +75,7 @@ def norm(x: jax.Array, w: jax.Array, eps: float, consumer=None) -> jax.Array | F
     """rms_norm(x, w, eps); as Fp8Rows when `consumer` (the linear it feeds) takes them."""
     if not (takes_rows(consumer) and fused()):
         return act_quant.rms_norm_ref(x, w, eps)
-    return _rows(act_quant.norm_quant, act_quant.norm_quant_ref, x, w, out_dtype=x.dtype, eps=eps)
+    return _rows(act_quant.norm_quant, act_quant.norm_quant_ref, x, w, width=x.shape[-1], out_dtype=x.dtype, eps=eps)
 
 
 def silu_mul(gate: jax.Array, up: jax.Array | None = None, consumer=None) -> jax.Array | Fp8Rows:
@@ -83,7 +84,8 @@ def silu_mul(gate: jax.Array, up: jax.Array | None = None, consumer=None) -> jax
     if not (takes_rows(consumer) and fused()):
         return act_quant.silu_mul_ref(gate, up)
     args = (gate,) if up is None else (gate, up)
-    return _rows(act_quant.silu_mul_quant, act_quant.silu_mul_quant_ref, *args, out_dtype=gate.dtype)
+    width = gate.shape[-1] if up is not None else gate.shape[-1] // 2
+    return _rows(act_quant.silu_mul_quant, act_quant.silu_mul_quant_ref, *args, width=width, out_dtype=gate.dtype)
 
 
 def fuse(ws: list) -> QArray | None:
