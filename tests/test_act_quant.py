@@ -138,6 +138,7 @@ def test_unrolled_fp8_fuses_qkv_and_gate_up(monkeypatch, arch):
         return ([o.outputs[0].token_ids for o in outs],
                 np.array([[next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs]))
     scanned = run(LLM(**kw))
+    monkeypatch.setenv("JAXLLM_FUSE_FP8", "1")
     init = ModelRunner.__init__
     monkeypatch.setattr(ModelRunner, "__init__",
                         lambda self, *a, **k: init(self, *a, **{**k, "unroll_layers": True}))
