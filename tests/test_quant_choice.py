@@ -194,3 +194,21 @@ def test_kernels_are_measured_once_before_the_pool_sizing(monkeypatch):
     r.measure_kernels((16, 64))
     r.measure_kernels((16, 64))
     assert calls.count(("timed",)) == 1
+
+
+def test_time_paths_checks_leading_rows_and_takes_compiler_options(monkeypatch):
+    """The prefill-sized timing's reference covers x's first rows only, and its compiles take XLA
+    options (here one that is valid and harmless on the CPU)."""
+    from jaxllm.kernels import qmatmul
+
+    seen = []
+    real = qmatmul.reference
+    monkeypatch.setattr(qmatmul, "reference", lambda x, w: seen.append(x.shape) or real(x, w))
+
+    rng = np.random.default_rng(2)
+    w = jax.tree.map(jnp.asarray, quantize_fp8(rng.standard_normal((64, 128)).astype(np.float32) * 0.05))
+    x = jnp.asarray(rng.standard_normal((256, 64)), jnp.float32)
+    times = choice.time_paths(x, w, ["xla"], reps=1, chain=2, ref_rows=64,
+                              compiler_options={"xla_gpu_autotune_level": 0})
+    assert set(times) == {"xla"} and times["xla"] > 0
+    assert seen == [(64, 64)]

@@ -44,23 +44,24 @@ def loop_floor(x: jax.Array, reps: int = 5, chain: int = 20) -> float:
 
 
 def time_checked(fns: dict[str, Callable], args: tuple, reps: int, what: str, where: str = "",
-                 tol: float = 2e-2, catch: bool = False, ref=None, chain: int = 0) -> dict[str, float]:
+                 tol: float = 2e-2, catch: bool = False, ref=None, chain: int = 0,
+                 compiler_options: dict | None = None) -> dict[str, float]:
     """Median seconds per call of each jitted fn(*args) after one checked run: its output must be
     finite and within `tol` (relative) of `ref` (default: the first fn's output; a `ref` with
     fewer leading rows than the outputs is compared with their first rows), else it is
     logged and left out. `catch`: a fn that raises is logged and left out too (else the error
     propagates). `chain` > 0: each of the `reps` timings runs `chained(fn, chain)` and counts
-    one call as its time / chain (kernels shorter than a dispatch)."""
+    one call as its time / chain (kernels shorter than a dispatch). `compiler_options`: XLA's,
+    for every fn's compile (e.g. no GEMM autotuning)."""
     first = None if ref is None else np.asarray(ref, np.float32)
     times = {}
     for name, fn in fns.items():
         try:
-            if chain:  # one program, checked on its last call's output, then timed
-                timed, per = jax.jit(chained(fn, chain)), chain
-                f = lambda *a: timed(*a)[1]  # noqa: E731
-            else:
-                f = timed = jax.jit(fn)
-                per = 1
+            timed, per = (jax.jit(chained(fn, chain)), chain) if chain else (jax.jit(fn), 1)
+            if compiler_options:
+                timed = timed.lower(*args).compile(compiler_options)
+            # chained: one program, checked on its last call's output, then timed
+            f = (lambda *a: timed(*a)[1]) if chain else timed  # noqa: E731
             out = np.asarray(jax.block_until_ready(f(*args)), np.float32)
             if first is None:
                 first = out

@@ -22,6 +22,7 @@ figures are logged.
 from __future__ import annotations
 
 import logging
+import time
 
 import jax
 import jax.numpy as jnp
@@ -104,10 +105,13 @@ def num_sms() -> int:
     return device_sms()
 
 
-def time_paths(x: jax.Array, w: QArray, paths: list[str], reps: int = 5, chain: int = 20) -> dict[str, float]:
+def time_paths(x: jax.Array, w: QArray, paths: list[str], reps: int = 5, chain: int = 20,
+               ref_rows: int | None = None, compiler_options: dict | None = None) -> dict[str, float]:
     """Seconds per call of each path (median of `reps` loops of `chain` dependent calls: a
     decode-sized matmul is shorter than a dispatch) after a check against x @ the dequantized
-    weight (within 2e-2; 5e-2 for fp8 W8A8, whose "xla" path also rounds x to fp8: 2.7% measured)."""
+    weight (within 2e-2; 5e-2 for fp8 W8A8, whose "xla" path also rounds x to fp8: 2.7% measured),
+    on x's first `ref_rows` rows where given (a prefill-sized reference is one more large GEMM
+    to compile and autotune). `compiler_options`: XLA's, for each path's compile."""
     from jaxllm.kernels.qmatmul import reference
     from jaxllm.quantization.kernels import NK_PATH, matmul
 
@@ -122,10 +126,10 @@ def time_paths(x: jax.Array, w: QArray, paths: list[str], reps: int = 5, chain: 
                      layout_key(x.shape, w), str(e)[:200], NK_PATH)
             paths = [p for p in paths if not p.startswith(NK_PATH)]
             fns = {p: fns[p] for p in paths}
-    ref = jax.jit(reference)(x, w)
+    ref = jax.jit(reference)(x if ref_rows is None else x[:ref_rows], w)
     tol = 5e-2 if w.act == "fp8" else 2e-2
     return time_checked(fns, (x, w, nk), reps, "quantized matmul", f" {layout_key(x.shape, w)}", tol=tol,
-                        catch=True, ref=ref, chain=chain)
+                        catch=True, ref=ref, chain=chain, compiler_options=compiler_options)
 
 
 def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 5) -> dict[tuple, str]:
@@ -145,7 +149,10 @@ def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 5) -> dic
             paths = candidates(x.shape, w, best)
             if len(paths) == 1:
                 continue
+            t0 = time.perf_counter()
             times = time_paths(x, w, paths, reps)
+            log.info("quantized matmul %s: %d paths timed in %.1f s", layout_key(x.shape, w), len(paths),
+                     time.perf_counter() - t0)
             if M not in floors:
                 floors[M] = loop_floor(x, reps)
             if times:
@@ -176,6 +183,15 @@ def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 5) -> dic
     return dict(_MEASURED)
 
 
+# The prefill-sized timings compile XLA's fp8 GEMM without autotuning (cuBLASLt's heuristic
+# algorithm): autotuned, each (layout, rows) compile took tens of seconds, and a fresh H100's
+# fp8 start-up did not finish its path timing in 300 s (session 27; session 26's H200 had the
+# autotuning results cached from earlier runs). This can only favour the kernel over XLA's
+# best; session 26 measured the kernel 1.07-1.18x faster than autotuned XLA at 8,192 rows.
+GEMM_TIMING_OPTIONS = {"xla_gpu_autotune_level": 0}
+REF_ROWS = 64  # rows of the prefill-sized check against the dequantized weight
+
+
 def measure_gemm(w: QArray, rows: list[int], dtype, reps: int = 5) -> None:
     """On Hopper, for a per-channel fp8 W8A8 layout, unless JAXLLM_FP8_GEMM decides: XLA's fp8
     GEMM against the warp-specialized GEMM (`kernels/fp8_gemm_ws.py`, its first tiling), each
@@ -198,7 +214,11 @@ def measure_gemm(w: QArray, rows: list[int], dtype, reps: int = 5) -> None:
     wins = {}
     for M in sorted({big[0], big[len(big) // 2], big[-1]}):
         x = jax.random.normal(jax.random.key(M), (M, K), jnp.float32).astype(dtype)
-        times = time_paths(x, w, ["xla", FP8_GEMM_PATH + t.name], reps, chain=5)
+        t0 = time.perf_counter()
+        times = time_paths(x, w, ["xla", FP8_GEMM_PATH + t.name], reps, chain=5, ref_rows=REF_ROWS,
+                           compiler_options=GEMM_TIMING_OPTIONS)
+        log.info("fp8 GEMM %s: XLA's and the ws kernel timed in %.1f s", layout_key(x.shape, w),
+                 time.perf_counter() - t0)
         GEMM_TIMINGS[layout_key(x.shape, w)] = times
         wins[M] = FP8_GEMM_PATH + t.name in times and times[FP8_GEMM_PATH + t.name] < times.get("xla", np.inf)
     start = None
