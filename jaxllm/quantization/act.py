@@ -91,10 +91,10 @@ def silu_mul(gate: jax.Array, up: jax.Array | None = None, consumer=None) -> jax
 def fuse(ws: list) -> QArray | None:
     """fp8 W8A8 per-channel QArrays (values [..., N, K], scale [..., N, 1]) of one input as one,
     their outputs side by side (x @ fused = concat of x @ each): q/k/v, or gate/up. None for
-    any other weights (they stay separate matmuls), and unless JAXLLM_FUSE_FP8=1: on an H100
-    (session 27) the warm-up's path timing did not finish in 380 s with the fused layouts
-    (6,144 and 28,672 rows of W: new layouts for XLA's fp8 GEMM autotuning at three prefill
-    row counts, or a candidate that hangs; not yet told apart)."""
+    any other weights (they stay separate matmuls), and unless JAXLLM_FUSE_FP8=1: the fused
+    layouts (6,144 and 28,672 rows of W for Llama-3-8B) are not yet timed on a GPU, and each adds
+    its own path timing to the start-up (session 27's H100 fp8 start-ups did not finish that
+    timing in 300-380 s, with or without them: see `choice.GEMM_TIMING_OPTIONS`)."""
     from jaxllm.envs import env_choice
     if env_choice("JAXLLM_FUSE_FP8", "0", ("0", "1")) == "0" or not all(takes_rows(w) for w in ws):
         return None
