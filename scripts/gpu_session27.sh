@@ -3,9 +3,12 @@
 #   a (~1.5 min): the fused per-token fp8 quantization (kernels/act_quant.py: RMSNorm + quantize,
 #     silu(gate) * up + quantize, one Triton kernel each) against XLA's kernels for the same ops,
 #     16,384 / 64 / 1 rows, Llama-3-8B widths, with the bytes floor (scripts/bench_act_quant.py).
-#   f (~7 min): issue 17 -- engine prefill 8 x 2,048, Llama-3-8B shape, bf16 and `--quantization
+#   f (~8 min): issue 17 -- engine prefill 8 x 2,048, Llama-3-8B shape, bf16 and `--quantization
 #     fp8` in ONE call (target fp8 >= 1.5x bf16), now with the fused quantization feeding every
-#     fp8 linear (RUNS adds "fp8unfused": JAXLLM_ACT_QUANT=xla, each matmul quantizing its input).
+#     fp8 linear. Runs: bf16; fp8ws (the ws GEMM forced, no start-up GEMM timing: session 26's
+#     way); fp8 (default: the start-up times XLA's GEMM, now unautotuned, against the kernel;
+#     session 27's H100 did not finish that in 300 s before the change). RUNS may add
+#     "fp8unfused" (JAXLLM_ACT_QUANT=xla) and "fp8fuse" (JAXLLM_FUSE_FP8=1: fused q/k/v, gate/up).
 #   af: a then f in one call.
 #   s, d, g, q, p, m: as scripts/gpu_session26.sh.
 set -u
@@ -16,13 +19,14 @@ bw() { case "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" in 
 case "${1:-}" in
   a) timeout -k 10 ${T_A:-150} python3 scripts/bench_act_quant.py --bw "$(bw)" --output-json "$OUT/act_quant.json" \
        > "$OUT/act_quant.log" 2>&1; echo "rc=$?"; grep -E "^device|^\{" "$OUT/act_quant.log"; tail -3 "$OUT/act_quant.log" | cut -c1-600 ;;
-  f) for run in ${RUNS:-bf16 fp8}; do
+  f) for run in ${RUNS:-bf16 fp8ws fp8}; do
        q=""; [ "$run" != bf16 ] && q="--quantization fp8"
-       env=""; [ "$run" = fp8unfused ] && env="JAXLLM_ACT_QUANT=xla"
+       case "$run" in fp8unfused) env="JAXLLM_ACT_QUANT=xla" ;; fp8ws) env="JAXLLM_FP8_GEMM=fg_128x256x128s3b8" ;;
+         fp8fuse) env="JAXLLM_FUSE_FP8=1" ;; *) env="" ;; esac
        echo "== f. prefill 8 x 2048, $run"
        env $env timeout -k 10 ${T_F:-240} python3 scripts/bench_engine.py --random-shape llama3-8b --parts prefill \
          --prefill-batch 8 --prefill-len 2048 $q --output-json "$OUT/prefill_$run.json" > "$OUT/prefill_$run.log" 2>&1
-       echo "rc=$?"; grep -E "^== (prefill|init)|fp8 W8A8 prefill-sized|Error" "$OUT/prefill_$run.log" | cut -c1-900
+       echo "rc=$?"; grep -E "^== (prefill|init)|fp8 W8A8 prefill-sized|timed in|chosen in|ready|Error" "$OUT/prefill_$run.log" | cut -c1-900
      done ;;
   af) bash "$0" a; bash "$0" f ;;
   *) bash scripts/gpu_session26.sh "$@" ;;
