@@ -73,7 +73,24 @@ def test_takes_rows_only_per_channel_fp8_w8a8():
     assert not act.takes_rows(blocks) and not act.takes_rows(jnp.zeros((16, 8)))
     x = jnp.ones((4, 16))
     assert isinstance(act.norm(x, jnp.ones((16,)), 1e-5, fp8), act.Fp8Rows)
+    assert isinstance(act.norm(x, jnp.ones((16,)), 1e-5, [fp8, fp8]), act.Fp8Rows)
     assert isinstance(act.norm(x, jnp.ones((16,)), 1e-5, blocks), jax.Array)
+    assert isinstance(act.norm(x, jnp.ones((16,)), 1e-5, [fp8, blocks]), jax.Array)  # one does not
+    assert isinstance(act.norm(x, jnp.ones((16,)), 1e-5, []), jax.Array)
+
+
+@pytest.mark.parametrize("path,quantized", [("xla", True), ("mosaic/t", True), ("ws/t", True),
+                                            ("pallas/t", False), ("mgpu", False)])
+def test_rows_only_for_paths_that_quantize_x(monkeypatch, path, quantized):
+    """A decode-sized step whose measured path is a weight-only kernel (x in bf16) gets the
+    plain norm; a path that quantizes x per token gets the rows."""
+    from jaxllm.quantization import kernels as qk
+    fp8 = QArray(jnp.zeros((8, 16), jnp.float8_e4m3fn), jnp.ones((8, 1)), kind="fp8", act="fp8")
+    monkeypatch.setattr(qk, "path_for", lambda x_shape, w: path)
+    h = act.norm(jnp.ones((4, 16)), jnp.ones((16,)), 1e-5, fp8)
+    assert isinstance(h, act.Fp8Rows) == quantized
+    g = act.silu_mul(jnp.ones((4, 16)), jnp.ones((4, 16)), fp8)
+    assert isinstance(g, act.Fp8Rows) == quantized
 
 
 def test_fp8_rows_matmul_equals_the_matmuls_own_quantization():

@@ -65,6 +65,10 @@ def test_the_wrapper_matches_the_engine_fp8_path():
     got = jax.jit(lambda x, q: fg.fp8_w8a8(x, q, t, interpret=True, num_sms=1))(x, q)
     want = fp8_w8a8(x, q, upcast=True)
     assert got.shape == (2, 70, 128) and got.dtype == x.dtype
+    from jaxllm.kernels.act_quant import quantize_ref
+    from jaxllm.quantization.act import Fp8Rows
+    rows = jax.jit(lambda r, q: fg.fp8_w8a8(r, q, t, interpret=True, num_sms=1))(Fp8Rows(*quantize_ref(x), x.dtype), q)
+    np.testing.assert_array_equal(np.asarray(rows, np.float32), np.asarray(got, np.float32))  # x quantized before
     err = float(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)).max()
                 / jnp.abs(want.astype(jnp.float32)).max())
     assert err < 1e-2, err

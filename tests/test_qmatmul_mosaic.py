@@ -58,6 +58,11 @@ def test_w8a8_path_equals_the_xla_path():
     got = jax.jit(lambda x, w: kernels.matmul(x, w, f"mosaic/{t.name}"))(x, w)
     want = kernels.fp8_w8a8(x, w, upcast=True)
     assert got.shape == (2, 3, N) and got.dtype == jnp.bfloat16
+    # x quantized by the op that made it (`act.Fp8Rows`, padded after quantizing): the same
+    from jaxllm.kernels.act_quant import quantize_ref
+    from jaxllm.quantization.act import Fp8Rows
+    rows = jax.jit(lambda r, w: kernels.matmul(r, w, f"mosaic/{t.name}"))(Fp8Rows(*quantize_ref(x), x.dtype), w)
+    np.testing.assert_array_equal(np.asarray(rows, np.float32), np.asarray(got, np.float32))
     g, r = np.asarray(got, np.float32), np.asarray(want, np.float32)
     assert np.linalg.norm(g - r) / np.linalg.norm(r) < 1e-2  # bf16 outputs
     ref = np.asarray(x, np.float32) @ np.asarray(w.dequantize(jnp.float32))

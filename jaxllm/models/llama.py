@@ -68,6 +68,11 @@ def set_value(p: nnx.Variable, v) -> None:
         p.value = v
 
 
+def _consumers(w: dict, *names: str) -> list:
+    """The linears of `w` a normed input feeds (fp8 W8A8 ones take it quantized: `act.norm`)."""
+    return [w[n] for n in names if n in w]
+
+
 def _param(shape: tuple[int, ...], dtype, rngs: nnx.Rngs, scale: float | None = 0.02) -> nnx.Param:
     if scale is None:
         return nnx.Param(jnp.ones(shape, dtype))
@@ -155,7 +160,7 @@ class Llama(nnx.Module):
         cfg = self.cfg
         T = x.shape[0]
         H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = act.norm(x, w["ln_attn"], cfg.rms_norm_eps, w.get("wq", w.get("wqkv")))  # fp8 rows for fp8 W8A8
+        h = act.norm(x, w["ln_attn"], cfg.rms_norm_eps, _consumers(w, "wq", "wk", "wv", "wqkv"))
         if "wqkv" in w:  # fused (the unrolled layout, `fuse_layer`): one matmul, shard-major columns
             wqkv = w["wqkv"]
             qkv = jnp.einsum("te,esp->tsp", h, wqkv) if isinstance(wqkv, jax.Array) else (h @ wqkv)[:, None]
@@ -206,7 +211,7 @@ class Llama(nnx.Module):
     def _layer(self, x: jax.Array, w: dict[str, jax.Array], kv_pages: jax.Array,
                layer: jax.Array, md: AttentionMetadata, inv_freq: np.ndarray):
         x, kv_pages, scale = self._attention(x, w, kv_pages, layer, md, inv_freq)
-        h = act.norm(x, w["ln_mlp"], self.cfg.rms_norm_eps, w.get("w_gate", w.get("w_gu")))
+        h = act.norm(x, w["ln_mlp"], self.cfg.rms_norm_eps, _consumers(w, "w_gate", "w_up", "w_gu"))
         return x + self._mlp(h, w, md), kv_pages, scale
 
     # Hidden states the step also returns, [T, n * E] (EAGLE heads, jaxllm/spec/eagle.py): the

@@ -128,7 +128,8 @@ class MoeLlama(Llama):
         """One decoder layer: (x, kv_pages, expert load [E] or None for a dense layer, the
         layer's (k_scale, v_scale) as used)."""
         x, kv_pages, scale = self._attention(x, w, kv_pages, layer, md, inv_freq)
-        h = act.norm(x, w["ln_mlp"], self.cfg.rms_norm_eps, None if "router" in w else w.get("w_gate"))
+        h = act.norm(x, w["ln_mlp"], self.cfg.rms_norm_eps,
+                     None if "router" in w else llama._consumers(w, "w_gate", "w_up", "w_gu"))
         if "router" not in w:
             return x + self._mlp(h, w, md), kv_pages, None, scale
         y, load = self._moe(h, w, md)

@@ -51,10 +51,21 @@ class Fp8Rows:
         return matmul(self, w)
 
 
-def takes_rows(w) -> bool:
-    """Whether matmul(x, w) quantizes x per token first: an fp8 W8A8 QArray, per channel."""
-    return (isinstance(w, QArray) and w.kind == "fp8" and w.act == "fp8"
-            and w.scale.shape[-1] == 1 and w.scale.shape[-2] == w.values.shape[-2])
+def takes_rows(w, x_shape: tuple[int, ...] | None = None) -> bool:
+    """Whether matmul(x, w) quantizes x per token first: an fp8 W8A8 QArray, per channel, and
+    (given x's shape) a path for these rows that takes x quantized (not, e.g., a weight-only
+    decode kernel chosen by measurement: `kernels.takes_rows`). A list: each of them does."""
+    if isinstance(w, (list, tuple)):
+        return bool(w) and all(takes_rows(v, x_shape) for v in w)
+    if not (isinstance(w, QArray) and w.kind == "fp8" and w.act == "fp8"
+            and w.scale.shape[-1] == 1 and w.scale.shape[-2] == w.values.shape[-2]):
+        return False
+    if x_shape is None:
+        return True
+    from jaxllm.quantization.choice import two_d
+    from jaxllm.quantization.kernels import path_for, takes_rows as path_takes_rows
+    w2 = two_d(w)
+    return path_takes_rows(path_for(x_shape, w2), w2)
 
 
 def fused() -> bool:
@@ -72,8 +83,9 @@ def _rows(fn_kernel, fn_ref, *args, width: int, out_dtype, **kw) -> Fp8Rows:
 
 
 def norm(x: jax.Array, w: jax.Array, eps: float, consumer=None) -> jax.Array | Fp8Rows:
-    """rms_norm(x, w, eps); as Fp8Rows when `consumer` (the linear it feeds) takes them."""
-    if not (takes_rows(consumer) and fused()):
+    """rms_norm(x, w, eps); as Fp8Rows when `consumer` (the linear it feeds, or a list of
+    them) takes them."""
+    if not (fused() and takes_rows(consumer, x.shape)):
         return act_quant.rms_norm_ref(x, w, eps)
     return _rows(act_quant.norm_quant, act_quant.norm_quant_ref, x, w, width=x.shape[-1], out_dtype=x.dtype, eps=eps)
 
@@ -81,7 +93,7 @@ def norm(x: jax.Array, w: jax.Array, eps: float, consumer=None) -> jax.Array | F
 def silu_mul(gate: jax.Array, up: jax.Array | None = None, consumer=None) -> jax.Array | Fp8Rows:
     """silu(gate) * up (up None: gate [..., 2F] holds gate then up, as a fused gate/up matmul
     gives them); as Fp8Rows when `consumer` (the down projection) takes them."""
-    if not (takes_rows(consumer) and fused()):
+    if not (fused() and takes_rows(consumer, (*gate.shape[:-1], gate.shape[-1] if up is not None else gate.shape[-1] // 2))):
         return act_quant.silu_mul_ref(gate, up)
     args = (gate,) if up is None else (gate, up)
     width = gate.shape[-1] if up is not None else gate.shape[-1] // 2

@@ -51,14 +51,26 @@ def mode_of(w: QArray) -> str:
     return w.kind
 
 
+def path_for(x_shape: tuple[int, ...], w) -> str:
+    """The path `matmul(x, w)` takes for x of this shape (measured, else the tables)."""
+    if jax.default_backend() != "cpu" or is_nk(w):  # (a re-laid-out weight: tests on the CPU)
+        from jaxllm.quantization.choice import measured_path
+        return measured_path(x_shape, w) or fp8_gemm_path(x_shape, w) or TUNING.get((mode_of(w), "gpu"), "xla")
+    return "xla"
+
+
+def takes_rows(path: str, w) -> bool:
+    """Whether this path quantizes x per token itself first (fp8 W8A8 through XLA's fp8 GEMM,
+    the Mosaic decode kernel or the ws GEMM), so it can take `act.Fp8Rows` instead."""
+    return (path == "xla" or path.startswith(("mosaic/", FP8_GEMM_PATH))) and not is_nk(w) and \
+        w.kind == "fp8" and w.act == "fp8"
+
+
 def matmul(x: jax.Array, w: QArray, path: str | None = None) -> jax.Array:
     platform = jax.default_backend()
-    if path is None and (platform != "cpu" or is_nk(w)):  # (a re-laid-out weight: tests on the CPU)
-        from jaxllm.quantization.choice import measured_path
-        path = measured_path(x.shape, w) or fp8_gemm_path(x.shape, w) or TUNING.get((mode_of(w), "gpu"), "xla")
-    path = path or "xla"
-    from jaxllm.quantization.act import Fp8Rows, takes_rows
-    if isinstance(x, Fp8Rows) and not takes_rows(w):  # (act.norm / silu_mul check the consumer)
+    path = path or path_for(x.shape, w)
+    from jaxllm.quantization.act import Fp8Rows
+    if isinstance(x, Fp8Rows) and not takes_rows(path, w):  # (act.norm / silu_mul ask path_for)
         x = x.dequantize()
     if path == "mgpu":
         return int8_mgpu(x, w)
