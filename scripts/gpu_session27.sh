@@ -10,6 +10,10 @@
 #     session 27's H100 did not finish that in 300 s before the change). RUNS may add
 #     "fp8unfused" (JAXLLM_ACT_QUANT=xla) and "fp8fuse" (JAXLLM_FUSE_FP8=1: fused q/k/v, gate/up).
 #   af: a then f in one call.
+#   e (~8 min): issue 17 -- decode step batch 1, context 2,048, Llama-3-8B shape: bf16, fp8 (norm and
+#     silu*mul now hand the fp8 matmuls their x quantized: fewer kernels a layer), and fp8 with
+#     JAXLLM_FUSE_FP8=1 (q/k/v and gate/up one matmul each); target fp8 <= 0.6x bf16 (session
+#     25's H100: 0.90x, 816 kernels a step against bf16's 495).
 #   s, d, g, q, p, m: as scripts/gpu_session26.sh.
 set -u
 cd "$(dirname "$0")/.."
@@ -29,5 +33,14 @@ case "${1:-}" in
        echo "rc=$?"; grep -E "^== (prefill|init)|fp8 W8A8 prefill-sized|timed in|chosen in|ready|Error" "$OUT/prefill_$run.log" | cut -c1-900
      done ;;
   af) bash "$0" a; bash "$0" f ;;
+  e) for run in ${RUNS_E:-bf16 fp8 fp8fuse}; do
+       q=""; [ "$run" != bf16 ] && q="--quantization fp8"
+       env=""; [ "$run" = fp8fuse ] && env="JAXLLM_FUSE_FP8=1"
+       echo "== e. decode step batch 1, context 2048, $run"
+       env $env XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout -k 10 ${T_E:-170} python3 scripts/bench_latency.py \
+         --random-shape llama3-8b --input-len 2048 --num-iters 10 --max-num-batched-tokens 64 --batch-size 1 $q \
+         --profile-steps 3 --output-json "$OUT/latency_b1_$run.json" > "$OUT/latency_b1_$run.log" 2>&1
+       echo "rc=$?"; grep -A4 "^C = " "$OUT/latency_b1_$run.log" | cut -c1-300; grep -iE "busy|kernels|chosen in" "$OUT/latency_b1_$run.log" | cut -c1-300 | head -4
+     done ;;
   *) bash scripts/gpu_session26.sh "$@" ;;
 esac
