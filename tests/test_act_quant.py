@@ -185,3 +185,13 @@ def test_supported_widths():
     assert aq.supported(4096) is None and aq.supported(14336) is None and aq.supported(576) is None
     assert aq.supported(4104) is not None  # 8 x 513: chunks of 8
     assert [aq.num_warps(k) for k in (576, 4096, 8192, 14336)] == [4, 4, 8, 16]
+
+
+def test_bad_switches_are_named(monkeypatch):
+    fp8 = QArray(jnp.zeros((8, 16), jnp.float8_e4m3fn), jnp.ones((8, 1)), kind="fp8", act="fp8")
+    monkeypatch.setenv("JAXLLM_ACT_QUANT", "fast")
+    with pytest.raises(ValueError, match="JAXLLM_ACT_QUANT"):
+        act.norm(jnp.ones((4, 16)), jnp.ones((16,)), 1e-5, fp8)
+    monkeypatch.setenv("JAXLLM_FUSE_FP8", "yes")
+    with pytest.raises(ValueError, match="JAXLLM_FUSE_FP8"):
+        act.fuse([fp8, fp8])
