@@ -58,6 +58,10 @@ def main() -> None:
             "silu_mul": (jax.jit(aq.silu_mul_quant_ref), jax.jit(aq.silu_mul_quant), (gate, up),
                          jax.nn.silu(gate) * up, T * a.inter * 5 + T * 4),
         }
+        for hold, warps in (("bfloat16", None), ("bfloat16", 8), ("float32", 8)):  # register variants
+            cases[f"silu_mul[{hold},w{warps or aq.num_warps(a.inter)}]"] = (
+                cases["silu_mul"][0], jax.jit(lambda g, u, h=hold, w=warps: aq.silu_mul_quant(g, u, hold=h, warps=w)),
+                *cases["silu_mul"][2:])
         for name, (ref, ker, args, y, nbytes) in cases.items():
             err = check(*ker(*args), y)
             tr = sum(gpu_kernels(lambda: ref(*args), calls=20).values())

@@ -87,11 +87,12 @@ def num_warps(K: int) -> int:
 
 def _quantize_out(ys: list, q_ref, s_ref, chunk: int) -> None:
     """s = max|y| / 448 over the row's chunks (in registers), then y / s stored as fp8."""
-    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(y), axis=1, keepdims=True) for y in ys])
+    amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(y.astype(jnp.float32)), axis=1, keepdims=True)
+                                          for y in ys])
     s = jnp.maximum(amax, 1e-12) / FP8_MAX
     s_ref[...] = s
     for c, y in enumerate(ys):
-        q_ref[:, pl.ds(c * chunk, chunk)] = (y / s).astype(q_ref.dtype)
+        q_ref[:, pl.ds(c * chunk, chunk)] = (y.astype(jnp.float32) / s).astype(q_ref.dtype)
 
 
 def _norm_kernel(x_ref, w_ref, q_ref, s_ref, *, n: int, chunk: int, eps: float):
@@ -103,20 +104,21 @@ def _norm_kernel(x_ref, w_ref, q_ref, s_ref, *, n: int, chunk: int, eps: float):
     _quantize_out(ys, q_ref, s_ref, chunk)
 
 
-def _silu_mul_kernel(g_ref, *refs, n: int, chunk: int):
+def _silu_mul_kernel(g_ref, *refs, n: int, chunk: int, hold):
     """refs: (up, q, s), or (q, s) with gate and up the two halves of g_ref's row. silu(g) * u in
-    float32 (XLA's fusion keeps the same excess precision), quantized straight from it."""
+    float32 (XLA's fusion keeps the same excess precision), held until the scale is known as
+    `hold` (float32; bfloat16 halves the registers, rounding y as the bf16 reference does)."""
     u_ref, q_ref, s_ref = refs if len(refs) == 3 else (g_ref, *refs)
     u0 = 0 if len(refs) == 3 else n * chunk
     ys = []
     for c in range(n):
         g = g_ref[:, pl.ds(c * chunk, chunk)].astype(jnp.float32)
         u = u_ref[:, pl.ds(u0 + c * chunk, chunk)].astype(jnp.float32)
-        ys.append(g / (1.0 + jnp.exp(-g)) * u)
+        ys.append((g / (1.0 + jnp.exp(-g)) * u).astype(hold))
     _quantize_out(ys, q_ref, s_ref, chunk)
 
 
-def _call(kernel, rows: tuple, shared: tuple, K: int, interpret: bool):
+def _call(kernel, rows: tuple, shared: tuple, K: int, interpret: bool, warps: int | None = None):
     """One program per row of the `rows` arrays [T, *] (`shared` [1, *]: every program's);
     out: [T, K] fp8 and [T, 1] float32."""
     T = rows[0].shape[0]
@@ -128,7 +130,7 @@ def _call(kernel, rows: tuple, shared: tuple, K: int, interpret: bool):
         grid=(T,),
         in_specs=specs,
         out_specs=(pl.BlockSpec((1, K), lambda i: (i, 0)), pl.BlockSpec((1, 1), lambda i: (i, 0))),
-        compiler_params=plt.CompilerParams(num_warps=num_warps(K), num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=warps or num_warps(K), num_stages=1),
         interpret=interpret,
         name="jaxllm_act_quant",
     )(*rows, *shared)
@@ -144,13 +146,14 @@ def norm_quant(x: jax.Array, w: jax.Array, eps: float, interpret: bool = False) 
     return _call(kernel, (x,), (w.astype(x.dtype).reshape(1, K),), K, interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def silu_mul_quant(gate: jax.Array, up: jax.Array | None = None, interpret: bool = False
-                   ) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("interpret", "hold", "warps"))
+def silu_mul_quant(gate: jax.Array, up: jax.Array | None = None, interpret: bool = False,
+                   hold: str = "float32", warps: int | None = None) -> tuple[jax.Array, jax.Array]:
     """gate, up [T, F] -> (silu(gate) * up quantized per row: float8_e4m3fn [T, F], float32
     [T, 1]); up None: gate is [T, 2F], gate then up in each row (a fused gate/up matmul's
-    output, read in place: slices given to a kernel would be copied first)."""
+    output, read in place: slices given to a kernel would be copied first). `hold` / `warps`:
+    variants the benchmark times (scripts/bench_act_quant.py); the defaults are the engine's."""
     F = gate.shape[1] if up is not None else gate.shape[1] // 2
     chunk = chunk_of(F)
-    kernel = functools.partial(_silu_mul_kernel, n=F // chunk, chunk=chunk)
-    return _call(kernel, (gate,) if up is None else (gate, up), (), F, interpret)
+    kernel = functools.partial(_silu_mul_kernel, n=F // chunk, chunk=chunk, hold=jnp.dtype(hold))
+    return _call(kernel, (gate,) if up is None else (gate, up), (), F, interpret, warps)
