@@ -2,7 +2,9 @@
 # Session 27's GPU calls (each under the device's 10-minute limit; whole logs in $OUT):
 #   a (~1.5 min): the fused per-token fp8 quantization (kernels/act_quant.py: RMSNorm + quantize,
 #     silu(gate) * up + quantize, one Triton kernel each) against XLA's kernels for the same ops,
-#     16,384 / 64 / 1 rows, Llama-3-8B widths, with the bytes floor (scripts/bench_act_quant.py).
+#     16,384 / 64 / 1 rows, Llama-3-8B widths, with the bytes floor (scripts/bench_act_quant.py);
+#     silu*mul also with y held in bf16 and 8 warps (at 1.59x its floor on session 27's H100, the
+#     float32 row over 16 warps is probably one program an SM).
 #   f (~8 min): issue 17 -- engine prefill 8 x 2,048, Llama-3-8B shape, bf16 and `--quantization
 #     fp8` in ONE call (target fp8 >= 1.5x bf16), now with the fused quantization feeding every
 #     fp8 linear. Runs: bf16; fp8ws (the ws GEMM forced, no start-up GEMM timing: session 26's
