@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-FP8_MAX = 448.0  # float8_e4m3fn
+from jaxllm.quantization.qarray import FP8_MAX
 CHUNK = 4096  # elements of a row in one register block
 MAX_CHUNKS = 16
 
@@ -99,8 +99,8 @@ def _norm_kernel(x_ref, w_ref, q_ref, s_ref, *, n: int, chunk: int, eps: float):
     xs = [x_ref[:, pl.ds(c * chunk, chunk)] for c in range(n)]  # the row, read once
     ss = functools.reduce(jnp.add, [jnp.sum(jnp.square(x.astype(jnp.float32)), axis=1, keepdims=True) for x in xs])
     rinv = jax.lax.rsqrt(ss / (n * chunk) + eps)
-    ys = [(w_ref[:, pl.ds(c * chunk, chunk)] * (x.astype(jnp.float32) * rinv).astype(x.dtype)).astype(jnp.float32)
-          for c, x in enumerate(xs)]
+    ys = [w_ref[:, pl.ds(c * chunk, chunk)] * (x.astype(jnp.float32) * rinv).astype(x.dtype)
+          for c, x in enumerate(xs)]  # held in x's dtype, as the reference rounds them
     _quantize_out(ys, q_ref, s_ref, chunk)
 
 

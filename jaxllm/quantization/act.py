@@ -57,15 +57,13 @@ def takes_rows(w, x_shape: tuple[int, ...] | None = None) -> bool:
     decode kernel chosen by measurement: `kernels.takes_rows`). A list: each of them does."""
     if isinstance(w, (list, tuple)):
         return bool(w) and all(takes_rows(v, x_shape) for v in w)
-    if not (isinstance(w, QArray) and w.kind == "fp8" and w.act == "fp8"
-            and w.scale.shape[-1] == 1 and w.scale.shape[-2] == w.values.shape[-2]):
+    if not isinstance(w, QArray):
         return False
-    if x_shape is None:
-        return True
+    from jaxllm.kernels.qmatmul_mosaic import takes
     from jaxllm.quantization.choice import two_d
     from jaxllm.quantization.kernels import path_for, takes_rows as path_takes_rows
     w2 = two_d(w)
-    return path_takes_rows(path_for(x_shape, w2), w2)
+    return takes(w2) and (x_shape is None or path_takes_rows(path_for(x_shape, w2), w2))
 
 
 def fused() -> bool:
@@ -93,10 +91,10 @@ def norm(x: jax.Array, w: jax.Array, eps: float, consumer=None) -> jax.Array | F
 def silu_mul(gate: jax.Array, up: jax.Array | None = None, consumer=None) -> jax.Array | Fp8Rows:
     """silu(gate) * up (up None: gate [..., 2F] holds gate then up, as a fused gate/up matmul
     gives them); as Fp8Rows when `consumer` (the down projection) takes them."""
-    if not (fused() and takes_rows(consumer, (*gate.shape[:-1], gate.shape[-1] if up is not None else gate.shape[-1] // 2))):
+    width = gate.shape[-1] if up is not None else gate.shape[-1] // 2
+    if not (fused() and takes_rows(consumer, (*gate.shape[:-1], width))):
         return act_quant.silu_mul_ref(gate, up)
     args = (gate,) if up is None else (gate, up)
-    width = gate.shape[-1] if up is not None else gate.shape[-1] // 2
     return _rows(act_quant.silu_mul_quant, act_quant.silu_mul_quant_ref, *args, width=width, out_dtype=gate.dtype)
 
 
