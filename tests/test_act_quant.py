@@ -141,7 +141,7 @@ def test_engine_fp8_takes_fused_rows(monkeypatch):
 @pytest.mark.parametrize("arch", ["qwen2"])  # q/k/v biases ride with the fused matmul
 def test_unrolled_fp8_fuses_qkv_and_gate_up(monkeypatch, arch):
     """The accelerator layout (unrolled, forced here) holds fp8 W8A8 q/k/v and gate/up as one
-    QArray each (`act.fuse`), and its greedy output equals the scanned layout's separate matmuls."""
+    QArray each by default (`act.fuse`), and its greedy output equals the scanned layout's separate matmuls."""
     from jaxllm import LLM
     from jaxllm.engine.runner import ModelRunner
 
@@ -156,7 +156,6 @@ def test_unrolled_fp8_fuses_qkv_and_gate_up(monkeypatch, arch):
         return ([o.outputs[0].token_ids for o in outs],
                 np.array([[next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs]))
     scanned = run(LLM(**kw))
-    monkeypatch.setenv("JAXLLM_FUSE_FP8", "1")
     init = ModelRunner.__init__
     monkeypatch.setattr(ModelRunner, "__init__",
                         lambda self, *a, **k: init(self, *a, **{**k, "unroll_layers": True}))
@@ -168,6 +167,8 @@ def test_unrolled_fp8_fuses_qkv_and_gate_up(monkeypatch, arch):
     unrolled = run(llm)
     assert unrolled[0] == scanned[0]
     np.testing.assert_allclose(unrolled[1], scanned[1], atol=1e-5)
+    monkeypatch.setenv("JAXLLM_FUSE_FP8", "0")  # the opt-out keeps them apart
+    assert act.fuse([layer["wqkv"], layer["wqkv"]]) is None
 
 
 @pytest.mark.parametrize("T,F", [(3, 192), (2, 14336)])

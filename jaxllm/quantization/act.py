@@ -100,13 +100,14 @@ def silu_mul(gate: jax.Array, up: jax.Array | None = None, consumer=None) -> jax
 
 def fuse(ws: list) -> QArray | None:
     """fp8 W8A8 per-channel QArrays (values [..., N, K], scale [..., N, 1]) of one input as one,
-    their outputs side by side (x @ fused = concat of x @ each): q/k/v, or gate/up. None for
-    any other weights (they stay separate matmuls), and unless JAXLLM_FUSE_FP8=1: the fused
-    layouts (6,144 and 28,672 rows of W for Llama-3-8B) are not yet timed on a GPU, and each adds
-    its own path timing to the start-up (session 27's H100 fp8 start-ups did not finish that
-    timing in 300-380 s, with or without them: see `choice.GEMM_TIMING_OPTIONS`)."""
+    their outputs side by side (x @ fused = concat of x @ each): q/k/v, or gate/up, as the bf16
+    layout fuses them. None for any other weights (they stay separate matmuls), or with
+    JAXLLM_FUSE_FP8=0. Apart, two matmuls of one x through XLA's fp8 dot are merged by XLA into
+    one whose weight is the two concatenated on every step: session 28's H100 decode step (batch
+    1, Llama-3-8B shape) spent 2.55 ms of 7.53 in that concatenation of gate and up, where the
+    warm-up's timing (each matmul alone) had XLA's path tied with the kernels."""
     from jaxllm.envs import env_choice
-    if env_choice("JAXLLM_FUSE_FP8", "0", ("0", "1")) == "0" or not all(takes_rows(w) for w in ws):
+    if env_choice("JAXLLM_FUSE_FP8", "1", ("0", "1")) == "0" or not all(takes_rows(w) for w in ws):
         return None
     return QArray(jnp.concatenate([w.values for w in ws], -2), jnp.concatenate([w.scale for w in ws], -2),
                   kind="fp8", act="fp8")
