@@ -223,7 +223,7 @@ def main() -> None:
               f"{r['floor_s'] * 1e3:>10.2f}{r['x_floor']:>9.2f}")
         if r["profile"]:
             from trace_stats import print_summary
-            print_summary(r["profile"], top=8)
+            print_summary(r["profile"], top=12)
     for r in result.get("hf", []):
         if "error" in r:
             print(f"HF+torch.compile batch {r['batch']}: {r['error']}")

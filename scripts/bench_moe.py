@@ -317,7 +317,7 @@ def decode_bench(args) -> dict:
         if r.get("profile"):
             from trace_stats import print_summary
             row["profile"] = r["profile"]
-            print_summary(r["profile"], top=8)
+            print_summary(r["profile"], top=12)
         save(res, args.output_json)
     res["compiles_after_warmup"] = llm.stats()["compiles_after_warmup"]
     return res

@@ -18,6 +18,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import sys
 import time
 
@@ -40,6 +41,12 @@ def kind_of(name: str) -> str:
         if any(k in low for k in keys):
             return kind
     return "other"
+
+
+def family_of(name: str) -> str:
+    """A kernel's name without XLA's numbering ("loop_add_fusion_12" -> "loop_add_fusion",
+    "fusion.3" -> "fusion"): the kernels a step launches, grouped by what made them."""
+    return re.sub(r"(?:[_.]\d+)+$", "", name)[:90]
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
@@ -78,9 +85,13 @@ def summarize(events: list[dict], steps: int, wall_s: float | None = None) -> di
               and "stream" in threads.get((pid, e.get("tid")), "").lower()]
         by_kind: dict[str, float] = collections.defaultdict(float)
         by_name: dict[str, float] = collections.defaultdict(float)
+        fam: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])  # count, time
         for e in ks:
             by_kind[kind_of(e["name"])] += e["dur"]
             by_name[e["name"]] += e["dur"]
+            f = fam[family_of(e["name"])]
+            f[0] += 1
+            f[1] += e["dur"]
         busy = _union([(e["ts"], e["ts"] + e["dur"]) for e in ks])
         span = (max(e["ts"] + e["dur"] for e in ks) - min(e["ts"] for e in ks)) if ks else 0.0
         per_dev.append({
@@ -88,7 +99,10 @@ def summarize(events: list[dict], steps: int, wall_s: float | None = None) -> di
             "busy_s": busy * 1e-6 / steps, "span_s": span * 1e-6 / steps,
             "by_kind_s": {k: v * 1e-6 / steps for k, v in sorted(by_kind.items())},
             "top_kernels_s": {n[:90]: v * 1e-6 / steps
-                              for n, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:8]}})
+                              for n, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:8]},
+            # where a launch-bound step's kernels come from: (kernels, seconds) a step per family
+            "families": {n: (c / steps, t * 1e-6 / steps)
+                         for n, (c, t) in sorted(fam.items(), key=lambda kv: -kv[1][0])[:24]}})
     out["per_device"] = per_dev
     host = collections.defaultdict(float)
     for e in events:  # Python tracer spans ("$file:line fn") and jit dispatches, any host thread
@@ -123,7 +137,8 @@ def profile(fn, steps: int, log_dir: str, python_tracer: bool = True) -> dict:
 
 def print_summary(s: dict, top: int = 0) -> None:
     """One line per device (wall, GPU busy, kernel time by kind, kernels per step), then its
-    `top` costliest kernels (ms per step)."""
+    `top` costliest kernels (ms per step) and its `top` most launched kernel families
+    (kernels and ms per step)."""
     if "error" in s:
         print(f"  profile: {s['error']}")
         return
@@ -133,6 +148,9 @@ def print_summary(s: dict, top: int = 0) -> None:
               f"{d['busy_s'] * 1e3:.2f} ms ({kinds}), {d['kernels_per_step']:.0f} kernels")
         for name, sec in list(d["top_kernels_s"].items())[:top]:
             print(f"    {sec * 1e3:8.3f} ms  {name}")
+        if top and d.get("families"):
+            print("    kernels a step by family: " + ", ".join(
+                f"{n} {c:.0f} ({t * 1e3:.2f} ms)" for n, (c, t) in list(d["families"].items())[:top]))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 
-from trace_stats import kind_of, summarize  # noqa: E402
+from trace_stats import family_of, kind_of, summarize  # noqa: E402
 
 
 def _meta(pid, name, tid=None):
@@ -49,6 +49,14 @@ def test_summary_per_step():
     assert dev["by_kind_s"] == pytest.approx({"attention": 100e-6, "collective": 50e-6,
                                               "matmul": 50e-6, "other": 25e-6})
     assert set(s["host_top_s"]) == {"PjitFunction(_step_flat)", "$llm_engine.py:1 step"}
+    assert dev["families"]["gemm_fusion_dot"] == pytest.approx((0.5, 50e-6))
+
+
+def test_families_drop_numbering():
+    assert family_of("loop_add_fusion_12") == "loop_add_fusion"
+    assert family_of("fusion.3") == "fusion" and family_of("input_transpose_fusion_31") == "input_transpose_fusion"
+    assert family_of("nvjet_sm90_qqsss_128x16_128x11_2x1_v_bz_TNT") == "nvjet_sm90_qqsss_128x16_128x11_2x1_v_bz_TNT"
+    assert family_of("jaxllm_act_quant__1") == "jaxllm_act_quant_"
 
 
 def test_kinds():
@@ -83,5 +91,6 @@ def test_print_summary_lists_top_kernels(capsys):
     print_summary(s, top=2)
     lines = capsys.readouterr().out.splitlines()
     assert "4 kernels" not in lines[0] and "2 kernels" in lines[0]
-    assert len(lines) == 3
+    assert len(lines) == 4
     assert lines[1].split()[-1] == "anonymous_mosaic_gpu_kernel" and "0.100 ms" in lines[1]
+    assert lines[3].startswith("    kernels a step by family: ") and lines[3].count("(") == 2
