@@ -212,3 +212,12 @@ def test_time_paths_checks_leading_rows_and_takes_compiler_options(monkeypatch):
                               compiler_options={"xla_gpu_autotune_level": 0})
     assert set(times) == {"xla"} and times["xla"] > 0
     assert seen == [(64, 64)]
+
+
+def test_xla_is_taken_only_when_clearly_faster():
+    """Timed alone XLA's dot can tie a kernel and still cost more in the step (XLA merges it
+    with a sibling dot, concatenating their weights each step): it needs a margin."""
+    assert choice.fastest({"xla": 43.3e-6, "pallas/q_64k4": 43.7e-6, "mosaic/mq_64x256s6k4p": 44.2e-6}) == "pallas/q_64k4"
+    assert choice.fastest({"xla": 30e-6, "mosaic/mq_64x256s6k4p": 44.2e-6}) == "xla"
+    assert choice.fastest({"xla": 30e-6}) == "xla"
+    assert choice.fastest({"mosaic/a": 2e-6, "mosaic/b": 1e-6}) == "mosaic/b"
