@@ -16,7 +16,9 @@
 #   e (~3 min): issue 17 -- decode step batch 1, context 2,048, Llama-3-8B shape: bf16, fp8 (q/k/v
 #     and gate/up fused, the default since session 28), fp8apart (JAXLLM_FUSE_FP8=0: session 28's
 #     H100 gave 1.28x bf16, 2.55 ms a step in XLA's concatenation of gate and up); target
-#     fp8 <= 0.6x bf16.
+#     fp8 <= 0.6x bf16. RUNS_E may add "int4" (target <= 0.4x; session 25's H100: 0.87x, its wall
+#     2.4 ms over its GPU time: launch-bound) and any run suffixed "cb" (e.g. "fp8cb", "int4cb"):
+#     the same with XLA's command buffers (CUDA graphs) over the custom calls too.
 #   s, d, g, q, p, m: as scripts/gpu_session26.sh.
 set -u
 cd "$(dirname "$0")/.."
@@ -37,13 +39,14 @@ case "${1:-}" in
      done ;;
   af) bash "$0" a; bash "$0" f ;;
   e) for run in ${RUNS_E:-bf16 fp8 fp8apart}; do
-       q=""; [ "$run" != bf16 ] && q="--quantization fp8"
-       env=""; [ "$run" = fp8apart ] && env="JAXLLM_FUSE_FP8=0"
+       mode=${run%cb}; q=""; case "$mode" in bf16) ;; int4*) q="--quantization int4" ;; *) q="--quantization fp8" ;; esac
+       env=""; [ "$mode" = fp8apart ] && env="JAXLLM_FUSE_FP8=0"
+       flags=""; [ "$mode" != "$run" ] && flags="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1"
        echo "== e. decode step batch 1, context 2048, $run"
-       env $env XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout -k 10 ${T_E:-170} python3 scripts/bench_latency.py \
+       env $env XLA_FLAGS="$flags" XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout -k 10 ${T_E:-170} python3 scripts/bench_latency.py \
          --random-shape llama3-8b --input-len 2048 --num-iters 10 --max-num-batched-tokens 64 --batch-size 1 $q \
          --profile-steps 3 --output-json "$OUT/latency_b1_$run.json" > "$OUT/latency_b1_$run.log" 2>&1
-       echo "rc=$?"; grep -A4 "^C = " "$OUT/latency_b1_$run.log" | cut -c1-300; grep -iE "busy|kernels|chosen in" "$OUT/latency_b1_$run.log" | cut -c1-300 | head -4
+       echo "rc=$?"; grep -A4 "^C = " "$OUT/latency_b1_$run.log" | cut -c1-300; grep -iE "busy|kernels|chosen in" "$OUT/latency_b1_$run.log" | cut -c1-600 | head -4
      done ;;
   *) bash scripts/gpu_session26.sh "$@" ;;
 esac
