@@ -130,9 +130,10 @@ def test_measured_routing_of_prefill_sized_fp8_steps(monkeypatch, wins, start):
     tiling = "ws/" + fg.TILINGS[0].name
     timed = []
 
-    def fake_times(x, w, paths, reps, chain, ref_rows, compiler_options):
+    def fake_times(x, w, paths, reps, chain, ref_rows, compiler_options, unroll):
         assert paths == ["xla", tiling]
         assert ref_rows == 64 and compiler_options == {"xla_gpu_autotune_level": 0}  # start-up time
+        assert unroll == 1  # prefill-sized GEMMs: milliseconds, the loop's cost is nothing beside them
         timed.append(x.shape[0])
         return {"xla": 1.0, tiling: 0.5 if wins[x.shape[0]] else 2.0}
 

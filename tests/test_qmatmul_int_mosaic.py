@@ -126,7 +126,7 @@ def test_the_warm_up_relays_out_where_the_kernel_wins(monkeypatch, kind):
     for kernel_s, relaid in ((1e-6, True), (9e-6, False)):
         monkeypatch.setattr(choice, "time_paths", lambda x, w, paths, reps=5: {
             p: (kernel_s if p.startswith("mosaic_nk/") else 5e-6) for p in paths})
-        monkeypatch.setattr(choice, "loop_floor", lambda x, reps: 1e-6)
+        monkeypatch.setattr(choice, "loop_floor", lambda x, reps, unroll=1: 1e-6)
         choice.clear()
         try:
             choice.measure([w], [1, 8, 512], jnp.bfloat16)

@@ -132,7 +132,7 @@ def test_the_warm_up_offers_and_measures_the_kernel_on_hopper(monkeypatch):
         return {p: (1e-6 if p == mosaic[-1] else 5e-6) for p in paths}
 
     monkeypatch.setattr(choice, "time_paths", fake)
-    monkeypatch.setattr(choice, "loop_floor", lambda x, reps: 1e-6)
+    monkeypatch.setattr(choice, "loop_floor", lambda x, reps, unroll=1: 1e-6)
     choice.clear()
     try:
         choice.measure([w], [1, 8], jnp.bfloat16)

@@ -79,6 +79,15 @@ def test_chained_calls_run_in_the_loop_not_hoisted():
     np.testing.assert_allclose(np.asarray(out), np.asarray(f(x, w)), rtol=1e-6)
     t = time_checked({"xla": f}, (x, w), 2, "quantized matmul", chain=5)
     assert set(t) == {"xla"} and 0 < t["xla"] < 1
+    # unrolled: `unroll` dependent calls an iteration (its fixed cost shared), n calls in all
+    hlo = jax.jit(chained(f, 8, unroll=4)).lower(x, w).compile().as_text()
+    inside = _reachable(hlo, re.search(r"while\(.*?body=%?([\w.\-]+)", hlo).group(1))
+    assert inside.count(" dot(") == 4
+    x8, out = jax.jit(chained(f, 8, unroll=4))(x, w)
+    np.testing.assert_array_equal(np.asarray(x8), np.asarray(x))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(f(x, w)), rtol=1e-6)
+    t = time_checked({"xla": f}, (x, w), 2, "quantized matmul", chain=6, unroll=4)  # 6 = 4 + 2
+    assert set(t) == {"xla"} and 0 < t["xla"] < 1
 
 
 def test_measure_logs_the_timing_overhead(monkeypatch, caplog):
@@ -88,7 +97,7 @@ def test_measure_logs_the_timing_overhead(monkeypatch, caplog):
     from jaxllm.kernels import timing
 
     assert 0 < timing.loop_floor(jnp.ones((4, 256), jnp.float32), reps=2, chain=3) < 1
-    monkeypatch.setattr(choice, "loop_floor", lambda x, reps: 1e-6 * x.shape[0])
+    monkeypatch.setattr(choice, "loop_floor", lambda x, reps, unroll=1: 1e-6 * x.shape[0])
     choice.clear()
     with caplog.at_level(logging.INFO, logger="jaxllm"):
         choice.measure([_w("int8")], [1, 4], jnp.float32)

@@ -14,7 +14,15 @@ import numpy as np
 log = logging.getLogger("jaxllm")
 
 
-def chained(fn: Callable, n: int) -> Callable:
+# Calls per iteration of a chained loop. Each iteration of XLA's loop costs the host a fixed
+# ~28 us (the H100 of session 28: a trivial chained call's time), more than a decode-sized
+# matmul's kernel (8 rows of Llama-3-8B's gate/up in fp8: ~20 us of bytes); one call an iteration,
+# every candidate of that layout timed within 2% of the others, and the warm-up chose by noise.
+# UNROLL calls an iteration put that much more kernel time against the overhead.
+UNROLL = 4
+
+
+def chained(fn: Callable, n: int, unroll: int = 1) -> Callable:
     """fn(x, *rest) run n times in one jitted loop, each call's x depending on the last call's
     output (x + 0 * out[0]) and its other arguments passed through an optimization barrier
     with x (else XLA hoists their loop-invariant work, a weight's dequantization, out of the
@@ -22,7 +30,8 @@ def chained(fn: Callable, n: int) -> Callable:
     without a host dispatch per call. Returns (x, the last call's output): one compile serves
     the check and the timing. A decode-sized matmul takes microseconds; timed one call at a
     time (block_until_ready around each), the H100 warm-up of session 21 read 150-300 us for
-    every fp8 layout, the dispatch's time, and chose among the paths by noise."""
+    every fp8 layout, the dispatch's time, and chose among the paths by noise. `unroll`: calls
+    per iteration of the loop (still n in all), so its fixed cost an iteration is shared."""
     def loop(x, *rest):
         def body(_, carry):
             x, _ = carry
@@ -30,34 +39,36 @@ def chained(fn: Callable, n: int) -> Callable:
             out = fn(x, *args)
             return x + (out.reshape(-1)[0] * 0).astype(x.dtype), out
         first = jax.eval_shape(fn, x, *rest)
-        return jax.lax.fori_loop(0, n, body, (x, jax.numpy.zeros(first.shape, first.dtype)))
+        return jax.lax.fori_loop(0, n, body, (x, jax.numpy.zeros(first.shape, first.dtype)),
+                                 unroll=max(1, min(unroll, n)))
     return loop
 
 
-def loop_floor(x: jax.Array, reps: int = 5, chain: int = 20) -> float:
+def loop_floor(x: jax.Array, reps: int = 5, chain: int = 20, unroll: int = 1) -> float:
     """Seconds per call that `time_checked(..., chain=chain)` reports for a call that does almost
     nothing (x[..., :1]): the loop's and the dispatch's share of every chained timing, logged
     beside them so a reader can tell kernel time from overhead (it is the same for every
     candidate, so it never changes a choice)."""
     return time_checked({"floor": lambda x: x[..., :1]}, (x,), reps, "timing floor",
-                        chain=chain)["floor"]
+                        chain=chain, unroll=unroll)["floor"]
 
 
 def time_checked(fns: dict[str, Callable], args: tuple, reps: int, what: str, where: str = "",
                  tol: float = 2e-2, catch: bool = False, ref=None, chain: int = 0,
-                 compiler_options: dict | None = None) -> dict[str, float]:
+                 compiler_options: dict | None = None, unroll: int = 1) -> dict[str, float]:
     """Median seconds per call of each jitted fn(*args) after one checked run: its output must be
     finite and within `tol` (relative) of `ref` (default: the first fn's output; a `ref` with
     fewer leading rows than the outputs is compared with their first rows), else it is
     logged and left out. `catch`: a fn that raises is logged and left out too (else the error
     propagates). `chain` > 0: each of the `reps` timings runs `chained(fn, chain)` and counts
-    one call as its time / chain (kernels shorter than a dispatch). `compiler_options`: XLA's,
+    one call as its time / chain (kernels shorter than a dispatch; `unroll` calls an iteration
+    of its loop). `compiler_options`: XLA's,
     for every fn's compile (e.g. no GEMM autotuning)."""
     first = None if ref is None else np.asarray(ref, np.float32)
     times = {}
     for name, fn in fns.items():
         try:
-            timed, per = (jax.jit(chained(fn, chain)), chain) if chain else (jax.jit(fn), 1)
+            timed, per = (jax.jit(chained(fn, chain, unroll)), chain) if chain else (jax.jit(fn), 1)
             if compiler_options:
                 timed = timed.lower(*args).compile(compiler_options)
             # chained: one program, checked on its last call's output, then timed

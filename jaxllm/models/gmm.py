@@ -228,7 +228,7 @@ class Chooser:
         tokens; the fastest is kept.
         Decode-sized row counts are timed as loops of dependent calls (`timing.chained`): one
         such call takes tens of microseconds, less than its dispatch."""
-        from jaxllm.kernels.timing import time_checked
+        from jaxllm.kernels.timing import UNROLL, time_checked
         from jaxllm.models.moe import experts
 
         if len(candidates(min(rows), E, H, F, engine=True)) == 1:  # no GPU kernels: ragged_dot throughout
@@ -258,7 +258,7 @@ class Chooser:
             ref = jax.jit(lambda *a: experts(*a, gmm=ragged_dot_ref))(x[:n], wts[:n], ids[:n], w_g, w_u, w_d)
             times = time_checked(fns, (x, wts, ids, w_g, w_u, w_d), reps, "MoE grouped matmul",
                                  f" at {M} rows", tol=3e-2, catch=True, ref=ref,
-                                 chain=20 if M <= DECODE_MAX_ROWS else 0)
+                                 chain=20 if M <= DECODE_MAX_ROWS else 0, unroll=UNROLL)
             if times:
                 self.choice[M] = min(times, key=times.get)
                 self.timings[M] = times

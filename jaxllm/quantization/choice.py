@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.kernels.qmatmul import MAX_ROWS
-from jaxllm.kernels.timing import loop_floor, time_checked
+from jaxllm.kernels.timing import UNROLL, loop_floor, time_checked
 from jaxllm.quantization.qarray import QArray
 
 log = logging.getLogger("jaxllm")
@@ -106,12 +106,14 @@ def num_sms() -> int:
 
 
 def time_paths(x: jax.Array, w: QArray, paths: list[str], reps: int = 5, chain: int = 20,
-               ref_rows: int | None = None, compiler_options: dict | None = None) -> dict[str, float]:
+               ref_rows: int | None = None, compiler_options: dict | None = None,
+               unroll: int = UNROLL) -> dict[str, float]:
     """Seconds per call of each path (median of `reps` loops of `chain` dependent calls: a
     decode-sized matmul is shorter than a dispatch) after a check against x @ the dequantized
     weight (within 2e-2; 5e-2 for fp8 W8A8, whose "xla" path also rounds x to fp8: 2.7% measured),
     on x's first `ref_rows` rows where given (a prefill-sized reference is one more large GEMM
-    to compile and autotune). `compiler_options`: XLA's, for each path's compile."""
+    to compile and autotune). `compiler_options`: XLA's, for each path's compile. `unroll`:
+    calls per iteration of the timing loop (`timing.UNROLL`)."""
     from jaxllm.kernels.qmatmul import reference
     from jaxllm.quantization.kernels import NK_PATH, matmul
 
@@ -129,7 +131,7 @@ def time_paths(x: jax.Array, w: QArray, paths: list[str], reps: int = 5, chain: 
     ref = jax.jit(reference)(x if ref_rows is None else x[:ref_rows], w)
     tol = 5e-2 if w.act == "fp8" else 2e-2
     return time_checked(fns, (x, w, nk), reps, "quantized matmul", f" {layout_key(x.shape, w)}", tol=tol,
-                        catch=True, ref=ref, chain=chain, compiler_options=compiler_options)
+                        catch=True, ref=ref, chain=chain, compiler_options=compiler_options, unroll=unroll)
 
 
 # "xla" is taken only when at least this much faster than the fastest kernel. Timed alone, a
@@ -171,7 +173,7 @@ def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 5) -> dic
             log.info("quantized matmul %s: %d paths timed in %.1f s", layout_key(x.shape, w), len(paths),
                      time.perf_counter() - t0)
             if M not in floors:
-                floors[M] = loop_floor(x, reps)
+                floors[M] = loop_floor(x, reps, unroll=UNROLL)
             if times:
                 k = layout_key(x.shape, w)
                 _MEASURED[k] = fastest(times)
@@ -233,7 +235,7 @@ def measure_gemm(w: QArray, rows: list[int], dtype, reps: int = 5) -> None:
         x = jax.random.normal(jax.random.key(M), (M, K), jnp.float32).astype(dtype)
         t0 = time.perf_counter()
         times = time_paths(x, w, ["xla", FP8_GEMM_PATH + t.name], reps, chain=5, ref_rows=REF_ROWS,
-                           compiler_options=GEMM_TIMING_OPTIONS)
+                           compiler_options=GEMM_TIMING_OPTIONS, unroll=1)
         log.info("fp8 GEMM %s: XLA's and the ws kernel timed in %.1f s", layout_key(x.shape, w),
                  time.perf_counter() - t0)
         GEMM_TIMINGS[layout_key(x.shape, w)] = times
