@@ -21,6 +21,7 @@ from jaxllm.kernels import act_quant, kv_quant
 from jaxllm.kernels.ref import write_kv
 from jaxllm.models.config import ModelConfig
 from jaxllm.quantization import act
+from jaxllm.quantization.qarray import concat_out
 
 AttentionFn = Callable[..., jax.Array]
 
@@ -71,6 +72,33 @@ def set_value(p: nnx.Variable, v) -> None:
 def _consumers(w: dict, *names: str) -> list:
     """The linears of `w` a normed input feeds (fp8 W8A8 ones take it quantized: `act.norm`)."""
     return [w[n] for n in names if n in w]
+
+
+# Multiply-adds of a one-row matmul below which XLA's GPU compiler rewrites it as multiply-then-
+# reduce (its threshold is 10M, `IsMatrixMultiplicationTooSmallForRewriting`), with a margin; larger
+# ones stay GEMMs unpadded (Llama-3-8B's at batch 1: 1.07x the step's floor on an H100, session 25).
+GEMV_REWRITE_BELOW = 12_000_000
+
+
+def linear(x: jax.Array, w, spec: str | None = None, out_dtype=None) -> jax.Array:
+    """x [T, ...] @ w (or `jnp.einsum(spec, x, w)`); a quantized weight (QArray) takes its own
+    matmul (`x @ w`). `out_dtype`: the result's (default x's), summed in it.
+
+    On a GPU a one-token product is computed on x padded to two rows: for a single row XLA's GPU
+    compiler rewrites a vector-matrix product below ~10M multiply-adds as multiply-then-reduce,
+    and inside a model step it kept the two apart, writing the weight-sized products to memory
+    and summing them in a second kernel (3x the weight's bytes, the products rounded to bf16
+    first): Qwen3-30B-A3B's q/k/v/o projections at batch 1, every layer, and Llama-3.2-1B's
+    o projection (`scripts/aot_kernels.py`). Two rows stay a GEMM that reads the weight once;
+    row 0 is the same product. Larger weights are left alone (`GEMV_REWRITE_BELOW`)."""
+    if not isinstance(w, jax.Array):
+        return x @ w
+    pad = x.shape[0] == 1 and w.size < GEMV_REWRITE_BELOW and jax.default_backend() == "gpu"
+    if pad:
+        x = jnp.pad(x, ((0, 1),) + ((0, 0),) * (x.ndim - 1))
+    kw = {} if out_dtype is None else dict(preferred_element_type=out_dtype)
+    y = jnp.dot(x, w, **kw) if spec is None else jnp.einsum(spec, x, w, **kw)
+    return y[:1] if pad else y
 
 
 def _param(shape: tuple[int, ...], dtype, rngs: nnx.Rngs, scale: float | None = 0.02) -> nnx.Param:
@@ -163,13 +191,13 @@ class Llama(nnx.Module):
         h = act.norm(x, w["ln_attn"], cfg.rms_norm_eps, _consumers(w, "wq", "wk", "wv", "wqkv"))
         if "wqkv" in w:  # fused (the unrolled layout, `fuse_layer`): one matmul, shard-major columns
             wqkv = w["wqkv"]
-            qkv = jnp.einsum("te,esp->tsp", h, wqkv) if isinstance(wqkv, jax.Array) else (h @ wqkv)[:, None]
+            qkv = linear(h, wqkv, "te,esp->tsp") if isinstance(wqkv, jax.Array) else (h @ wqkv)[:, None]
             if cfg.qkv_bias:
                 qkv = qkv + w["bqkv"]
             nq, nk = H * D // qkv.shape[1], K * D // qkv.shape[1]
             q, k, v = qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:]
         else:
-            q, k, v = h @ w["wq"], h @ w["wk"], h @ w["wv"]
+            q, k, v = linear(h, w["wq"]), linear(h, w["wk"]), linear(h, w["wv"])
             if cfg.qkv_bias:
                 q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
         q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
@@ -194,7 +222,7 @@ class Llama(nnx.Module):
             attn = (attn.astype(jnp.float32) * scale[1]).astype(attn.dtype)
         if rot is not None:
             attn = kv_quant.rotate(attn, rot, transpose=True)
-        o = attn.reshape(T, H * D) @ w["wo"]
+        o = linear(attn.reshape(T, H * D), w["wo"])
         if cfg.o_bias:
             o = o + w["bo"]
         return x + o, kv_pages, scale
@@ -203,10 +231,10 @@ class Llama(nnx.Module):
         if "w_gu" in w and not isinstance(w["w_gu"], jax.Array):  # fp8 W8A8 [gate; up]: one matmul
             return act.silu_mul(h @ w["w_gu"], None, w["w_down"]) @ w["w_down"]
         if "w_gu" in w:  # fused gate/up [E, S, 2, F/S]: one matmul
-            gu = jnp.einsum("te,esgf->tsgf", h, w["w_gu"])
+            gu = linear(h, w["w_gu"], "te,esgf->tsgf")
             gate, up = (gu[:, :, i].reshape(h.shape[0], -1) for i in (0, 1))
-            return (jax.nn.silu(gate) * up) @ w["w_down"]
-        return act.silu_mul(h @ w["w_gate"], h @ w["w_up"], w["w_down"]) @ w["w_down"]
+            return linear(jax.nn.silu(gate) * up, w["w_down"])
+        return linear(act.silu_mul(linear(h, w["w_gate"]), linear(h, w["w_up"]), w["w_down"]), w["w_down"])
 
     def _layer(self, x: jax.Array, w: dict[str, jax.Array], kv_pages: jax.Array,
                layer: jax.Array, md: AttentionMetadata, inv_freq: np.ndarray):
@@ -299,9 +327,12 @@ def fuse_layer(w: dict[str, jax.Array], shards: int = 1) -> dict[str, jax.Array]
     out = dict(w)
     if not all(isinstance(w[n], jax.Array) for n in ("wq", "w_gate") if n in w):
         # Quantized linears: fp8 W8A8 ones fused as one QArray [q; k; v] / [gate; up] when not
-        # split over devices (`act.fuse`); others (and any under tensor parallelism) stay apart.
+        # split over devices (`act.fuse`), int8 / int4 ones likewise (`qarray.concat_out`);
+        # others (and any under tensor parallelism) stay apart.
         for name, parts in (("wqkv", ("wq", "wk", "wv")), ("w_gu", ("w_gate", "w_up"))):
             fused = act.fuse([w[n] for n in parts]) if shards == 1 and all(n in w for n in parts) else None
+            if fused is None and shards == 1 and all(n in w for n in parts) and act.fuse_int():
+                fused = concat_out([w[n] for n in parts])  # int8 / int4 weight-only
             if fused is not None:
                 out[name] = fused
                 for n in parts:

@@ -112,7 +112,7 @@ class MoeLlama(Llama):
     def _moe(self, h: jax.Array, w: dict[str, jax.Array], md: AttentionMetadata):
         """The expert block: (output [T, H], rows per logical expert [E])."""
         m: MoEConfig = self.cfg.moe
-        logits = jnp.dot(h, w["router"], preferred_element_type=jnp.float32)
+        logits = llama.linear(h, w["router"], out_dtype=jnp.float32)
         weights, ids = route(logits, m.top_k, m.routing, m.norm_topk_prob)
         valid = md.positions >= 0
         load = expert_loads(ids, m.num_experts, valid)
@@ -120,8 +120,9 @@ class MoeLlama(Llama):
             ids = self.expert_map(ids, w, md)
         y = self.experts_fn(h, weights, ids, w["e_gate"], w["e_up"], w["e_down"], valid)
         if m.shared_expert_intermediate_size:
-            shared = (jax.nn.silu(h @ w["s_gate"]) * (h @ w["s_up"])) @ w["s_down"]
-            y = y + jax.nn.sigmoid(h @ w["s_router"]) * shared
+            shared = llama.linear(jax.nn.silu(llama.linear(h, w["s_gate"])) * llama.linear(h, w["s_up"]),
+                                  w["s_down"])
+            y = y + jax.nn.sigmoid(llama.linear(h, w["s_router"])) * shared
         return y, load
 
     def _layer(self, x, w, kv_pages, layer, md, inv_freq):

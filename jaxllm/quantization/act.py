@@ -98,6 +98,13 @@ def silu_mul(gate: jax.Array, up: jax.Array | None = None, consumer=None) -> jax
     return _rows(act_quant.silu_mul_quant, act_quant.silu_mul_quant_ref, *args, width=width, out_dtype=gate.dtype)
 
 
+def fuse_int() -> bool:
+    """Whether int8 / int4 weight-only q/k/v and gate/up are held fused in the unrolled layout
+    (`qarray.concat_out`); JAXLLM_FUSE_INT=0 keeps them apart (as JAXLLM_FUSE_FP8 for fp8)."""
+    from jaxllm.envs import env_choice
+    return env_choice("JAXLLM_FUSE_INT", "1", ("0", "1")) == "1"
+
+
 def fuse(ws: list) -> QArray | None:
     """fp8 W8A8 per-channel QArrays (values [..., N, K], scale [..., N, 1]) of one input as one,
     their outputs side by side (x @ fused = concat of x @ each): q/k/v, or gate/up, as the bf16

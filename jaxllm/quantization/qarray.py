@@ -115,3 +115,22 @@ def pack_int4(q, group: int):
 def stack(qs: list[QArray]) -> QArray:
     """Per-layer QArrays (numpy) -> one with a leading layer axis."""
     return jax.tree.map(lambda *a: np.stack(a), *qs)
+
+
+def concat_out(qs: list) -> QArray | None:
+    """int8 / int4 weight-only QArrays of one input (values [..., K(/2), N_i], scales and
+    offsets [..., K/g, N_i]; the same kind, group and nibble order) as one of [..., K, sum N_i]:
+    x @ it is the x @ each side by side (every output column keeps its own sum). None for any
+    other weights. q/k/v or gate/up held so are one decode kernel launch and one pass of x's
+    preparation instead of three or two (session 29: 8 int4 kernels a Llama layer apart)."""
+    if not qs or not all(isinstance(q, QArray) and q.kind in ("int8", "int4") and q.act == "none" for q in qs):
+        return None
+    first = qs[0]
+    same = lambda q: (q.kind, q.group, q.pack, q.offset is None, q.values.shape[:-1]) == (  # noqa: E731
+        first.kind, first.group, first.pack, first.offset is None, first.values.shape[:-1])
+    if not all(same(q) for q in qs):
+        return None
+    cat = lambda parts: jnp.concatenate(parts, axis=-1)  # noqa: E731
+    return QArray(cat([q.values for q in qs]), cat([q.scale for q in qs]),
+                  None if first.offset is None else cat([q.offset for q in qs]),
+                  kind=first.kind, act=first.act, pack=first.pack)
