@@ -230,3 +230,35 @@ def test_xla_is_taken_only_when_clearly_faster():
     assert choice.fastest({"xla": 30e-6, "mosaic/mq_64x256s6k4p": 44.2e-6}) == "xla"
     assert choice.fastest({"xla": 30e-6}) == "xla"
     assert choice.fastest({"mosaic/a": 2e-6, "mosaic/b": 1e-6}) == "mosaic/b"
+
+
+def test_decode_family_restricts_the_candidates(monkeypatch):
+    """JAXLLM_DECODE_MATMUL keeps one family's paths (a step-level experiment on the GPU), "xla"
+    where the family has none; a bad name is refused naming the variable; a single path left is
+    taken without timing (and an int layout it needs re-laid out)."""
+    from jaxllm.kernels import prefill_choice
+
+    monkeypatch.setattr(prefill_choice, "is_hopper", lambda: True)
+    w4 = _w("int4", K=1024, N=256)
+    every = choice.candidates((4, 1024), w4)
+    assert any(p.startswith("pallas/") for p in every) and any(p.startswith("mosaic_nk/") for p in every)
+    monkeypatch.setenv("JAXLLM_DECODE_MATMUL", "pallas")
+    assert choice.candidates((4, 1024), w4) == [p for p in every if p.startswith("pallas/")]
+    monkeypatch.setenv("JAXLLM_DECODE_MATMUL", "mgpu")  # int4 has no such path
+    assert choice.candidates((4, 1024), w4) == ["xla"]
+    monkeypatch.setenv("JAXLLM_DECODE_MATMUL", "mosaic_nk")
+    nk = [p for p in every if p.startswith("mosaic_nk/")]
+    assert choice.candidates((4, 1024), w4) == nk
+    monkeypatch.setattr(choice, "candidates", lambda x_shape, w, best=None: nk[:1])
+    monkeypatch.setattr(choice, "time_paths", lambda *a, **k: pytest.fail("one path: nothing to time"))
+    monkeypatch.setattr(choice, "measure_gemm", lambda *a, **k: None)
+    choice.clear()
+    try:
+        choice.measure([w4], [4], jnp.float32)
+        key = choice.layout_key((4, 1024), w4)
+        assert choice._MEASURED[key] == nk[0] and key[:-1] in choice.NK_LAYOUTS
+    finally:
+        choice.clear()
+    monkeypatch.setenv("JAXLLM_DECODE_MATMUL", "fast")
+    with pytest.raises(ValueError, match="JAXLLM_DECODE_MATMUL"):
+        choice.decode_family()

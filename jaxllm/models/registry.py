@@ -52,7 +52,7 @@ class ModelEntry:
         mod = self._mod()
         fn = getattr(mod, "split_model_layers", None)
         if fn is not None:
-            return fn(params, cfg)
+            return fn(params, cfg, shards=shards)
         return mod.split_layers(params, cfg.num_layers, shards=shards)
 
     def split_axes(self, expert_parallel: bool) -> dict[str, int]:

@@ -97,7 +97,25 @@ def candidates(x_shape: tuple[int, ...], w: QArray, tilings: list[str] | None = 
         out += [NK_PATH + t.name for t in ([t for t in fits if keep(t.name)] or fits)]
     if w.kind == "int8" and w.group == w.shape[-2] and hopper:
         out.append("mgpu")
+    family = decode_family()
+    if family != "measured":
+        out = [p for p in out if p == family or p.startswith(family + "/")] or ["xla"]
     return out
+
+
+DECODE_FAMILIES = ("measured", "xla", "pallas", "mosaic", "mosaic_nk", "mgpu")
+
+
+def decode_family() -> str:
+    """JAXLLM_DECODE_MATMUL: "measured" (default) times every candidate path of a decode-sized
+    quantized matmul; a family name keeps only that family's paths (its tilings still timed;
+    "xla" where it has none). A step-level experiment: the warm-up times each matmul alone,
+    where a Mosaic kernel's custom call and a Triton one cost the same launch, but in the step
+    XLA cannot put a Mosaic custom call in a command buffer (CUDA graph) and can a Triton one
+    (session 29: 160 custom calls cut an fp8 Llama-3-8B batch-1 step into 321 host launches
+    even with graphs for everything else; bf16's has 65)."""
+    from jaxllm.envs import env_choice
+    return env_choice("JAXLLM_DECODE_MATMUL", "measured", DECODE_FAMILIES)
 
 
 def num_sms() -> int:
@@ -166,7 +184,11 @@ def measure(weights: list[QArray], rows: list[int], dtype, reps: int = 5) -> dic
         for M in sorted(r for r in set(rows) if r <= MAX_ROWS):  # decode-sized buckets
             x = jax.random.normal(key, (M, w.shape[-2]), jnp.float32).astype(dtype)
             paths = candidates(x.shape, w, best)
-            if len(paths) == 1:
+            if len(paths) == 1:  # nothing to time: no kernel takes it, or one path asked for
+                if paths[0] != "xla":
+                    _MEASURED[layout_key(x.shape, w)] = paths[0]
+                    if paths[0].startswith(NK_PATH):  # the kernel's layout, made once at warm-up
+                        NK_LAYOUTS.add(layout_key(x.shape, w)[:-1])
                 continue
             t0 = time.perf_counter()
             times = time_paths(x, w, paths, reps)
