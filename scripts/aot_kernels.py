@@ -30,8 +30,8 @@ import sys
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 DUMP = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"aot_kernels_{os.getpid()}")
 # XLA writes each compiled module's thunk sequence here (read back by `thunks`).
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           f" --xla_dump_to={DUMP} --xla_dump_hlo_module_re=.*step_flat.*").strip()
+os.environ["XLA_FLAGS"] = (f"--xla_dump_to={DUMP} --xla_dump_hlo_module_re=.*step_flat.* "
+                           + os.environ.get("XLA_FLAGS", "")).strip()
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import jax  # noqa: E402
@@ -100,7 +100,11 @@ def main() -> None:
 
     topo = topology(args.target)
     pretend_gpu(topo.devices)
-    out = compile_step(args, topo)
+    try:
+        out = compile_step(args, topo)
+    finally:
+        import shutil
+        shutil.rmtree(DUMP, ignore_errors=True)
     print(json.dumps(out))
 
 
@@ -179,10 +183,10 @@ def compile_step(args, topo) -> dict:
             f.write(hlo)
     kernels = count(hlo)
     import glob
-    import shutil
-    seq = sorted(glob.glob(os.path.join(DUMP, "*step_flat*thunk_sequence_after_thunk_passes.txt")))
-    launches = thunks(open(seq[-1]).read()) if seq else {}
-    shutil.rmtree(DUMP, ignore_errors=True)
+    # after XLA's thunk passes (command buffers formed); without any, the plain sequence
+    seq = (sorted(glob.glob(os.path.join(DUMP, "*step_flat*thunk_sequence_after_thunk_passes.txt")))
+           or sorted(glob.glob(os.path.join(DUMP, "*step_flat*thunk_sequence.txt"))))
+    launches = thunks(open(seq[-1]).read()) if seq else {"launches": None}
     return {"shape": args.shape, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype,
             "tokens": T, "rows": R, "layout": "scan" if args.scan else "unrolled",
             "target": args.target, "paths": sorted(set(choice._MEASURED.values())),

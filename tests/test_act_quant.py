@@ -208,3 +208,44 @@ def test_silu_mul_variants_agree():
     np.testing.assert_allclose(np.asarray(sb), np.asarray(s), rtol=2 ** -8)
     a, b = (np.asarray(v.astype(jnp.float32)) * np.asarray(t) for v, t in ((q, s), (qb, sb)))
     assert (np.abs(a - b) <= np.maximum(np.abs(a), np.abs(b)) * 2 ** -3 + np.asarray(s) * 2 ** -8).all()  # one fp8 step
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_padded_rows_for_the_mosaic_decode_matmul(monkeypatch, T):
+    """`out_rows`: the kernels (interpreter) and references write padding rows of zeros past T;
+    act.norm pads only when every consumer takes the Mosaic fp8 decode matmul, and that matmul
+    then uses the rows as they are, with the same product as rows it pads itself."""
+    from jaxllm.kernels import qmatmul_mosaic as qm
+    from jaxllm.quantization import kernels as qk
+
+    ks = jax.random.split(jax.random.key(T), 3)
+    x = jax.random.normal(ks[0], (T, 256), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(ks[1], (256,), jnp.float32).astype(jnp.bfloat16)
+    for fn, ref, args in ((aq.norm_quant, aq.norm_quant_ref, (x, w)), (aq.silu_mul_quant, aq.silu_mul_quant_ref, (x, x))):
+        kw = dict(eps=1e-5) if fn is aq.norm_quant else {}
+        q, s = fn(*args, interpret=True, out_rows=8, **kw)
+        q0, s0 = fn(*args, interpret=True, **kw)
+        assert q.shape == (8, 256) and s.shape == (8, 1)
+        np.testing.assert_array_equal(np.asarray(q[:T], np.float32), np.asarray(q0, np.float32))
+        np.testing.assert_array_equal(np.asarray(s[:T]), np.asarray(s0))
+        assert not np.asarray(q[T:], np.float32).any() and not np.asarray(s[T:]).any()
+        rq, rs = ref(*args, out_rows=8, **kw)
+        np.testing.assert_array_equal(np.asarray(rq[T:], np.float32), np.asarray(q[T:], np.float32))
+        assert rs.shape == (8, 1)
+
+    wq = QArray(jax.random.normal(ks[2], (128, 256)).astype(jnp.float8_e4m3fn), jnp.full((128, 1), 0.01),
+                kind="fp8", act="fp8")
+    monkeypatch.setattr(qk, "path_for", lambda x_shape, w: "xla")
+    assert act.padded_for(wq, (T, 256)) == 0  # another path: the rows as they are
+    monkeypatch.setattr(qk, "path_for", lambda x_shape, w: "mosaic/" + qm.Tiling(64, 256, 2, 1).name)
+    assert act.padded_for(wq, (T, 256)) == 8 and act.padded_for([wq, wq], (T, 256)) == 8
+    assert act.padded_for(wq, (8, 256)) == 0 and act.padded_for(wq, (2, T, 256)) == 0
+    rows = act.norm(x, w, 1e-5, wq)  # the CPU: the reference, padded
+    assert rows.shape == (T, 256) and rows.values.shape == (8, 256) and rows.rows == T
+    plain = act.Fp8Rows(*aq.norm_quant_ref(x, w, 1e-5), x.dtype)
+    np.testing.assert_array_equal(np.asarray(rows.dequantize(), np.float32), np.asarray(plain.dequantize(), np.float32))
+    t = qm.Tiling(64, 256, 2, 1)
+    got = qm.fp8_w8a8(rows, wq, t, interpret=True)
+    want = qm.fp8_w8a8(plain, wq, t, interpret=True)
+    assert got.shape == (T, 128)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

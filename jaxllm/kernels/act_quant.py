@@ -51,8 +51,9 @@ def rms_norm_ref(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w * xf.astype(x.dtype)
 
 
-def norm_quant_ref(x: jax.Array, w: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
-    return quantize_ref(rms_norm_ref(x, w, eps))
+def norm_quant_ref(x: jax.Array, w: jax.Array, eps: float, out_rows: int | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
+    return pad_rows(*quantize_ref(rms_norm_ref(x, w, eps)), out_rows)
 
 
 def silu_mul_ref(gate: jax.Array, up: jax.Array | None = None) -> jax.Array:
@@ -63,8 +64,9 @@ def silu_mul_ref(gate: jax.Array, up: jax.Array | None = None) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
-def silu_mul_quant_ref(gate: jax.Array, up: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    return quantize_ref(silu_mul_ref(gate, up))
+def silu_mul_quant_ref(gate: jax.Array, up: jax.Array | None = None, out_rows: int | None = None
+                       ) -> tuple[jax.Array, jax.Array]:
+    return pad_rows(*quantize_ref(silu_mul_ref(gate, up)), out_rows)
 
 
 def chunk_of(K: int) -> int:
@@ -85,26 +87,29 @@ def num_warps(K: int) -> int:
     return max(4, min(16, 1 << max(0, (K // 1024 - 1).bit_length())))
 
 
-def _quantize_out(ys: list, q_ref, s_ref, chunk: int) -> None:
-    """s = max|y| / 448 over the row's chunks (in registers), then y / s stored as fp8."""
+def _quantize_out(ys: list, q_ref, s_ref, chunk: int, rows: int | None = None) -> None:
+    """s = max|y| / 448 over the row's chunks (in registers), then y / s stored as fp8. `rows`:
+    programs from this one on write a padding row (values and scale 0, as jnp.pad gives)."""
     amax = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(y.astype(jnp.float32)), axis=1, keepdims=True)
                                           for y in ys])
     s = jnp.maximum(amax, 1e-12) / FP8_MAX
-    s_ref[...] = s
+    keep = None if rows is None else pl.program_id(0) < rows
+    s_ref[...] = s if keep is None else jnp.where(keep, s, 0.0)
     for c, y in enumerate(ys):
-        q_ref[:, pl.ds(c * chunk, chunk)] = (y.astype(jnp.float32) / s).astype(q_ref.dtype)
+        q = y.astype(jnp.float32) / s
+        q_ref[:, pl.ds(c * chunk, chunk)] = (q if keep is None else jnp.where(keep, q, 0.0)).astype(q_ref.dtype)
 
 
-def _norm_kernel(x_ref, w_ref, q_ref, s_ref, *, n: int, chunk: int, eps: float):
+def _norm_kernel(x_ref, w_ref, q_ref, s_ref, *, n: int, chunk: int, eps: float, rows: int | None = None):
     xs = [x_ref[:, pl.ds(c * chunk, chunk)] for c in range(n)]  # the row, read once
     ss = functools.reduce(jnp.add, [jnp.sum(jnp.square(x.astype(jnp.float32)), axis=1, keepdims=True) for x in xs])
     rinv = jax.lax.rsqrt(ss / (n * chunk) + eps)
     ys = [w_ref[:, pl.ds(c * chunk, chunk)] * (x.astype(jnp.float32) * rinv).astype(x.dtype)
           for c, x in enumerate(xs)]  # held in x's dtype, as the reference rounds them
-    _quantize_out(ys, q_ref, s_ref, chunk)
+    _quantize_out(ys, q_ref, s_ref, chunk, rows)
 
 
-def _silu_mul_kernel(g_ref, *refs, n: int, chunk: int, hold):
+def _silu_mul_kernel(g_ref, *refs, n: int, chunk: int, hold, rows: int | None = None):
     """refs: (up, q, s), or (q, s) with gate and up the two halves of g_ref's row. silu(g) * u in
     float32 (XLA's fusion keeps the same excess precision), held until the scale is known as
     `hold` (float32; bfloat16 halves the registers, rounding y as the bf16 reference does)."""
@@ -115,19 +120,26 @@ def _silu_mul_kernel(g_ref, *refs, n: int, chunk: int, hold):
         g = g_ref[:, pl.ds(c * chunk, chunk)].astype(jnp.float32)
         u = u_ref[:, pl.ds(u0 + c * chunk, chunk)].astype(jnp.float32)
         ys.append((g / (1.0 + jnp.exp(-g)) * u).astype(hold))
-    _quantize_out(ys, q_ref, s_ref, chunk)
+    _quantize_out(ys, q_ref, s_ref, chunk, rows)
 
 
-def _call(kernel, rows: tuple, shared: tuple, K: int, interpret: bool, warps: int | None = None):
+def _call(kernel, rows: tuple, shared: tuple, K: int, interpret: bool, warps: int | None = None,
+          out_rows: int | None = None):
     """One program per row of the `rows` arrays [T, *] (`shared` [1, *]: every program's);
-    out: [T, K] fp8 and [T, 1] float32."""
+    out: [T, K] fp8 and [T, 1] float32. `out_rows` (> T): that many rows out, those past T
+    padding (zeros), so a consumer that pads x (the Mosaic fp8 decode matmul) gets it padded
+    without a kernel of its own; their programs read row T - 1 and discard it."""
     T = rows[0].shape[0]
-    specs = ([pl.BlockSpec((1, a.shape[1]), lambda i: (i, 0)) for a in rows]
+    R = out_rows or T
+    if R > T:
+        kernel = functools.partial(kernel, rows=T)
+    last = lambda i: (jnp.minimum(i, T - 1), 0)  # noqa: E731
+    specs = ([pl.BlockSpec((1, a.shape[1]), last) for a in rows]
              + [pl.BlockSpec((1, a.shape[1]), lambda i: (0, 0)) for a in shared])
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((T, K), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((T, 1), jnp.float32)),
-        grid=(T,),
+        out_shape=(jax.ShapeDtypeStruct((R, K), jnp.float8_e4m3fn), jax.ShapeDtypeStruct((R, 1), jnp.float32)),
+        grid=(R,),
         in_specs=specs,
         out_specs=(pl.BlockSpec((1, K), lambda i: (i, 0)), pl.BlockSpec((1, 1), lambda i: (i, 0))),
         compiler_params=plt.CompilerParams(num_warps=warps or num_warps(K), num_stages=1),
@@ -136,19 +148,29 @@ def _call(kernel, rows: tuple, shared: tuple, K: int, interpret: bool, warps: in
     )(*rows, *shared)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
-def norm_quant(x: jax.Array, w: jax.Array, eps: float, interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+def pad_rows(q: jax.Array, s: jax.Array, out_rows: int | None) -> tuple[jax.Array, jax.Array]:
+    """The references' padding rows (zeros), as the kernels' `out_rows` write them."""
+    if not out_rows or out_rows == q.shape[0]:
+        return q, s
+    pad = ((0, out_rows - q.shape[0]), (0, 0))
+    return jnp.pad(q, pad), jnp.pad(s, pad)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "out_rows"))
+def norm_quant(x: jax.Array, w: jax.Array, eps: float, interpret: bool = False,
+               out_rows: int | None = None) -> tuple[jax.Array, jax.Array]:
     """x [T, K], w [K] -> (rms_norm(x, w, eps) quantized per row: float8_e4m3fn [T, K], its
-    scale float32 [T, 1])."""
+    scale float32 [T, 1]); `out_rows` rows where given, zeros past T."""
     K = x.shape[1]
     chunk = chunk_of(K)
     kernel = functools.partial(_norm_kernel, n=K // chunk, chunk=chunk, eps=eps)
-    return _call(kernel, (x,), (w.astype(x.dtype).reshape(1, K),), K, interpret)
+    return _call(kernel, (x,), (w.astype(x.dtype).reshape(1, K),), K, interpret, out_rows=out_rows)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "hold", "warps"))
+@functools.partial(jax.jit, static_argnames=("interpret", "hold", "warps", "out_rows"))
 def silu_mul_quant(gate: jax.Array, up: jax.Array | None = None, interpret: bool = False,
-                   hold: str = "float32", warps: int | None = None) -> tuple[jax.Array, jax.Array]:
+                   hold: str = "float32", warps: int | None = None,
+                   out_rows: int | None = None) -> tuple[jax.Array, jax.Array]:
     """gate, up [T, F] -> (silu(gate) * up quantized per row: float8_e4m3fn [T, F], float32
     [T, 1]); up None: gate is [T, 2F], gate then up in each row (a fused gate/up matmul's
     output, read in place: slices given to a kernel would be copied first). `hold` / `warps`:
@@ -156,4 +178,4 @@ def silu_mul_quant(gate: jax.Array, up: jax.Array | None = None, interpret: bool
     F = gate.shape[1] if up is not None else gate.shape[1] // 2
     chunk = chunk_of(F)
     kernel = functools.partial(_silu_mul_kernel, n=F // chunk, chunk=chunk, hold=jnp.dtype(hold))
-    return _call(kernel, (gate,) if up is None else (gate, up), (), F, interpret, warps)
+    return _call(kernel, (gate,) if up is None else (gate, up), (), F, interpret, warps, out_rows)

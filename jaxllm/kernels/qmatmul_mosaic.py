@@ -196,6 +196,8 @@ def fp8_w8a8(x: jax.Array, w, tiling: Tiling, interpret: bool = False,
     pad = ((0, padded_rows(M) - M), (0, 0))
     if isinstance(x2, jax.Array):
         xq, sx = quantize_rows_fp8(jnp.pad(x2, pad))
+    elif x2.rows:  # act.Fp8Rows padded by the kernel that made them (`act.padded_for`)
+        xq, sx = x2.values, x2.scale
     else:  # act.Fp8Rows: quantized by the op that made it; zero rows pad it
         xq, sx = (jnp.pad(a, pad) for a in quantize_rows_fp8(x2))
     yt = fp8_matmul(xq, w.values, tiling, interpret, num_sms or device_sms())  # [N, Mp]

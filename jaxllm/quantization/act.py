@@ -26,25 +26,37 @@ from jaxllm.quantization.qarray import QArray
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Fp8Rows:
-    """x [..., K] quantized per row: x ~= values * scale. `dtype`: x's (the matmul's output)."""
-    values: jax.Array  # float8_e4m3fn [..., K]
+    """x [..., K] quantized per row: x ~= values * scale. `dtype`: x's (the matmul's output).
+    `rows` > 0: x is [rows, K] and values / scale hold more rows, zeros past `rows` (padded by
+    the kernel that made them for the Mosaic fp8 decode matmul, which takes x padded)."""
+    values: jax.Array  # float8_e4m3fn [..., K] (2-D [Mp, K] when rows)
     scale: jax.Array  # float32 [..., 1]
     dtype: jnp.dtype = dataclasses.field(default=jnp.bfloat16, metadata=dict(static=True))
+    rows: int = dataclasses.field(default=0, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.values.shape
+        return (self.rows, self.values.shape[-1]) if self.rows else self.values.shape
 
     @property
     def ndim(self) -> int:
-        return self.values.ndim
+        return len(self.shape)
+
+    def unpadded(self) -> "Fp8Rows":
+        if not self.rows:
+            return self
+        return Fp8Rows(self.values[:self.rows], self.scale[:self.rows], self.dtype)
 
     def reshape(self, *shape: int) -> "Fp8Rows":
-        v = self.values.reshape(*shape)
-        return Fp8Rows(v, self.scale.reshape(*v.shape[:-1], 1), self.dtype)
+        if self.rows and tuple(shape) in ((-1, self.shape[-1]), self.shape):
+            return self  # 2-D already
+        x = self.unpadded()
+        v = x.values.reshape(*shape)
+        return Fp8Rows(v, x.scale.reshape(*v.shape[:-1], 1), self.dtype)
 
     def dequantize(self) -> jax.Array:
-        return (self.values.astype(jnp.float32) * self.scale).astype(self.dtype)
+        x = self.unpadded()
+        return (x.values.astype(jnp.float32) * x.scale).astype(self.dtype)
 
     def __matmul__(self, w) -> jax.Array:
         from jaxllm.quantization.kernels import matmul
@@ -71,11 +83,28 @@ def fused() -> bool:
     return env_choice("JAXLLM_ACT_QUANT", "kernel", ("kernel", "xla")) == "kernel"
 
 
-def _rows(fn_kernel, fn_ref, *args, width: int, out_dtype, **kw) -> Fp8Rows:
-    """The kernel (a GPU, a row width it takes), else its reference, on args flattened to rows."""
+def padded_for(consumer, x_shape: tuple[int, ...]) -> int:
+    """Rows the consumers take x padded to (0: as it is): every consumer's path for these rows
+    is the Mosaic fp8 decode matmul, which pads x to a multiple of 8 rows (session 29's compiled
+    fp8 Llama-3-8B batch-1 step: a pad kernel after each of the three fused quantizations a layer)."""
+    from jaxllm.kernels.qmatmul_mosaic import padded_rows
+    from jaxllm.quantization.choice import two_d
+    from jaxllm.quantization.kernels import path_for
+    ws = consumer if isinstance(consumer, (list, tuple)) else [consumer]
+    if len(x_shape) != 2 or not all(path_for(x_shape, two_d(w)).startswith("mosaic/") for w in ws):
+        return 0
+    return padded_rows(x_shape[0]) if padded_rows(x_shape[0]) > x_shape[0] else 0
+
+
+def _rows(fn_kernel, fn_ref, *args, width: int, out_dtype, out_rows: int = 0, **kw) -> Fp8Rows:
+    """The kernel (a GPU, a row width it takes), else its reference, on args flattened to rows;
+    `out_rows`: padded to that many rows (2-D x only)."""
     lead = args[0].shape[:-1]
     flat = [a.reshape(-1, a.shape[-1]) if a.ndim == len(lead) + 1 else a for a in args]
     fn = fn_ref if jax.default_backend() == "cpu" or act_quant.supported(width) else fn_kernel
+    if out_rows:
+        q, s = fn(*flat, out_rows=out_rows, **kw)
+        return Fp8Rows(q, s, out_dtype, rows=lead[0])
     q, s = fn(*flat, **kw)
     return Fp8Rows(q.reshape(*lead, q.shape[-1]), s.reshape(*lead, 1), out_dtype)
 
@@ -85,7 +114,8 @@ def norm(x: jax.Array, w: jax.Array, eps: float, consumer=None) -> jax.Array | F
     them) takes them."""
     if not (fused() and takes_rows(consumer, x.shape)):
         return act_quant.rms_norm_ref(x, w, eps)
-    return _rows(act_quant.norm_quant, act_quant.norm_quant_ref, x, w, width=x.shape[-1], out_dtype=x.dtype, eps=eps)
+    return _rows(act_quant.norm_quant, act_quant.norm_quant_ref, x, w, width=x.shape[-1], out_dtype=x.dtype,
+                 out_rows=padded_for(consumer, x.shape), eps=eps)
 
 
 def silu_mul(gate: jax.Array, up: jax.Array | None = None, consumer=None) -> jax.Array | Fp8Rows:
@@ -95,7 +125,8 @@ def silu_mul(gate: jax.Array, up: jax.Array | None = None, consumer=None) -> jax
     if not (fused() and takes_rows(consumer, (*gate.shape[:-1], width))):
         return act_quant.silu_mul_ref(gate, up)
     args = (gate,) if up is None else (gate, up)
-    return _rows(act_quant.silu_mul_quant, act_quant.silu_mul_quant_ref, *args, width=width, out_dtype=gate.dtype)
+    return _rows(act_quant.silu_mul_quant, act_quant.silu_mul_quant_ref, *args, width=width, out_dtype=gate.dtype,
+                 out_rows=padded_for(consumer, (*gate.shape[:-1], width)))
 
 
 def fuse_int() -> bool:

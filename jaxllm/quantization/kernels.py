@@ -151,6 +151,7 @@ def quantize_rows_fp8(x) -> tuple[jax.Array, jax.Array]:
     `act.Fp8Rows` (quantized by the op that made it) as it is."""
     from jaxllm.quantization.act import Fp8Rows
     if isinstance(x, Fp8Rows):
+        x = x.unpadded()
         return x.values, x.scale
     from jaxllm.kernels.act_quant import quantize_ref
     return quantize_ref(x)
