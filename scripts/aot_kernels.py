@@ -59,7 +59,12 @@ TARGETS = {"h100": dict(bw=3352320000000, mem=84929347584, name="NVIDIA H100 80G
            "h200": dict(bw=4800000000000, mem=150754820096, name="NVIDIA H200")}
 
 def topology(target: str):
+    import importlib.util
     from jax.experimental import topologies
+    if importlib.util.find_spec("jax_plugins") is None or not any(
+            importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)):
+        raise SystemExit("aot_kernels: jax's cuda plugin is not installed; "
+                         f'pip install "jax[cuda13]=={jax.__version__}" (no GPU needed)')
     return topologies.get_topology_desc(platform="cuda", target_config=TARGET % TARGETS[target],
                                         topology="1x1x1")
 
