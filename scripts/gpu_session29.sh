@@ -16,7 +16,7 @@
 #     addresses changing, e.g. temporaries of overlapped steps), graphs cost more than launches.
 #   g (~9 min, needs_h200): MoE decode batch 1 and 64, Qwen3-30B-A3B shape, with XLA's default
 #     command buffers and with none. llama.linear now keeps the one-token q/k/v/o projections
-#     GEMMs (the compiled step wrote their products to memory, ~3.5 GB a step: 1,355 -> 1,115 kernels).
+#     GEMMs (the compiled step wrote their products to memory, 3.7 GB written and read a step: 1,355 -> 1,115 kernels).
 #   then f, s, d, q, p, a as scripts/gpu_session27.sh.
 set -u
 cd "$(dirname "$0")/.."
