@@ -187,6 +187,7 @@ def compile_step(args, topo) -> dict:
         with open(args.dump, "w") as f:
             f.write(hlo)
     kernels = count(hlo)
+    written = count(hlo, weight="bytes")
     import glob
     # after XLA's thunk passes (command buffers formed); without any, the plain sequence
     seq = (sorted(glob.glob(os.path.join(DUMP, "*step_flat*thunk_sequence_after_thunk_passes.txt")))
@@ -197,6 +198,8 @@ def compile_step(args, topo) -> dict:
             "target": args.target, "paths": sorted(set(choice._MEASURED.values())),
             "kernels": sum(kernels.values()), **launches,
             "families": dict(kernels.most_common(args.top)),
+            # MB each family's results hold a step (in-place cache updates left out)
+            "written_mb": {k: round(v / 2**20, 1) for k, v in written.most_common(args.top)},
             "weight_bytes": int(sum(np.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in flat))}
 
 

@@ -40,3 +40,15 @@ def test_thunks_count_a_command_buffer_as_one_launch():
 """
     assert thunks(text) == {"launches": 3, "top": {"kCommandBuffer": 1, "kCustomCall": 1, "kCustomKernel": 1},
                             "in_graphs": {"kCustomKernel": 2}}
+
+
+def test_bytes_written_by_family():
+    text = ('ENTRY %main (p: bf16[2048,64]) -> f32[64] {\n'
+            '  %p = bf16[2048,64]{1,0} parameter(0)\n'
+            '  %loop_multiply_fusion.3 = bf16[2048,64]{1,0} fusion(%p), kind=kLoop, calls=%fm\n'
+            '  %mpmd_map.1 = (f32[16,8]{1,0}, s32[4]{0}) custom-call(%p), custom_call_target="mosaic_gpu_v2"\n'
+            '  ROOT %input_reduce_fusion = f32[64]{0} fusion(%loop_multiply_fusion.3), kind=kInput, calls=%fr\n'
+            '}\n')
+    assert count(text, weight="bytes") == {"fusion kLoop loop_multiply_fusion": 2048 * 64 * 2,
+                                           "custom-call mosaic_gpu_v2": 16 * 8 * 4 + 4 * 4,
+                                           "fusion kInput input_reduce_fusion": 64 * 4}

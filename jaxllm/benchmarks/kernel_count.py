@@ -49,10 +49,32 @@ def parse(hlo: str) -> dict[str, list[tuple[str, str, str]]]:
     return comps
 
 
-def count(hlo: str) -> collections.Counter:
+BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 1, "u4": 1, "bf16": 2,
+         "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+IN_PLACE = re.compile(r"dynamic_update_slice|scatter")  # fusions updating a buffer in place
+
+
+def out_bytes(line: str) -> int:
+    """Bytes an instruction's result holds (a tuple: its parts), from its line's shape."""
+    head = line.split("=", 1)[1].split(" fusion(")[0].split(" custom-call(")[0].split(" copy(")[0]
+    total = 0
+    for dtype, dims in re.findall(r"\b([a-z]+\d*[a-z0-9]*)\[([\d,]*)\]", head):
+        if dtype in BYTES:
+            n = 1
+            for d in filter(None, dims.split(",")):
+                n *= int(d)
+            total += n * BYTES[dtype]
+    return total
+
+
+def count(hlo: str, weight: str = "kernels") -> collections.Counter:
     """Kernel launches a run of the module makes, by family: the entry computation's, with each
     while loop's body counted as often as its known trip count (1 where XLA records none) and
-    each conditional's branches counted at their largest."""
+    each conditional's branches counted at their largest. `weight="bytes"`: the bytes their
+    results hold instead (what each family writes a run), in-place updates (a cache's
+    dynamic-update-slice or scatter, whose result is the whole buffer) left out."""
     comps = parse(hlo)
     by_name = {k.removeprefix("ENTRY "): v for k, v in comps.items()}
 
@@ -72,11 +94,12 @@ def count(hlo: str) -> collections.Counter:
                     [re.search(r"true_computation=%?([\w.\-]+)", line).group(1),
                      re.search(r"false_computation=%?([\w.\-]+)", line).group(1)]
                 out.update(max((walk(b) for b in branches), key=lambda c: sum(c.values())))
-                out["conditional"] += 1
+                out["conditional"] += 1 if weight == "kernels" else 0
             elif op == "call":
                 out.update(walk(re.search(r"to_apply=%?([\w.\-]+)", line).group(1)))
             elif op not in NO_KERNEL:
-                out[family(instr, op, line)] += 1
+                out[family(instr, op, line)] += 1 if weight == "kernels" else \
+                    0 if IN_PLACE.search(instr) else out_bytes(line)
         return out
 
     entry = next(k for k in comps if k.startswith("ENTRY "))
