@@ -22,7 +22,8 @@
 #     "fp8pallas" / "int4pallas" (JAXLLM_DECODE_MATMUL=pallas: the Triton decode matmuls only,
 #     which XLA can put in command buffers, where Mosaic custom calls split them), "fp8mosaic",
 #     "int4nk" (Mosaic only), "int4apart" (JAXLLM_FUSE_INT=0: int q/k/v and gate/up apart), and
-#     any run suffixed "nocb" (e.g. "bf16nocb"): XLA's command buffers off.
+#     any run suffixed "nocb" (e.g. "bf16nocb"): XLA's command buffers off; "sb" before it (e.g.
+#     "bf16sb", "fp8sb"): JAXLLM_STABLE_BATCH=1 (the layers read a copy of the batch the step makes).
 #   s, d, g, q, p, m: as scripts/gpu_session26.sh.
 set -u
 cd "$(dirname "$0")/.."
@@ -43,14 +44,16 @@ case "${1:-}" in
      done ;;
   af) bash "$0" a; bash "$0" f ;;
   e) for run in ${RUNS_E:-bf16 fp8 fp8apart}; do
-       mode=${run%nocb}; mode=${mode%cb}; q=""; case "$mode" in bf16) ;; int4*) q="--quantization int4" ;; *) q="--quantization fp8" ;; esac
+       mode=${run%nocb}; mode=${mode%cb}; sb=""; [ "${mode%sb}" != "$mode" ] && { mode=${mode%sb}; sb="JAXLLM_STABLE_BATCH=1"; }
+       q=""; case "$mode" in bf16) ;; int4*) q="--quantization int4" ;; *) q="--quantization fp8" ;; esac
        env=""; [ "$mode" = fp8apart ] && env="JAXLLM_FUSE_FP8=0"
        case "$mode" in *pallas) env="JAXLLM_DECODE_MATMUL=pallas" ;; *mosaic) env="JAXLLM_DECODE_MATMUL=mosaic" ;;
          int4nk) env="JAXLLM_DECODE_MATMUL=mosaic_nk" ;; int4apart) env="JAXLLM_FUSE_INT=0" ;; esac
-       flags=""; [ "$mode" != "$run" ] && flags="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1"
-       [ "${run%nocb}" != "$run" ] && flags="--xla_gpu_enable_command_buffer="  # none: every kernel its own launch
+       case "$run" in *nocb) flags="--xla_gpu_enable_command_buffer=" ;;  # none: every kernel its own launch
+         *cb) flags="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1" ;;
+         *) flags="" ;; esac
        echo "== e. decode step batch 1, context 2048, $run"
-       env $env XLA_FLAGS="$flags" XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout -k 10 ${T_E:-170} python3 scripts/bench_latency.py \
+       env $env $sb XLA_FLAGS="$flags" XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout -k 10 ${T_E:-170} python3 scripts/bench_latency.py \
          --random-shape llama3-8b --input-len 2048 --num-iters 10 --max-num-batched-tokens 64 --batch-size 1 $q \
          --profile-steps 3 --output-json "$OUT/latency_b1_$run.json" > "$OUT/latency_b1_$run.log" 2>&1
        echo "rc=$?"; grep -A4 "^C = " "$OUT/latency_b1_$run.log" | cut -c1-300; grep -iE "busy|kernels|chosen in" "$OUT/latency_b1_$run.log" | cut -c1-600 | head -4

@@ -10,12 +10,14 @@
 #     (scripts/gpu_session27.sh e; target fp8 <= 0.6x bf16).
 #   e2 (~6 min): bf16, int4 (q/k/v and gate/up now fused: 669 launches, 797 apart), int4cb,
 #     int4pallas (target int4 <= 0.4x bf16).
-#   e0 (~4 min): bf16 and bf16nocb (XLA's command buffers off). Session 26's MoE batch-1 step spent
+#   e0 (~5 min): bf16, bf16nocb (XLA's command buffers off) and bf16sb (JAXLLM_STABLE_BATCH=1: the
+#     layers read a copy of the batch the step makes, not the new input buffers; seen in the CPU
+#     compile, 201 kernels of the MoE step read them directly, 0 with it). Session 26's MoE batch-1 step spent
 #     6.6 ms of host time in the jitted call with 97 host launches (49 command buffers holding
 #     1,064 kernels, compiled on the CPU): if XLA re-records its graphs every step (their buffers'
 #     addresses changing, e.g. temporaries of overlapped steps), graphs cost more than launches.
-#   g (~9 min, needs_h200): MoE decode batch 1 and 64, Qwen3-30B-A3B shape, with XLA's default
-#     command buffers and with none. llama.linear now keeps the one-token q/k/v/o projections
+#   g (~9 min, needs_h200; three runs of at most T_G=180 s): MoE decode batch 1 and 64,
+#     Qwen3-30B-A3B shape: XLA's default command buffers, none, and JAXLLM_STABLE_BATCH=1. llama.linear now keeps the one-token q/k/v/o projections
 #     GEMMs (the compiled step wrote their products to memory, 3.7 GB written and read a step: 1,355 -> 1,115 kernels).
 #   then f, s, d, q, p, a as scripts/gpu_session27.sh.
 set -u
@@ -31,13 +33,14 @@ case "${1:-}" in
        JAX_PLATFORMS=cpu timeout -k 10 ${T_K:-120} python3 scripts/aot_kernels.py --tokens 1 $cfg --top 12 \
          > "$OUT/aot.log" 2>&1; echo "rc=$?"; grep "^{" "$OUT/aot.log" | cut -c1-1200; grep -iE "error" "$OUT/aot.log" | tail -2 | cut -c1-300
      done ;;
-  e0) RUNS_E=${RUNS_E:-"bf16 bf16nocb"} bash scripts/gpu_session27.sh e ;;
-  g) for flags in "" "--xla_gpu_enable_command_buffer="; do
-       echo "== g. MoE decode, XLA_FLAGS='$flags'"
-       XLA_FLAGS="$flags" XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 10 ${T_G:-250} python3 scripts/bench_moe.py decode \
+  e0) RUNS_E=${RUNS_E:-"bf16 bf16nocb bf16sb"} bash scripts/gpu_session27.sh e ;;
+  g) for v in "|0" "--xla_gpu_enable_command_buffer=|0" "|1"; do
+       flags=${v%|*}; sb=${v#*|}
+       echo "== g. MoE decode, XLA_FLAGS='$flags' JAXLLM_STABLE_BATCH=$sb"
+       JAXLLM_STABLE_BATCH=$sb XLA_FLAGS="$flags" XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 10 ${T_G:-180} python3 scripts/bench_moe.py decode \
          --random-shape qwen3-30b-a3b --batch-size 1 64 --input-len 2048 --num-iters 20 --profile-steps 3 \
-         --output-json "$OUT/moe_decode_g${#flags}.json" > "$OUT/moe_decode_g${#flags}.log" 2>&1; echo "rc=$?"
-       grep -E "^decode|^  /device|kernels a step" "$OUT/moe_decode_g${#flags}.log" | cut -c1-400
+         --output-json "$OUT/moe_decode_g${#flags}_$sb.json" > "$OUT/moe_decode_g${#flags}_$sb.log" 2>&1; echo "rc=$?"
+       grep -E "^decode|^  /device|kernels a step" "$OUT/moe_decode_g${#flags}_$sb.log" | cut -c1-400
      done ;;
   e1) RUNS_E=${RUNS_E:-"bf16 fp8 fp8cb fp8pallas"} bash scripts/gpu_session27.sh e ;;
   e2) RUNS_E=${RUNS_E:-"bf16 int4 int4cb int4pallas"} bash scripts/gpu_session27.sh e ;;

@@ -69,6 +69,19 @@ class Batch:
         return AttentionMetadata(self.per_token[1], self.per_token[2], self.per_token[3],
                                  rows[:, :B], seq_lens, qsl, num_seqs)
 
+    def copied(self) -> "Batch":
+        """The same batch read from a copy the step makes (JAXLLM_STABLE_BATCH=1, an experiment).
+        The step's inputs are new buffers every step, and XLA fuses their cheap slicing into each
+        layer's kernels, so every layer's command buffer (CUDA graph) reads a buffer whose address
+        changed and may be updated every step (session 29, the compiled batch-1 steps). A sort
+        keyed by iota (the identity, which XLA neither fuses into its consumers nor removes)
+        gives the layers one temporary to read, at the same address from step to step."""
+        def copy(a: jax.Array) -> jax.Array:
+            flat = a.reshape(-1)
+            keys = jnp.arange(flat.shape[0], dtype=jnp.int32)
+            return jax.lax.sort((keys, flat), num_keys=1)[1].reshape(a.shape)
+        return Batch(copy(self.per_token), copy(self.per_row), self.spec_width)
+
     def inputs(self, prev_ids: jax.Array, block_size: int) -> tuple[jax.Array, AttentionMetadata]:
         """(token ids [T], attention metadata), moved back over the drafts the previous step
         rejected where this step overlaps a speculative one (jaxllm/spec/shift.py)."""

@@ -64,6 +64,12 @@ def pick_attention(backend: str | None, platform: str, queries_per_request: int 
     return get_attention_fn(backend, platform, queries_per_request)
 
 
+def stable_batch() -> bool:
+    """JAXLLM_STABLE_BATCH=1: the step reads its batch from a copy it makes (`Batch.copied`)."""
+    from jaxllm.envs import env_choice
+    return env_choice("JAXLLM_STABLE_BATCH", "0", ("0", "1")) == "1"
+
+
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int,
                  state: dict | None = None, dtype=None, unroll_layers: bool | None = None,
@@ -310,6 +316,8 @@ class ModelRunner:
         model = nnx.merge(self.graphdef, params)
         # float32 means float32: without this, GPUs run f32 matmuls as TF32.
         precision = "highest" if self.dtype == jnp.float32 else None
+        if stable_batch():
+            batch = batch.copied()
         with jax.default_matmul_precision(precision):
             tokens, md = batch.inputs(prev_ids, self.block_size)
             kv_pages, logits, *aux = model(kv_pages, tokens, md, batch.logits_indices, layers)
