@@ -126,3 +126,19 @@ def make_llm(tiny, **kw):
                 max_num_batched_tokens=64, token_buckets=(16, 64), seq_buckets=(8,))
     args.update(kw)
     return LLM(**args)
+
+
+def unrolled_layers(monkeypatch) -> None:
+    """Engines built after this hold their layers unrolled, as on an accelerator (`ModelRunner`'s
+    `unroll_layers`), on the CPU too."""
+    from jaxllm.engine.runner import ModelRunner
+
+    init = ModelRunner.__init__
+    monkeypatch.setattr(ModelRunner, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "unroll_layers": True}))
+
+
+def greedy_with_logprobs(llm, prompts: list[list[int]], greedy) -> tuple[list[list[int]], np.ndarray]:
+    """(each prompt's greedy token ids, their logprobs [prompts, tokens])."""
+    outs = llm.generate(prompts, greedy, use_tqdm=False)
+    return ([o.outputs[0].token_ids for o in outs],
+            np.array([[next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs]))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hf_tiny import make, make_llm
+from hf_tiny import greedy_with_logprobs, make, make_llm, unrolled_layers
 
 from jaxllm import SamplingParams
 from jaxllm.kernels import act_quant as aq
@@ -143,7 +143,6 @@ def test_unrolled_fp8_fuses_qkv_and_gate_up(monkeypatch, arch):
     """The accelerator layout (unrolled, forced here) holds fp8 W8A8 q/k/v and gate/up as one
     QArray each by default (`act.fuse`), and its greedy output equals the scanned layout's separate matmuls."""
     from jaxllm import LLM
-    from jaxllm.engine.runner import ModelRunner
 
     _, cfg, sd = make(arch, seed=5)
     kw = dict(hf_config=cfg, weights=sd, dtype="float32", max_model_len=128, max_num_seqs=4,
@@ -151,20 +150,14 @@ def test_unrolled_fp8_fuses_qkv_and_gate_up(monkeypatch, arch):
     greedy = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, ignore_eos=True)
     prompts = [[5, 17, 99, 3, 250, 11], list(range(40, 80))]
 
-    def run(llm):
-        outs = llm.generate(prompts, greedy, use_tqdm=False)
-        return ([o.outputs[0].token_ids for o in outs],
-                np.array([[next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs]))
-    scanned = run(LLM(**kw))
-    init = ModelRunner.__init__
-    monkeypatch.setattr(ModelRunner, "__init__",
-                        lambda self, *a, **k: init(self, *a, **{**k, "unroll_layers": True}))
+    scanned = greedy_with_logprobs(LLM(**kw), prompts, greedy)
+    unrolled_layers(monkeypatch)
     llm = LLM(**kw)
     layer = llm.engine.runner.layer_params[0]
     assert {"wqkv", "w_gu", "bqkv"} <= set(layer) and not {"wq", "wk", "w_gate", "w_up"} & set(layer)
     assert isinstance(layer["wqkv"], QArray) and layer["wqkv"].values.shape[0] == (
         (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * cfg["hidden_size"] // cfg["num_attention_heads"])
-    unrolled = run(llm)
+    unrolled = greedy_with_logprobs(llm, prompts, greedy)
     assert unrolled[0] == scanned[0]
     np.testing.assert_allclose(unrolled[1], scanned[1], atol=1e-5)
     monkeypatch.setenv("JAXLLM_FUSE_FP8", "0")  # the opt-out keeps them apart

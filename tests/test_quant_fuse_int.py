@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hf_tiny import make
+from hf_tiny import greedy_with_logprobs, make, unrolled_layers
 
 from jaxllm import SamplingParams
 from jaxllm.quantization import quantize
@@ -42,7 +42,6 @@ def test_unrolled_int_fuses_qkv_and_gate_up(monkeypatch, method):
     greedy output and logprobs equal the scanned layout's separate matmuls; JAXLLM_FUSE_INT=0
     keeps them apart."""
     from jaxllm import LLM
-    from jaxllm.engine.runner import ModelRunner
 
     _, cfg, sd = make("qwen2", seed=5)  # q/k/v biases ride with the fused matmul
     kw = dict(hf_config=cfg, weights=sd, dtype="float32", max_model_len=128, max_num_seqs=4,
@@ -50,21 +49,15 @@ def test_unrolled_int_fuses_qkv_and_gate_up(monkeypatch, method):
     greedy = SamplingParams(temperature=0.0, max_tokens=8, logprobs=0, ignore_eos=True)
     prompts = [[5, 17, 99, 3, 250, 11], list(range(40, 80))]
 
-    def run(llm):
-        outs = llm.generate(prompts, greedy, use_tqdm=False)
-        return ([o.outputs[0].token_ids for o in outs],
-                np.array([[next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs] for o in outs]))
-    scanned = run(LLM(**kw))
-    init = ModelRunner.__init__
-    monkeypatch.setattr(ModelRunner, "__init__",
-                        lambda self, *a, **k: init(self, *a, **{**k, "unroll_layers": True}))
+    scanned = greedy_with_logprobs(LLM(**kw), prompts, greedy)
+    unrolled_layers(monkeypatch)
     llm = LLM(**kw)
     layer = llm.engine.runner.layer_params[0]
     assert {"wqkv", "w_gu", "bqkv"} <= set(layer) and not {"wq", "wk", "w_gate", "w_up"} & set(layer)
     head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
     assert isinstance(layer["wqkv"], QArray) and layer["wqkv"].kind == method and layer["wqkv"].shape[-1] == (
         (cfg["num_attention_heads"] + 2 * cfg["num_key_value_heads"]) * head_dim)
-    unrolled = run(llm)
+    unrolled = greedy_with_logprobs(llm, prompts, greedy)
     assert unrolled[0] == scanned[0]
     np.testing.assert_allclose(unrolled[1], scanned[1], atol=1e-5)
     monkeypatch.setenv("JAXLLM_FUSE_INT", "0")
