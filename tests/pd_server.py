@@ -1,12 +1,14 @@
 """A tiny-model OpenAI server with a JaxTransferConnector, for the P/D tests.
 
-`python tests/pd_server.py PORT ROLE` serves until killed (the producer, so the test can
-SIGKILL it); `Served(port, role)` runs one in a thread of the test process.
+`python tests/pd_server.py ROLE` serves until killed (the producer, so the test can SIGKILL it)
+on a port the OS picks, printed as `PORT n` once bound; `Served(app)` runs one in a thread of
+the test process, likewise on a socket bound before the server starts (no free-port race).
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 import threading
 import time
@@ -30,13 +32,23 @@ def build(role: str, **extra):
     return engine, build_app(engine, ["tiny"])
 
 
+def bound(port: int = 0) -> socket.socket:
+    """A listening-ready socket on 127.0.0.1, bound now (port 0: the OS picks a free one)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", port))
+    return sock
+
+
 class Served:
-    def __init__(self, app, port: int):
+    def __init__(self, app, port: int = 0):
         import uvicorn
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        sock = bound(port)
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self.server.serve(),),
-                                       daemon=True)
+        self.thread = threading.Thread(target=self.loop.run_until_complete,
+                                       args=(self.server.serve(sockets=[sock]),), daemon=True)
         self.thread.start()
         deadline = time.time() + 60
         while not self.server.started:
@@ -50,6 +62,7 @@ class Served:
 
 if __name__ == "__main__":
     import uvicorn
-    _, app = build(sys.argv[2], lease_s=30)
-    print("READY", flush=True)
-    uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+    _, app = build(sys.argv[1], lease_s=30)
+    sock = bound()
+    print(f"PORT {sock.getsockname()[1]}", flush=True)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,24 +26,21 @@ pytestmark = pytest.mark.slow
 HERE = os.path.dirname(__file__)
 
 
-def port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def pd():
-    pp = port()
+def pd(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), HERE]))
-    prod = subprocess.Popen([sys.executable, os.path.join(HERE, "pd_server.py"), str(pp), "kv_producer"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    err = open(tmp_path_factory.mktemp("producer") / "stderr", "w+")
+    prod = subprocess.Popen([sys.executable, os.path.join(HERE, "pd_server.py"), "kv_producer"],
+                            env=env, stdout=subprocess.PIPE, stderr=err, text=True)
     engine, app = build("kv_consumer", timeout_s=2)
-    cons = Served(app, port())
-    cons.url = f"http://127.0.0.1:{cons.server.config.port}"
-    prod_url = f"http://127.0.0.1:{pp}"
+    cons = Served(app)
+    line = prod.stdout.readline()  # `PORT n` once its socket is bound, after it compiles
+    if not line.startswith("PORT "):
+        err.seek(0)
+        pytest.fail(f"producer did not start (exit {prod.poll()}): {err.read()[-2000:]}")
+    prod_url = f"http://127.0.0.1:{int(line.split()[1])}"
     deadline = time.time() + 120
-    while True:  # the producer compiles as it starts
+    while True:
         try:
             if httpx.get(prod_url + "/health", timeout=1).status_code == 200:
                 break
@@ -52,14 +48,14 @@ def pd():
             pass
         assert time.time() < deadline and prod.poll() is None, "producer did not start"
         time.sleep(0.2)
-    proxy = Served(build_proxy([prod_url], [cons.url]), port())
-    proxy.url = f"http://127.0.0.1:{proxy.server.config.port}"
+    proxy = Served(build_proxy([prod_url], [cons.url]))
     yield prod, prod_url, engine, cons, proxy
     proxy.close()
     cons.close()
     if prod.poll() is None:
         prod.kill()
     prod.wait(10)
+    err.close()
 
 
 def completion(url, prompt, **kw):
@@ -86,8 +82,7 @@ def single():
                                   token_buckets=(64,), seq_buckets=(4,), dtype="float32", seed=3,
                                   enable_prefix_caching=False, skip_warmup=True)
     assert engine.engine.connector is None
-    s = Served(build_app(engine, ["tiny"]), port())
-    s.url = f"http://127.0.0.1:{s.server.config.port}"
+    s = Served(build_app(engine, ["tiny"]))
     yield s
     s.close()
 
@@ -249,16 +244,15 @@ def test_proxy_round_robin_two_prefill_two_decode(monkeypatch):
 
     log: list = []
     names = ["prefill0", "prefill1", "decode0", "decode1"]
-    backends = {n: Served(fake_backend(n, log), port()) for n in names}
-    url = {n: f"http://127.0.0.1:{b.server.config.port}" for n, b in backends.items()}
+    backends = {n: Served(fake_backend(n, log)) for n in names}
+    url = {n: b.url for n, b in backends.items()}
     built = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: built.update(app=app, **kw))
-    pport = port()
     assert cli.main(["proxy", "--prefill", url["prefill0"], url["prefill1"] + "/", "--decode", url["decode0"],
-                     url["decode1"], "--port", str(pport)]) == 0
-    assert built["port"] == pport
-    proxy = Served(built["app"], built["port"])
-    purl = f"http://127.0.0.1:{pport}"
+                     url["decode1"], "--port", "18123"]) == 0
+    assert built["port"] == 18123
+    proxy = Served(built["app"])  # served on a port bound now, not the parsed one (no race)
+    purl = proxy.url
     try:
         comp = {"model": "tiny", "prompt": "hello", "max_tokens": 8, "temperature": 0}
         chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 8}
