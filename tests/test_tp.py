@@ -215,19 +215,25 @@ def _json_out(stdout: str):
 def _two_processes_and_one(common: list[str], stderr: list | None = None) -> tuple:
     """`jaxllm generate` args run as 2 processes x 2 CPU devices and as 1 process x 4 devices:
     (leader's --json, follower's (None: followers only run steps), the single process's).
-    `stderr`, when given, receives the three processes' stderr in the same order."""
-    port = _free_port()
-    dist = ["--distributed-coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
-    procs = [subprocess.Popen([PY, *common, *dist, "--process-id", str(i)], env=_env(2), cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(2)]
-    single = subprocess.Popen([PY, *common], env=_env(4), cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
-    try:
-        outs = [p.communicate(timeout=TIMEOUT) for p in (*procs, single)]
-    finally:
-        for p in (*procs, single):
-            p.kill() if p.poll() is None else None
+    `stderr`, when given, receives the three processes' stderr in the same order. The
+    coordinator's port is picked free here and bound by process 0 seconds later: if something
+    else took it meanwhile (the other test worker), the run is tried once more on another."""
+    for attempt in range(2):
+        port = _free_port()
+        dist = ["--distributed-coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+        procs = [subprocess.Popen([PY, *common, *dist, "--process-id", str(i)], env=_env(2), cwd=ROOT,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in range(2)]
+        single = subprocess.Popen([PY, *common], env=_env(4), cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+        try:
+            outs = [p.communicate(timeout=TIMEOUT) for p in (*procs, single)]
+        finally:
+            for p in (*procs, single):
+                p.kill() if p.poll() is None else None
+        taken = procs[0].returncode != 0 and any(m in outs[0][1] for m in ("already in use", "Failed to add port"))
+        if not (taken and attempt == 0):
+            break
     for p, (out, err) in zip((*procs, single), outs):
         assert p.returncode == 0, err[-4000:]
     if stderr is not None:
