@@ -13,7 +13,7 @@ import pytest
 # tests start (they inherit the environment): many files build the same tiny engines and so
 # compile the same step programs (a cold cache took 9 engine-heavy files from 312 s to 244 s).
 # Made by the controlling process, removed when it ends; a cache set by the caller is kept.
-CACHE_ENV = {"JAX_COMPILATION_CACHE_DIR": None, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.1"}
+MIN_COMPILE_S = "0.1"  # programs that took less to compile are not written
 
 
 def pytest_configure(config):
@@ -21,13 +21,13 @@ def pytest_configure(config):
         return  # a worker (the controller's environment already has it), or the caller's cache
     path = tempfile.mkdtemp(prefix="jaxllm-tests-xla-")
     config._jaxllm_xla_cache = path
-    for k, v in CACHE_ENV.items():
-        os.environ.setdefault(k, v or path)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", MIN_COMPILE_S)
     if "jax" in sys.modules:  # imported before this hook: its config read the environment already
         import jax
         jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", float(CACHE_ENV[
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                          float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
 
 
 def pytest_unconfigure(config):

@@ -32,17 +32,17 @@ def build(role: str, **extra):
     return engine, build_app(engine, ["tiny"])
 
 
-def bound(port: int = 0) -> socket.socket:
-    """A listening-ready socket on 127.0.0.1, bound now (port 0: the OS picks a free one)."""
+def bound() -> socket.socket:
+    """A socket on 127.0.0.1 bound now, to a free port the OS picks."""
     sock = socket.socket()
-    sock.bind(("127.0.0.1", port))
+    sock.bind(("127.0.0.1", 0))
     return sock
 
 
 class Served:
-    def __init__(self, app, port: int = 0):
+    def __init__(self, app):
         import uvicorn
-        sock = bound(port)
+        sock = bound()
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))

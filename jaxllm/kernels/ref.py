@@ -70,7 +70,7 @@ def ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     per_req = num_tokens > num_reqs
     tables = md.block_tables if per_req else md.block_tables[md.token_req]  # [R or T, B]
     tables = jnp.pad(tables, ((0, 0), (0, -width % COLS)))  # whole chunks; padding keys masked
-    pick = jax.nn.one_hot(md.token_req, num_reqs, dtype=jnp.float32)  # [T, R]
+    pick = jax.nn.one_hot(md.token_req, num_reqs, dtype=jnp.float32) if per_req else None  # [T, R]
     chunk = COLS * page_size
     num_chunks = (jnp.max(md.seq_lens) + chunk - 1) // chunk
 
