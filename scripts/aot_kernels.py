@@ -121,7 +121,7 @@ def compile_step(args, topo) -> dict:
     from jaxllm.engine.runner import ModelRunner, pick_attention
     from jaxllm.kernels import kv_quant
     from jaxllm.models import registry
-    from jaxllm.models.llama import set_value, value
+    from jaxllm.models.params import set_value, value
     from jaxllm.models.shapes import get_shape
     from jaxllm.quantization import choice
     from jaxllm.quantization.quantize import LINEAR_PARAMS, QUANTIZERS

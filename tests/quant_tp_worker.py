@@ -21,7 +21,7 @@ GREEDY_TOKENS = 8
 
 def parts(runner, name: str) -> dict:
     """Per-part global and first-device shard shapes of one quantized linear."""
-    from jaxllm.models.llama import value
+    from jaxllm.models.params import value
 
     q = value(runner.params["layers"][name]) if runner.layer_params is None else runner.layer_params[0][name]
     return {k: {"kind": q.kind, "shape": list(getattr(q, k).shape),

@@ -48,7 +48,7 @@ def test_dummy_weights_with_online_quantization(cfg_dir, method):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxllm.models.llama import value
+    from jaxllm.models.params import value
     from jaxllm.quantization.qarray import QArray
     from jaxllm.quantization.quantize import LINEAR_PARAMS, draw_linear, draw_quantized, quantize_state
 

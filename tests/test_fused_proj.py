@@ -1,11 +1,11 @@
-"""Fused q/k/v and gate/up projections of the unrolled layout (llama.fuse_layer)."""
+"""Fused q/k/v and gate/up projections of the unrolled layout (llama_state.fuse_layer)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.models.llama import fuse_layer
+from jaxllm.models.llama_state import fuse_layer
 
 
 @pytest.mark.parametrize("shards", [1, 2, 4])

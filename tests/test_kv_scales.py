@@ -16,7 +16,7 @@ import pytest
 from hf_tiny import make, make_llm
 
 from jaxllm import SamplingParams
-from jaxllm.models.llama import checkpoint_kv_scales
+from jaxllm.models.llama_state import checkpoint_kv_scales
 
 L = 2
 ENGINE = dict(token_buckets=(64,), seq_buckets=(8,))

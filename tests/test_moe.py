@@ -165,7 +165,7 @@ def test_unrolled_layers_match_scan():
     finally:
         ModelRunner.__init__ = init
     layers = llm.engine.runner.layer_params
-    # dense layers' gate/up and every layer's q/k/v fused (llama.fuse_layer), as the dense models'
+    # dense layers' gate/up and every layer's q/k/v fused (llama_state.fuse_layer), as the dense models'
     assert "router" in layers[1] and "w_gu" in layers[0] and "router" not in layers[3]
     assert all("wqkv" in w and "wq" not in w for w in layers)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == ref

@@ -148,7 +148,7 @@ def test_unrolled_layers_tp2(tiny):
     assert run["tokens"] == tiny["qwen2_8q2kv_tp1"]["tokens"]
     assert run["device_bytes"] == scan["device_bytes"]
     specs = run["layer_specs"]
-    # q/k/v and gate/up fused per layer (llama.fuse_layer), split by shard on their axis 1
+    # q/k/v and gate/up fused per layer (llama_state.fuse_layer), split by shard on their axis 1
     assert specs["wqkv"] == "P(None, 'tp', None)" and specs["w_gu"] == "P(None, 'tp', None, None)"
     assert specs["wo"] == specs["w_down"] == "P('tp', None)"
     assert specs["bqkv"] == "P('tp', None)" and specs["ln_attn"] == "P()"

@@ -35,7 +35,8 @@ from jaxllm.quantization.methods import ONLINE_METHODS, check_weights_device
 from jaxllm.quantization.quantize import draw_quantized, quantize_state
 from jaxllm.models.config import ModelConfig
 from jaxllm.models import registry
-from jaxllm.models.llama import load_state, value
+from jaxllm.models.llama_state import load_state
+from jaxllm.models.params import value
 
 log = logging.getLogger("jaxllm")
 

@@ -24,9 +24,10 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.kernels.metadata import AttentionMetadata
-from jaxllm.models import llama
+from jaxllm.models import llama, llama_state
 from jaxllm.models.config import ModelConfig
-from jaxllm.models.llama import Llama, LayerStack, _param, rms_norm, value
+from jaxllm.models.llama import Llama, LayerStack, _param
+from jaxllm.models.params import value
 from jaxllm.models.moe import expert_loads, experts as moe_experts, route, split_experts
 from jaxllm.models.moe_config import MoEConfig
 from jaxllm.quantization import act
@@ -138,7 +139,7 @@ class MoeLlama(Llama):
 
     def _layers(self, x, kv_pages, md, inv_freq, layer_weights):
         loads, used = [], []
-        kv_scale = llama.value(self.kv_scale)
+        kv_scale = value(self.kv_scale)
         if layer_weights is not None:
             layer_fn = llama.per_layer(self._layer, inv_freq)
             for i, w in enumerate(layer_weights):
@@ -180,7 +181,7 @@ class MoeLlama(Llama):
 
 def split_model_layers(params, cfg: ModelConfig, shards: int = 1) -> list[dict[str, jax.Array]]:
     """The unrolled layout: one dict per layer (attention + its dense or expert MLP weights),
-    q/k/v (and a dense layer's gate/up) fused as the dense models' are (`llama.fuse_layer`,
+    q/k/v (and a dense layer's gate/up) fused as the dense models' are (`llama_state.fuse_layer`,
     `shards` tensor-parallel shards): one GEMM instead of three launches a layer (session 29's
     compiled Qwen3-30B-A3B batch-1 step: q and k/v as separate GEMMs with their pads)."""
     out = [{} for _ in range(cfg.num_layers)]
@@ -199,7 +200,7 @@ def split_model_layers(params, cfg: ModelConfig, shards: int = 1) -> list[dict[s
                 out[i][name] = arr[j]
             empty = jnp.zeros((0,), arr.dtype)
             var.set_value(empty) if hasattr(var, "set_value") else setattr(var, "value", empty)
-    return [llama.fuse_layer(w, shards) for w in out]
+    return [llama_state.fuse_layer(w, shards) for w in out]
 
 
 def split_axes(expert_parallel: bool) -> dict[str, int]:
@@ -248,18 +249,18 @@ def hf_to_state(cfg: ModelConfig, weights: dict[str, np.ndarray], dtype, consume
     """HF-named weights -> nested state; per-expert tensors stacked into [Lm, E, ...] in place."""
     m: MoEConfig = cfg.moe
     dense = [i for i in range(cfg.num_layers) if not m.is_moe(i)]
-    state = llama.hf_to_state(cfg, weights, dtype, consume=consume, mlp_layers=dense)
+    state = llama_state.hf_to_state(cfg, weights, dtype, consume=consume, mlp_layers=dense)
     Lm, H, F, E = len(m.moe_layers), cfg.hidden_size, m.moe_intermediate_size, m.num_experts
     ex = {"e_gate": np.empty((Lm, E, H, F), dtype), "e_up": np.empty((Lm, E, H, F), dtype),
           "e_down": np.empty((Lm, E, F, H), dtype)}
     key = lambda i: "block_sparse_moe" if f"model.layers.{i}.block_sparse_moe.gate.weight" in weights else "mlp"
-    ex["router"] = llama.stack_layers(weights, m.moe_layers, f"{key(m.moe_layers[0])}.gate.weight",
+    ex["router"] = llama_state.stack_layers(weights, m.moe_layers, f"{key(m.moe_layers[0])}.gate.weight",
                                       dtype, True, consume)
     for j, i in enumerate(m.moe_layers):
         for e, g, u, d in _expert_tensors(weights, i, E, consume):
             ex["e_gate"][j, e], ex["e_up"][j, e], ex["e_down"][j, e] = g, u, d
     if m.shared_expert_intermediate_size:
-        st = lambda n, t=True: llama.stack_layers(weights, m.moe_layers, n, dtype, t, consume)
+        st = lambda n, t=True: llama_state.stack_layers(weights, m.moe_layers, n, dtype, t, consume)
         ex |= {"s_gate": st("mlp.shared_expert.gate_proj.weight"),
                "s_up": st("mlp.shared_expert.up_proj.weight"),
                "s_down": st("mlp.shared_expert.down_proj.weight"),

@@ -34,7 +34,7 @@ log = logging.getLogger("jaxllm")
 # Parameter name -> axis split across the mesh (on the stacked [L, ...] layout of llama.py).
 _SPLIT_AXIS = {
     "wq": 2, "wk": 2, "wv": 2, "w_gate": 2, "w_up": 2,  # column-parallel: [L, E, out]
-    "wqkv": 2, "w_gu": 2, "bqkv": 1,  # fused per layer (llama.fuse_layer): [L, E, S, ...] by shard
+    "wqkv": 2, "w_gu": 2, "bqkv": 1,  # fused per layer (llama_state.fuse_layer): [L, E, S, ...] by shard
     "bq": 1, "bk": 1, "bv": 1,  # [L, out]
     "wo": 1, "w_down": 1,  # row-parallel: [L, in, E]
     "embed": 0,  # [V, E] vocabulary-parallel

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxllm.models.config import ModelConfig
-from jaxllm.models.llama import set_value, value
+from jaxllm.models.params import set_value, value
 from jaxllm.parallel.attention import shard_attention
 from jaxllm.parallel.embedding import shard_embedding
 from jaxllm.parallel.experts import check_experts, shard_experts
@@ -105,7 +105,7 @@ class TensorParallel:
 
     def place_layers(self, params: nnx.State, layers: list[dict[str, jax.Array]]
                      ) -> list[dict[str, jax.Array]]:
-        """After `llama.split_layers` (the unrolled accelerator layout): pin every per-layer
+        """After `llama_state.split_layers` (the unrolled accelerator layout): pin every per-layer
         array to its weight's split without the layer axis, and put the emptied stacked
         placeholders on the mesh, so that all the step's inputs share one mesh.
         """

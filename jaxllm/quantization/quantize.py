@@ -166,7 +166,7 @@ def quantize_state(params, method: str, mesh=None):
     import jax
     import jax.numpy as jnp
 
-    from jaxllm.models.llama import set_value, value
+    from jaxllm.models.params import set_value, value
 
     # One layer at a time (lax.map over the stacked layer axis): the quantizers' float32 copies
     # and scale-search candidates of a whole [L, K, N] stack asked an 8B model's step for
@@ -198,7 +198,7 @@ def draw_quantized(make, method: str, seed: int = 0, scale: float = 0.02):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jaxllm.models.llama import set_value, value
+    from jaxllm.models.params import set_value, value
 
     shapes = nnx.state(nnx.eval_shape(make))["layers"]
     names = [n for n in LINEAR_PARAMS if n in shapes]

@@ -42,7 +42,7 @@ from jaxllm.engine.device_batch import Batch
 from jaxllm.engine.runner import pick_attention
 from jaxllm.kernels.metadata import AttentionMetadata
 from jaxllm.models import registry
-from jaxllm.models.llama import load_state
+from jaxllm.models.llama_state import load_state
 from jaxllm.runtime.request import Request
 from jaxllm.spec.draft import split_layout
 
