@@ -99,7 +99,7 @@ def test_runner_sizes_from_its_compiled_step():
     limit, in_use = 4 << 30, 8 << 20
     blocks = r._profiled_blocks(limit, in_use, None, min_blocks=r.max_blocks)
     step = StepMemory.of(r._compile_probe(blocks, {}).memory_analysis())
-    from jaxllm.engine.runner import SIZING_HEADROOM
+    from jaxllm.engine.pool_sizing import SIZING_HEADROOM
     free = int(limit * 0.9) - in_use - SIZING_HEADROOM
     assert blocks >= r.max_blocks
     assert blocks * per_block + step.extra_bytes <= free

@@ -10,6 +10,9 @@ tests can assert that serving never compiles again.
 With tensor_parallel_size > 1 (or several processes) the same step runs over a
 `jaxllm.parallel.TensorParallel` mesh: parameters and pages are placed shard by
 shard, attention runs per shard, and KV blocks are sized from per-device memory.
+
+The pool's sizing (`engine/pool_sizing.py`) and the start-up's kernel choice, compiles and
+warm-up runs (`engine/warmup.py`) are mixins of `ModelRunner`, each in its own file.
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.config import EngineConfig
-from jaxllm.engine.batch import HostBatch, compiled_pairs
+from jaxllm.engine.batch import HostBatch
 from jaxllm.engine.device_batch import Batch
-from jaxllm.engine.compile import compile_all, enable_persistent_cache
-from jaxllm.engine.memory import (GiB, StepMemory, base_limit, describe, plan_pool,
-                                  xla_limit_options)
+from jaxllm.engine.compile import enable_persistent_cache
+from jaxllm.engine.memory import describe
+from jaxllm.engine.pool_sizing import PoolSizing
 from jaxllm.engine.sampler import pad_ids
+from jaxllm.engine.warmup import Warmup
 from jaxllm.kernels import kv_quant
 from jaxllm.quantization.methods import ONLINE_METHODS, check_weights_device
 from jaxllm.quantization.quantize import draw_quantized, quantize_state
@@ -39,10 +43,6 @@ from jaxllm.models.llama_state import load_state
 from jaxllm.models.params import value
 
 log = logging.getLogger("jaxllm")
-
-# Programs outside the step that run beside the pool: the sampler, page moves and swaps, and
-# the prompt-logprob scorer (its own one-sequence pages and [chunk, vocab] logits).
-SIZING_HEADROOM = 2 << 30
 
 DTYPES = {"float32": jnp.float32, "float": jnp.float32, "bfloat16": jnp.bfloat16,
           "bf16": jnp.bfloat16, "half": jnp.bfloat16}
@@ -71,7 +71,7 @@ def stable_batch() -> bool:
     return env_choice("JAXLLM_STABLE_BATCH", "0", ("0", "1")) == "1"
 
 
-class ModelRunner:
+class ModelRunner(PoolSizing, Warmup):
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, max_model_len: int,
                  state: dict | None = None, dtype=None, unroll_layers: bool | None = None,
                  max_rows: int | None = None, max_num_tokens: int | None = None,
@@ -230,84 +230,6 @@ class ModelRunner:
                                 num_aux=(1 if self.eplb else 0) + (1 if self.capture else 0)
                                 + (1 if self.calibrate_kv else 0))
 
-    def _compile_probe(self, num_blocks: int, options: dict):
-        """The largest (tokens, rows) step compiled, not run, against a pool of `num_blocks`."""
-        T, R = self.max_num_tokens, self.max_rows
-        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-        pages = jax.ShapeDtypeStruct(self._pages_shape(num_blocks), self.kv_dtype)
-        batch = Batch(i32(5, T), i32(R, self.max_blocks + 3 + self.spec_width), self.spec_width)
-        return self._jit_step(options).lower(self.flat_params, pages, batch, i32(self.max_rows)).compile()
-
-    def _memory_stats(self) -> tuple[int, int, int | None]:
-        """(bytes_limit, bytes_in_use, largest free block or None) of the tightest local device
-        (weights already placed)."""
-        devices = self.tp.local_devices if self.tp else jax.devices()[:1]
-        stats = [d.memory_stats() or {} for d in devices]
-        free = [s.get("bytes_limit", 16 << 30) - s.get("bytes_in_use", 0) for s in stats]
-        s = stats[free.index(min(free))]
-        largest = [t["largest_free_block_bytes"] for t in stats if "largest_free_block_bytes" in t]
-        return s.get("bytes_limit", 16 << 30), s.get("bytes_in_use", 0), min(largest) if largest else None
-
-    def _step_io(self, num_blocks: int) -> tuple[int, int]:
-        """(inputs + outputs with the pool once, outputs) of the step on one device, from shapes."""
-        dev = self.tp.local_devices[0] if self.tp else None
-        weights = sum(a.nbytes if dev is None else sum(s.data.nbytes for s in a.addressable_shards
-                                                       if s.device == dev) for a in self.flat_params)
-        pool = num_blocks * self._bytes_per_block()
-        out = pool + self.max_rows * (self.model_cfg.vocab_size + 1) * 4  # pages, logits, ids
-        return weights + pool + 4 * (5 * self.max_num_tokens + self.max_rows * (self.max_blocks + 4)) \
-            + out - pool, out
-
-    def _profiled_blocks(self, bytes_limit: int, bytes_in_use: int, largest_free: int | None,
-                         min_blocks: int) -> int:
-        """Blocks that fit beside the weights and the step's own buffers (`engine/memory.py`)."""
-        options = lambda p: xla_limit_options(self.platform, bytes_limit, *self._step_io(p))
-        p1 = max(self.max_blocks, 64)
-        probes = [(p, StepMemory.of(self._compile_probe(p, options(p)).memory_analysis())) for p in (p1, 2 * p1)]
-        cap = base_limit(bytes_limit) if self.platform == "gpu" else None
-        plan = plan_pool(bytes_limit, bytes_in_use, self.cfg.gpu_memory_utilization,
-                         self._bytes_per_block(), probes, min_blocks, io_cap_bytes=cap,
-                         largest_free_bytes=largest_free, headroom_bytes=SIZING_HEADROOM)
-        self.compiler_options = options(plan.num_blocks)
-        log.info("KV pool sized from the compiled step (tokens %d, rows %d): %.2f GiB free of %.2f GiB at "
-                 "gpu_memory_utilization %.2f (largest free block %s), the step's own buffers %.2f GiB; "
-                 "XLA options %s", self.max_num_tokens, self.max_rows, plan.free_bytes / GiB, bytes_limit / GiB,
-                 self.cfg.gpu_memory_utilization, "n/a" if largest_free is None else f"{largest_free / GiB:.2f} GiB",
-                 plan.step_extra_bytes / GiB, self.compiler_options)
-        return plan.num_blocks
-
-    def _bytes_per_block(self) -> int:
-        """Bytes one block takes on each device (its share of the KV heads)."""
-        m = self.model_cfg
-        heads = self.tp.layout.kv_heads_per_device if self.tp else m.num_kv_heads
-        row = self.kv_width * jnp.dtype(self.kv_dtype).itemsize
-        return m.num_layers * 2 * heads * self.block_size * row + self.extra_block_bytes
-
-    def _num_blocks(self, max_model_len: int) -> int:
-        cfg = self.cfg
-        if cfg.num_gpu_blocks_override:
-            return cfg.num_gpu_blocks_override
-        per_block = self._bytes_per_block()
-        if cfg.kv_cache_memory_bytes is not None:
-            budget = cfg.kv_cache_memory_bytes  # per device, as vLLM counts it
-        elif self.platform == "cpu":
-            # CPU: enough for every sequence at full length, at most 1 GiB.
-            need = cfg.max_num_seqs * self.max_blocks * per_block
-            budget = min(need, 1 << 30)
-        else:
-            blocks = self._profiled_blocks(*self._memory_stats(), min_blocks=self.max_blocks)
-            return self.tp.agree(blocks) if self.tp is not None else blocks
-        blocks = budget // per_block
-        if self.tp is not None:
-            blocks = self.tp.agree(blocks)
-        if blocks < self.max_blocks:
-            raise ValueError(
-                f"KV cache budget of {budget} bytes holds {blocks} blocks of {self.block_size} tokens, "
-                f"fewer than one sequence of max_model_len={max_model_len} needs ({self.max_blocks}); "
-                f"device memory stats: {jax.devices()[0].memory_stats()} (another engine in this process "
-                f"still holding its KV pages? set kv_cache_memory_bytes)")
-        return int(blocks)
-
     def _step_flat(self, flat_params: list[jax.Array], kv_pages, batch: Batch, prev_ids: jax.Array):
         return self._step_impl(self._params_def.unflatten(flat_params), kv_pages, batch, prev_ids)
 
@@ -333,26 +255,6 @@ class ModelRunner:
         # Greedy ids come out of the same program: a greedy batch needs no second dispatch.
         # aux: the model's extra outputs (MoE with EPLB: rows per expert), for `after_step`.
         return kv_pages, logits, pad_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32), self.max_rows), *aux
-
-    def relayout_weights(self) -> None:
-        """Give the weights the layouts the warm-up's measurement chose (`choice.relayout`: int4 /
-        int8 for the Mosaic integer kernel), before any step is compiled; the step's flat weight list
-        is rebuilt (the kv-scale entry found again and kept as it was)."""
-        from jaxllm.quantization import choice
-        if not choice.NK_LAYOUTS:
-            return
-        self.params = choice.relayout(self.params)
-        if self.layer_params is not None:
-            self.layer_params = choice.relayout(self.layer_params)
-        kv_scale = None if self._kv_scale_index is None else self.flat_params[self._kv_scale_index]
-        self.flat_params, self._params_def = jax.tree.flatten(self.step_params)
-        if kv_scale is not None:  # as calibration left it
-            paths = [jax.tree_util.keystr(p) for p, _ in
-                     jax.tree_util.tree_flatten_with_path(self.step_params)[0]]
-            self._kv_scale_index = next(i for i, p in enumerate(paths) if "'kv_scale'" in p)
-            self.flat_params[self._kv_scale_index] = kv_scale
-        log.info("int4 / int8 weights re-laid out [N, K] for the Mosaic integer kernel: %s",
-                 sorted(choice.NK_LAYOUTS))
 
     @property
     def step_params(self):
@@ -412,81 +314,3 @@ class ModelRunner:
         if self.eplb is not None:
             self.eplb.record(aux[0])
             self.eplb.after_step(self)
-
-    def _empty_batch(self, T: int, R: int) -> HostBatch:
-        """A (T, R) batch of padding only: it reads and writes no page."""
-        return HostBatch(
-            tokens=np.zeros(T, np.int32), positions=np.full(T, -1, np.int32),
-            token_req=np.zeros(T, np.int32), slot_mapping=np.full(T, -1, np.int32),
-            block_tables=np.zeros((R, self.max_blocks), np.int32),
-            seq_lens=np.zeros(R, np.int32), query_start_loc=np.zeros(R + 1, np.int32),
-            num_seqs=np.zeros(1, np.int32), logits_indices=np.zeros(R, np.int32), num_rows=0)
-
-    def warmup_sampler(self, sampler, num_rows: int) -> None:
-        """Compile the sampler for logits as `execute` returns them.
-
-        On one device those are uncommitted arrays, like the sampler's own warm-up
-        zeros. Over a mesh they are committed to a mesh device, and jit keys its
-        cache on that, so the warm-up's zeros are moved there first. Followers
-        never sample.
-        """
-        if self.tp is None:
-            return sampler.warmup(num_rows)
-        if self.channel is not None and not self.channel.is_leader:
-            return None
-        device, sample = self.tp.local_devices[0], sampler.sample
-        sampler.sample = lambda logits, batch: sample(jax.device_put(logits, device), batch)
-        try:
-            sampler.warmup(num_rows)
-        finally:
-            del sampler.sample  # back to the class's method
-
-    def measure_kernels(self, token_buckets: tuple[int, ...]) -> None:
-        """One GPU: the quantized matmuls' paths (and the weight layouts they need) and the MoE
-        grouped matmul, chosen by timing them at these token buckets (`quantization/choice.py`,
-        `models/gmm.py`). Once, before the pool sizing compiles its probe step where the engine
-        passes its buckets at construction: the probe then holds the kernels the steps will run
-        (with XLA's fp8 GEMM in their place, its autotuning at 16,384 rows took 104 s of an H200
-        start-up, and an unchosen MoE bucket falls back to ragged_dot, whose HLO expands every
-        row against every expert)."""
-        if self._kernels_measured:
-            return
-        self._kernels_measured = True
-        if self.platform == "gpu" and self.tp is None:  # quantized linears: paths by measurement
-            from jaxllm.quantization import choice
-            weights = choice.quantized_leaves(self.params, self.layer_params)
-            if weights:
-                t0 = time.perf_counter()
-                log.info("timing the quantized matmuls' paths at tokens %s ...", tuple(token_buckets))
-                choice.measure(weights, list(token_buckets), self.dtype)
-                self.relayout_weights()
-                log.info("quantized matmuls' paths chosen in %.1f s", time.perf_counter() - t0)
-        if self.gmm_chooser is not None:
-            m = self.model_cfg
-            self.gmm_chooser.measure([T * m.moe.top_k for T in token_buckets], m.moe.num_experts,
-                                     m.hidden_size, m.moe.moe_intermediate_size, self.dtype,
-                                     top_k=m.moe.top_k)
-
-    def warmup(self, token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...]) -> float:
-        """Compile every (T, R) pair of `compiled_pairs`, then run each once, writing nothing
-        to the cache. One process: compiled ahead of time on a thread pool (`engine/compile.py`)
-        and kept per pair. Several: the leader runs the steps, so that the followers compile
-        each as its broadcast batch reaches them.
-        """
-        t0 = time.perf_counter()
-        if self.channel is not None and not self.channel.is_leader:
-            return 0.0
-        self.measure_kernels(token_buckets)
-        pairs = compiled_pairs(token_buckets, seq_buckets)
-        if self.channel is None:
-            sharding = None if self.tp is None else self.tp.replicated
-            self._compiled = compile_all(lambda T, R: self._step.lower(
-                self.flat_params, self.kv_pages, Batch.from_host(self._empty_batch(T, R), sharding, self.spec_width),
-                self.no_ids), pairs)
-        for T, R in pairs:
-            jax.block_until_ready(self.execute(self._empty_batch(T, R)))
-        if self.eplb is not None:
-            if self.channel is not None:
-                self.channel.send_eplb_warmup()
-            self.eplb.warmup(self)
-        return time.perf_counter() - t0
