@@ -200,6 +200,7 @@ class ModelRunner(PoolSizing, Warmup):
         enable_persistent_cache(self.platform)
         self._compiled: dict[tuple[int, int], object] = {}  # (T, R) -> executable, from `warmup`
         self._kernels_measured = False
+        self.step_choice: dict[tuple[int, int], tuple[str, float, float]] = {}  # `choose_decode_steps`
         if token_buckets is not None:  # before the pool sizing: its probe compiles the chosen kernels
             self.measure_kernels(token_buckets)
         self.num_traces = 0  # counts step traces (compilations); set before the sizing's probes trace
@@ -223,9 +224,11 @@ class ModelRunner(PoolSizing, Warmup):
         m = self.model_cfg
         return (m.num_layers, 2, m.num_kv_heads, num_blocks, self.block_size, self.kv_width)
 
-    def _jit_step(self, options: dict):
+    def _jit_step(self, options: dict, fresh: bool = False):
+        """`fresh`: a function jit has not traced before, so lowering it traces the step again."""
         if self.tp is None:
-            return jax.jit(self._step_flat, donate_argnums=(1,), compiler_options=options or None)
+            fn = functools.partial(self._step_flat) if fresh else self._step_flat
+            return jax.jit(fn, donate_argnums=(1,), compiler_options=options or None)
         return self.tp.jit_step(self._step_flat, self.flat_params, compiler_options=options or None,
                                 num_aux=(1 if self.eplb else 0) + (1 if self.capture else 0)
                                 + (1 if self.calibrate_kv else 0))

@@ -106,9 +106,9 @@ class Warmup:
         pairs = compiled_pairs(token_buckets, seq_buckets)
         if self.channel is None:
             sharding = None if self.tp is None else self.tp.replicated
-            self._compiled = compile_all(lambda T, R: self._step.lower(
-                self.flat_params, self.kv_pages, Batch.from_host(self._empty_batch(T, R), sharding, self.spec_width),
-                self.no_ids), pairs)
+            self._compiled = compile_all(lambda T, R: self._lower(self._step, T, R, sharding), pairs)
+            if self.platform == "gpu" and self.tp is None:
+                self.choose_decode_steps(pairs)
         for T, R in pairs:
             jax.block_until_ready(self.execute(self._empty_batch(T, R)))
         if self.eplb is not None:
@@ -116,3 +116,57 @@ class Warmup:
                 self.channel.send_eplb_warmup()
             self.eplb.warmup(self)
         return time.perf_counter() - t0
+
+    def _lower(self, step, T: int, R: int, sharding=None):
+        return step.lower(self.flat_params, self.kv_pages,
+                          Batch.from_host(self._empty_batch(T, R), sharding, self.spec_width), self.no_ids)
+
+    def choose_decode_steps(self, pairs: list[tuple[int, int]], steps: int = 10, rounds: int = 3) -> None:
+        """Decode-only pairs (tokens == rows) whose measured quantized-matmul paths include a
+        Mosaic GPU custom call are compiled again with the fastest graphable paths, both
+        executables are timed on padding (`rounds` runs of `steps` back-to-back steps, the
+        median), and the faster is kept (`quantization/step_choice.py`). Sets `step_choice`:
+        pair -> (kept, measured s, graphable s)."""
+        from jaxllm.quantization import step_choice
+
+        alts = {p: step_choice.alternative(p[0]) for p in pairs if p[0] == p[1]} if step_choice.enabled() else {}
+        alts = {p: a for p, a in alts.items() if a}
+        if not alts:
+            return
+        t0 = time.perf_counter()
+        jitted = self._jit_step(self.compiler_options, fresh=True)  # traced anew: the table is read then
+
+        def lower(T: int, R: int):
+            with step_choice.swapped(alts[(T, R)]):
+                return self._lower(jitted, T, R)
+        try:
+            graphable = compile_all(lower, list(alts))
+        except Exception as e:  # noqa: BLE001 - the measured paths stay
+            log.warning("decode steps with graphable matmul paths did not compile (%s); measured paths kept",
+                        str(e)[:300])
+            return
+        for pair, exe in graphable.items():
+            measured = self._compiled[pair]
+            t_m, t_g = (self._time_executable(pair, e, steps, rounds) for e in (measured, exe))
+            keep = step_choice.keep_graphable(t_m, t_g)
+            self._compiled[pair] = exe if keep else measured
+            self.step_choice[pair] = ("graphable" if keep else "measured", t_m, t_g)
+        log.info("decode steps, matmul paths as measured alone vs graphable (%s): %s; chosen in %.1f s",
+                 "JAXLLM_STEP_CHOICE=0 skips this",
+                 {p: f"{k} ({m * 1e3:.3f} / {g * 1e3:.3f} ms)" for p, (k, m, g) in self.step_choice.items()},
+                 time.perf_counter() - t0)
+
+    def _time_executable(self, pair: tuple[int, int], exe, steps: int, rounds: int) -> float:
+        """Seconds a step of this executable on a padding batch, back to back (host launches and
+        device time overlapped as when serving), median of `rounds`."""
+        self._compiled[pair] = exe
+        hb = self._empty_batch(*pair)
+        jax.block_until_ready(self.execute(hb))
+        times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                out = self.execute(hb)
+            jax.block_until_ready(out)
+            times.append((time.perf_counter() - t0) / steps)
+        return float(np.median(times))
