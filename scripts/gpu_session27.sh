@@ -24,6 +24,8 @@
 #     "int4nk" (Mosaic only), "int4apart" (JAXLLM_FUSE_INT=0: int q/k/v and gate/up apart), and
 #     any run suffixed "nocb" (e.g. "bf16nocb"): XLA's command buffers off; "sb" before it (e.g.
 #     "bf16sb", "fp8sb"): JAXLLM_STABLE_BATCH=1 (the layers read a copy of the batch the step makes).
+#     Session 31: any run suffixed "ns" (e.g. "fp8ns"): JAXLLM_STEP_CHOICE=0 (no step-level choice
+#     between measured and graphable matmul paths, quantization/step_choice.py).
 #   s, d, g, q, p, m: as scripts/gpu_session26.sh.
 set -u
 cd "$(dirname "$0")/.."
@@ -44,19 +46,21 @@ case "${1:-}" in
      done ;;
   af) bash "$0" a; bash "$0" f ;;
   e) for run in ${RUNS_E:-bf16 fp8 fp8apart}; do
-       mode=${run%nocb}; mode=${mode%cb}; sb=""; [ "${mode%sb}" != "$mode" ] && { mode=${mode%sb}; sb="JAXLLM_STABLE_BATCH=1"; }
+       r=${run%ns}; ns=""; [ "$r" != "$run" ] && ns="JAXLLM_STEP_CHOICE=0"  # "...ns": no step-level choice
+       mode=${r%nocb}; mode=${mode%cb}; sb=""; [ "${mode%sb}" != "$mode" ] && { mode=${mode%sb}; sb="JAXLLM_STABLE_BATCH=1"; }
        q=""; case "$mode" in bf16) ;; int4*) q="--quantization int4" ;; *) q="--quantization fp8" ;; esac
        env=""; [ "$mode" = fp8apart ] && env="JAXLLM_FUSE_FP8=0"
        case "$mode" in *pallas) env="JAXLLM_DECODE_MATMUL=pallas" ;; *mosaic) env="JAXLLM_DECODE_MATMUL=mosaic" ;;
          int4nk) env="JAXLLM_DECODE_MATMUL=mosaic_nk" ;; int4apart) env="JAXLLM_FUSE_INT=0" ;; esac
-       case "$run" in *nocb) flags="--xla_gpu_enable_command_buffer=" ;;  # none: every kernel its own launch
+       case "$r" in *nocb) flags="--xla_gpu_enable_command_buffer=" ;;  # none: every kernel its own launch
          *cb) flags="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN --xla_gpu_graph_min_graph_size=1" ;;
          *) flags="" ;; esac
        echo "== e. decode step batch 1, context 2048, $run"
-       env $env $sb XLA_FLAGS="$flags" XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout -k 10 ${T_E:-170} python3 scripts/bench_latency.py \
+       env $env $sb $ns XLA_FLAGS="$flags" XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout -k 10 ${T_E:-170} python3 scripts/bench_latency.py \
          --random-shape llama3-8b --input-len 2048 --num-iters 10 --max-num-batched-tokens 64 --batch-size 1 $q \
          --profile-steps 3 --output-json "$OUT/latency_b1_$run.json" > "$OUT/latency_b1_$run.log" 2>&1
        echo "rc=$?"; grep -A4 "^C = " "$OUT/latency_b1_$run.log" | cut -c1-300; grep -iE "busy|kernels|chosen in" "$OUT/latency_b1_$run.log" | cut -c1-600 | head -4
+       grep -E "decode steps, matmul paths|graphable paths did not" "$OUT/latency_b1_$run.log" | cut -c1-700
      done ;;
   *) bash scripts/gpu_session26.sh "$@" ;;
 esac
