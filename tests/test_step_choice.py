@@ -61,7 +61,7 @@ def test_margin_and_switch(monkeypatch):
 def _engine(monkeypatch, timings: list[float], spans: list | None = None):
     """A tiny int8 engine warmed up as on one GPU, its int8 matmuls at 8 rows measured on a Pallas
     path that stands in for a Mosaic one (`BREAKS_GRAPHS`), XLA's the graphable alternative;
-    `timings`: what `_time_executable` returns, in call order (measured, graphable)."""
+    `timings`: the seconds `_time_executables` reports (measured, graphable)."""
     from hf_tiny import make, make_llm
 
     from jaxllm.engine.runner import ModelRunner
@@ -95,8 +95,13 @@ def _engine(monkeypatch, timings: list[float], spans: list | None = None):
     monkeypatch.setattr(qkernels, "path_for",
                         lambda x_shape, w: lookups.append(1) or choice.measured_path(x_shape, w) or "xla")
     monkeypatch.setattr(qmatmul, "qmatmul", lambda *a, **k: traced.append(1) or real_qmatmul(*a, **k))
-    calls = iter(timings)
-    monkeypatch.setattr(ModelRunner, "_time_executable", lambda self, pair, exe, s, r: next(calls))
+    real_time = ModelRunner._time_executables
+
+    def timed(self, pair, exes, steps, rounds):  # the real loop runs (short), its figures replaced
+        assert len(real_time(self, pair, exes, 2, 1)) == len(exes) == len(timings)
+        timed.exes = exes
+        return timings
+    monkeypatch.setattr(ModelRunner, "_time_executables", timed)
     _, cfg, sd = make("llama3", seed=3)
     llm = make_llm((cfg, sd), quantization="int8", token_buckets=(8, 64), seq_buckets=(8,), skip_warmup=True)
     r = llm.engine.runner
@@ -104,6 +109,7 @@ def _engine(monkeypatch, timings: list[float], spans: list | None = None):
     llm.engine.warmup()
     llm.engine.traces_after_warmup = llm.engine.num_traces()
     assert picked and traced, "the Pallas path stood for the measured one in the first compile"
+    r.timed_exes = getattr(timed, "exes", None)  # (measured, graphable) executables, if timed
     return llm, r
 
 
@@ -120,6 +126,7 @@ def test_engine_keeps_the_faster_decode_step(monkeypatch, table, timings, kept):
     # Only the decode-only pair (8 tokens, 8 rows) is compiled again: traced anew (the paths read
     # again), with no Pallas matmul in it; (64, 8) is not decode-only.
     assert r.step_choice == {(8, 8): (kept, *timings)}
+    assert r._compiled[(8, 8)] is r.timed_exes[1 if kept == "graphable" else 0]
     assert len(spans) == 1 and spans[0][0] == 0 and spans[0][1] > 0
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     assert got == want

@@ -147,7 +147,7 @@ class Warmup:
             return
         for pair, exe in graphable.items():
             measured = self._compiled[pair]
-            t_m, t_g = (self._time_executable(pair, e, steps, rounds) for e in (measured, exe))
+            t_m, t_g = self._time_executables(pair, [measured, exe], steps, rounds)
             keep = step_choice.keep_graphable(t_m, t_g)
             self._compiled[pair] = exe if keep else measured
             self.step_choice[pair] = ("graphable" if keep else "measured", t_m, t_g)
@@ -156,17 +156,19 @@ class Warmup:
                  {p: f"{k} ({m * 1e3:.3f} / {g * 1e3:.3f} ms)" for p, (k, m, g) in self.step_choice.items()},
                  time.perf_counter() - t0)
 
-    def _time_executable(self, pair: tuple[int, int], exe, steps: int, rounds: int) -> float:
-        """Seconds a step of this executable on a padding batch, back to back (host launches and
-        device time overlapped as when serving), median of `rounds`."""
-        self._compiled[pair] = exe
+    def _time_executables(self, pair: tuple[int, int], exes: list, steps: int, rounds: int) -> list[float]:
+        """Seconds a step of each executable on a padding batch, `steps` back to back (host
+        launches and device time overlapped as when serving), the median of `rounds` taken in
+        turn (each round times every executable, so drift in the card's clocks hits all alike)."""
         hb = self._empty_batch(*pair)
-        jax.block_until_ready(self.execute(hb))
-        times = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                out = self.execute(hb)
-            jax.block_until_ready(out)
-            times.append((time.perf_counter() - t0) / steps)
-        return float(np.median(times))
+        times: list[list[float]] = [[] for _ in exes]
+        for r in range(rounds + 1):  # round 0: each run once, untimed
+            for i, exe in enumerate(exes):
+                self._compiled[pair] = exe
+                t0 = time.perf_counter()
+                for _ in range(steps if r else 1):
+                    out = self.execute(hb)
+                jax.block_until_ready(out)
+                if r:
+                    times[i].append((time.perf_counter() - t0) / steps)
+        return [float(np.median(t)) for t in times]
