@@ -58,7 +58,7 @@ def test_margin_and_switch(monkeypatch):
         step_choice.enabled()
 
 
-def _engine(monkeypatch, timings: list[float], spans: list | None = None):
+def _engine(monkeypatch, timings: list[float], spans: list):
     """A tiny int8 engine warmed up as on one GPU, its int8 matmuls at 8 rows measured on a Pallas
     path that stands in for a Mosaic one (`BREAKS_GRAPHS`), XLA's the graphable alternative;
     `timings`: the seconds `_time_executables` reports (measured, graphable)."""

@@ -20,8 +20,6 @@ log = logging.getLogger("jaxllm")
 SIZING_HEADROOM = 2 << 30
 
 
-
-
 class PoolSizing:
     def _compile_probe(self, num_blocks: int, options: dict):
         """The largest (tokens, rows) step compiled, not run, against a pool of `num_blocks`."""

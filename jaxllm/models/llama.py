@@ -20,6 +20,8 @@ from jaxllm.kernels.metadata import AttentionMetadata
 from jaxllm.kernels import act_quant, kv_quant
 from jaxllm.kernels.ref import write_kv
 from jaxllm.models.config import ModelConfig
+# The registry's loading hooks for this family (`registry.ModelEntry.to_state` / `split_layers`).
+from jaxllm.models.llama_state import hf_to_state, split_layers  # noqa: F401
 from jaxllm.models.params import set_value, value
 from jaxllm.quantization import act
 
@@ -54,6 +56,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 
 rms_norm = act_quant.rms_norm_ref  # float32 statistics, cast back before the weight (as HF does)
+
 
 def _consumers(w: dict, *names: str) -> list:
     """The linears of `w` a normed input feeds (fp8 W8A8 ones take it quantized: `act.norm`)."""
@@ -297,7 +300,3 @@ def per_layer(layer_fn: Callable, inv_freq: np.ndarray) -> Callable:
     most of it the attention kernels' lowering, repeated per layer). XLA inlines the calls, so the
     compiled program is the one the inline loop gave."""
     return jax.jit(lambda x, w, kv_pages, layer, md: layer_fn(x, w, kv_pages, layer, md, inv_freq))
-
-
-# The registry's loading hooks for this family (`registry.ModelEntry.to_state` / `split_layers`).
-from jaxllm.models.llama_state import hf_to_state, split_layers  # noqa: E402,F401

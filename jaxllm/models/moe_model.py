@@ -27,7 +27,7 @@ from jaxllm.kernels.metadata import AttentionMetadata
 from jaxllm.models import llama, llama_state
 from jaxllm.models.config import ModelConfig
 from jaxllm.models.llama import Llama, LayerStack, _param
-from jaxllm.models.params import value
+from jaxllm.models.params import set_value, value
 from jaxllm.models.moe import expert_loads, experts as moe_experts, route, split_experts
 from jaxllm.models.moe_config import MoEConfig
 from jaxllm.quantization import act
@@ -198,8 +198,7 @@ def split_model_layers(params, cfg: ModelConfig, shards: int = 1) -> list[dict[s
                 rows = range(cfg.num_layers)
             for j, i in enumerate(rows):
                 out[i][name] = arr[j]
-            empty = jnp.zeros((0,), arr.dtype)
-            var.set_value(empty) if hasattr(var, "set_value") else setattr(var, "value", empty)
+            set_value(var, jnp.zeros((0,), arr.dtype))
     return [llama_state.fuse_layer(w, shards) for w in out]
 
 
@@ -255,7 +254,7 @@ def hf_to_state(cfg: ModelConfig, weights: dict[str, np.ndarray], dtype, consume
           "e_down": np.empty((Lm, E, F, H), dtype)}
     key = lambda i: "block_sparse_moe" if f"model.layers.{i}.block_sparse_moe.gate.weight" in weights else "mlp"
     ex["router"] = llama_state.stack_layers(weights, m.moe_layers, f"{key(m.moe_layers[0])}.gate.weight",
-                                      dtype, True, consume)
+                                            dtype, True, consume)
     for j, i in enumerate(m.moe_layers):
         for e, g, u, d in _expert_tensors(weights, i, E, consume):
             ex["e_gate"][j, e], ex["e_up"][j, e], ex["e_down"][j, e] = g, u, d
