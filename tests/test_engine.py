@@ -173,7 +173,7 @@ def test_generate_asks_for_final_outputs_only(llm, prompts, alone, monkeypatch):
     engine builds one RequestOutput per request, not one per request per step; the caller's
     SamplingParams is left as it was, and the outputs are the cumulative ones' finals. A request
     added with the default kind gets an output at every step; DELTA is refused naming the field."""
-    import jaxllm.engine.llm_engine as le
+    import jaxllm.engine.step_io as le  # where the step builds its outputs
     from jaxllm.sampling_params import RequestOutputKind
 
     built: list[str] = []

@@ -158,8 +158,8 @@ def test_restored_request_runs_in_the_step_after_its_copies(llm, copy_gate, want
 def test_an_idle_engine_waits_for_the_copies(llm, copy_gate, want, monkeypatch):
     """Nothing else to run: the step waits for the copies (woken when they are done), it
     neither spins nor sleeps out its timeout."""
-    from jaxllm.engine import llm_engine
-    monkeypatch.setattr(llm_engine, "IDLE_WAIT_S", 30.0)
+    from jaxllm.engine import step_io
+    monkeypatch.setattr(step_io, "IDLE_WAIT_S", 30.0)
     e = llm.engine
     for p in (A, B):
         run1(llm, p)

@@ -209,7 +209,7 @@ def test_beam_search_exhaustive(beam_model):
 def test_fork_rows_repad_to_a_compiled_bucket_pair():
     """Sibling rows repeat their leader's last token; the batch grows to a compiled (T, R)."""
     from jaxllm.engine.batch import build_batch
-    from jaxllm.engine.llm_engine import with_fork_rows
+    from jaxllm.engine.batch import with_fork_rows
     from jaxllm.runtime.scheduler import ScheduledRequest, SchedulerOutput
 
     out = SchedulerOutput([ScheduledRequest("a", [5] * 10, 0, [3], True),
