@@ -47,19 +47,21 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import time
 
 from jaxllm.runtime.kv_cache_manager import KVCacheManager
 from jaxllm.runtime.padding import fit_chunk
 from jaxllm.runtime.request import Request, RequestStatus
 from jaxllm.runtime.request_queue import make_queue
+from jaxllm.runtime.scheduler_loading import RemoteLoads
 from jaxllm.runtime.scheduler_output import (PLACEHOLDER, ScheduledRequest, SchedulerConfig,
                                              SchedulerOutput)
+from jaxllm.runtime.scheduler_requests import Requests
+from jaxllm.runtime.scheduler_update import StepUpdate
 
 __all__ = ["PLACEHOLDER", "Scheduler", "SchedulerConfig", "SchedulerOutput", "ScheduledRequest"]
 
 
-class Scheduler:
+class Scheduler(Requests, RemoteLoads, StepUpdate):
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, connector=None):
         self.config = config
         self.kv = kv
@@ -76,93 +78,6 @@ class Scheduler:
         self._seq = itertools.count()
         self.num_preemptions = 0
         self.num_swapped_out = 0
-
-    # -- queue management --------------------------------------------------
-    def add(self, req: Request, forks: list[Request] = ()) -> None:
-        """Queue req; `forks` are its n > 1 siblings, forked once its prompt is done."""
-        ids = [req.request_id] + [f.request_id for f in forks]
-        if len(set(ids)) != len(ids) or any(i in self.requests for i in ids):
-            raise ValueError(f"duplicate request id among {ids!r}")
-        for r in [req, *forks]:
-            r.seq_no = next(self._seq)
-            self.requests[r.request_id] = r
-        for f in forks:
-            self._leader_of[f.request_id] = req
-        req.pending_forks = list(forks)
-        self.waiting.add(req)
-
-    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
-        """Finish (or abort) a request wherever it is and free its blocks."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return None
-        leader = self._leader_of.pop(request_id, None)
-        if leader is not None:
-            leader.pending_forks.remove(req)
-        elif self.loading.pop(request_id, None) is not None:
-            self._loading_ext.pop(request_id, None)
-        elif self._holding.pop(request_id, None) is not None:
-            self.waiting.remove(req)
-        elif self.parked.pop(request_id, None) is None:
-            if req in self.running:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
-        if req.pending_forks:  # the first sibling takes over the prompt
-            heir, *rest = req.pending_forks
-            req.pending_forks, heir.pending_forks = [], rest
-            del self._leader_of[heir.request_id]
-            for f in rest:
-                self._leader_of[f.request_id] = heir
-            self.waiting.add_preempted(heir)
-        if not req.finished:
-            req.status = status
-        req.finished_time = time.time()
-        if self.connector is not None:
-            delay, req.kv_transfer_params_out = self.connector.request_finished(
-                req, self.kv.block_ids(request_id))
-            if delay:
-                self.delayed[request_id] = req
-                return req
-        self.kv.free(req)
-        return req
-
-    def fork(self, parent: Request, child: Request) -> None:
-        """Start `child`, whose tokens extend parent's computed ones, from parent's blocks.
-
-        With parent's blocks resident (running, or parked and not evicted) the
-        child shares them and computes only what follows; otherwise it queues
-        as a new request (the prefix cache may still cover its full blocks).
-        """
-        if child.request_id in self.requests:
-            raise ValueError(f"duplicate request id {child.request_id!r}")
-        nc = parent.num_computed_tokens
-        if parent.request_id not in self.kv.tables or nc == 0:
-            self.add(child)
-            return
-        if child.num_tokens <= nc or child.token_slice(0, nc) != parent.token_slice(0, nc):
-            raise ValueError("a fork must extend its parent's computed tokens")
-        child.seq_no = next(self._seq)
-        self.requests[child.request_id] = child
-        self._share(parent, child)
-
-    def _share(self, parent: Request, child: Request) -> None:
-        self.kv.fork(parent, child)
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.num_cached_tokens = parent.num_cached_tokens
-        child.status = RequestStatus.RUNNING
-        self._insert_running(child)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.requests)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting) + len(self.loading)
 
     # -- helpers -------------------------------------------------------------
     def _insert_running(self, req: Request) -> None:
@@ -220,22 +135,6 @@ class Scheduler:
                 return req
         return None
 
-    def _evict_parked(self, keep: Request | None = None) -> bool:
-        """Free the blocks of the oldest parked request that still has some, else of a
-        waiting one back from a KV load (its blocks stay in the prefix cache; it starts over,
-        so it can never hold blocks a request queued before it needs)."""
-        for req in self.parked.values():
-            if req.request_id in self.kv.tables:
-                self.kv.free(req)
-                return True
-        for rid, req in self._holding.items():
-            if req is not keep:
-                del self._holding[rid]
-                self.kv.free(req)
-                req.num_computed_tokens = 0
-                return True
-        return False
-
     def _admission(self, req: Request, budget: int) -> tuple[list, int | None, bool, int]:
         """(prefix-cache hits, tokens the connector loads (None: not known yet), whether it
         loads them asynchronously, tokens to schedule) if req were admitted now."""
@@ -246,35 +145,6 @@ class Scheduler:
                 and not self.kv.is_swapped(req)):
             ext, is_async = self.connector.get_num_new_matched_tokens(req, done)
         return hits, ext, bool(is_async and ext), self._chunk(req.num_tokens - done - (ext or 0), budget)
-
-    def _park_loading(self, req: Request, hits: list, ext: int) -> None:
-        """req holds its blocks (hits + `ext` tokens the connector loads asynchronously):
-        it waits off the batch until the connector names the load done."""
-        num_hit = len(hits) * self.kv.block_size
-        req.num_computed_tokens += num_hit
-        self.connector.update_state_after_alloc(req, self.kv.block_ids(req.request_id), ext)
-        if req.num_preemptions == 0:
-            req.num_cached_tokens = num_hit + ext
-        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self.loading[req.request_id] = req
-        self._loading_ext[req.request_id] = ext
-
-    def _poll_connector(self) -> None:
-        """Requests whose KV the connector fetched rejoin the queue; sent ones free blocks."""
-        sent, ready = self.connector.get_finished()
-        for rid in ready:
-            req = self.loading.pop(rid, None)
-            if req is not None:
-                if rid in self._loading_ext:  # its blocks hold the loaded tokens now
-                    req.num_computed_tokens += self._loading_ext.pop(rid)
-                    req.status = RequestStatus.WAITING
-                    self.kv.cache_full_blocks(req)  # (their writes precede any later step)
-                    self._holding[rid] = req
-                self.waiting.add_preempted(req)
-        for rid in sent:
-            req = self.delayed.pop(rid, None)
-            if req is not None:
-                self.kv.free(req)
 
     def _preempt_for_priority(self, out: SchedulerOutput, budget: int) -> None:
         """Make room for a waiting request that outranks the lowest running one."""
@@ -402,64 +272,3 @@ class Scheduler:
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta()
         return out
-
-    def update(self, out: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Request]:
-        """After the step ran: fork pending siblings; append sampled tokens.
-
-        A row that verified drafts gets a list: the accepted drafts, then the
-        token sampled after them; the rejected drafts are rolled back here.
-
-        A sampling request (or sibling) missing from `sampled` is parked.
-        Returns the requests that received a token (finished ones included:
-        their blocks are already freed and they are no longer tracked). With
-        overlapped steps a request may have been preempted since `out` was
-        scheduled: its token still counts (a recompute will include it).
-        """
-        now = time.time()
-        touched: list[Request] = []
-        for s in out.scheduled:
-            req = self.requests.get(s.request_id)
-            if req is None:  # finished or aborted meanwhile
-                continue
-            req.num_pending -= s.sample * (1 + len(s.spec_token_ids))
-            if s.spec_token_ids:
-                self._roll_back(req, s, sampled.get(req.request_id))
-            if s.sample:
-                forks, req.pending_forks = req.pending_forks, []
-                for child in forks:  # before req's own stop check can free the shared blocks
-                    del self._leader_of[child.request_id]
-                    self._share(req, child)
-                    self._append(child, sampled.get(child.request_id), now, touched)
-                self._append(req, sampled.get(req.request_id), now, touched)
-            if req.status is RequestStatus.RUNNING:  # a block the new token completes gets its hash
-                self.kv.cache_full_blocks(req)
-        return touched
-
-    def _roll_back(self, req: Request, s: ScheduledRequest, tokens: list[int] | None) -> None:
-        """Uncount the K/V of rejected drafts and free the blocks only they used."""
-        k = len(s.spec_token_ids)
-        tokens = [] if tokens is None else tokens if isinstance(tokens, list) else [tokens]
-        accepted = max(0, len(tokens) - 1)
-        if accepted > k or s.spec_token_ids[:accepted] != list(tokens[:accepted]):
-            raise ValueError(f"{req.request_id}: accepted tokens {tokens} do not extend the "
-                             f"drafts {s.spec_token_ids}")
-        if req.num_computed_tokens:  # (a recompute preemption since reset it to 0)
-            req.num_computed_tokens -= k - accepted
-        if req.status is RequestStatus.RUNNING:
-            self.kv.trim(req, req.num_computed_tokens + self.config.num_lookahead_tokens)
-
-    def _append(self, req: Request, token: int | list[int] | None, now: float,
-                touched: list[Request]) -> None:
-        if token is None:
-            self.running.remove(req)
-            req.status = RequestStatus.PARKED
-            self.parked[req.request_id] = req
-            return
-        if req.first_token_time is None:
-            req.first_token_time = now
-        touched.append(req)
-        for t in token if isinstance(token, list) else (token,):
-            req.output_token_ids.append(int(t))
-            if req.check_stop(self.config.max_model_len):  # later accepted tokens are dropped
-                self.finish(req.request_id, req.status)
-                return
