@@ -28,7 +28,7 @@ import traceback
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_kernels import D, H, K, check, decode_case, gpu_time, time_fn  # noqa: E402
+from bench_kernels import D, H, check, decode_case, gpu_time, time_fn  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
