@@ -8,7 +8,9 @@ D 128), 16-token pages shuffled in the pool (bench_kernels.decode_case). Cases: 
 kernel on the bf16 pages (the baseline), then for each page format the Mosaic decode kernel
 reads (fp8 = e4m3, fp8_e5m2, int8, int4) the Pallas kernel, the Mosaic kernel (the V tile converted while
 the QK wgmma runs: `early_v_convert`, the default) and mosaic_late_v (converted after) on the same
-quantized pages (bench_quant.quantized_kv). Each case is
+quantized pages (bench_quant.quantized_kv), and on fp8 (e4m3) pages mosaic_qk8 (`qk_fp8`: the query
+rounded to e4m3, the QK wgmma on the K tile as copied, only V converted; checked against ref.py on
+that rounded query, `fp8_q_err` = what the rounding costs against the exact query). Each case is
   * checked: output memory poisoned and a second query set (bench_kernels.check) against
     ref.py on the pages upcast to bf16 (exact for fp8; int8 / int4 pages: ref.py dequantizes
     them itself, in float32); ok = rel err < 1e-2;
@@ -45,17 +47,21 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxllm.kernels import ref  # noqa: E402
+from jaxllm.kernels import mosaic_decode, ref  # noqa: E402
 
 MOSAIC_FORMATS = ("fp8", "fp8_e5m2", "int8", "int4")  # page formats mosaic_decode reads besides bf16
 
 
-def upcast_reference(case: dict, kv) -> np.ndarray:
+def upcast_reference(case: dict, kv, qk8: bool = False) -> np.ndarray:
     """ref.py on the pages upcast to bf16 (int8 / int4 pages as they are: ref.py dequantizes
-    them), for the query set `check` uses."""
+    them), for the query set `check` uses; qk8: that query rounded as the `qk_fp8` kernel
+    rounds it (mosaic_decode.q_fp8, its base-2 scale undone by sm_scale ln 2)."""
     up = kv if kv.dtype in (jnp.bfloat16, jnp.uint8) else kv.astype(jnp.bfloat16)
+    q, scale = case["qs"][-1], D ** -0.5
+    if qk8:
+        q, scale = mosaic_decode.q_fp8(q, scale).astype(jnp.float32), float(np.log(2.0))
     return np.asarray(jax.jit(lambda q, kv: ref.ragged_paged_attention(
-        q, kv, jnp.int32(0), case["md"], sm_scale=D ** -0.5))(case["qs"][-1], up).astype(jnp.float32))
+        q, kv, jnp.int32(0), case["md"], sm_scale=scale))(q, up).astype(jnp.float32))
 
 
 def run_case(fn, case: dict, kv, want, row_bytes: int, inner: int, C: float) -> dict:
@@ -88,6 +94,9 @@ def main() -> None:
     fns = kernel_fns(["mosaic", "pallas"], argparse.Namespace(
         block_rows=64, block_keys=64, mosaic_block_keys=64))
     fns["mosaic_late_v"] = functools.partial(fns["mosaic"], early_v_convert=False)
+    # e4m3 pages only: q rounded to e4m3, the QK wgmma on the K tile as copied (checked against
+    # the reference on that rounded q; `fp8_q_err` = what the rounding costs against exact q)
+    fns["mosaic_qk8"] = functools.partial(fns["mosaic"], qk_fp8=True)
     head = dict(batch=a.batch, ctx=a.ctx, page=16, heads=f"{H}/{K}x{D}", layers=case["layers"],
                 device=jax.devices()[0].device_kind, jax=jax.__version__, C=C)
     rows, times, pages = [], {}, {}  # (format, kernel) -> {"us", "gpu_us"}; format -> pages
@@ -99,7 +108,8 @@ def main() -> None:
         if d_:
             converts.add(sweep[-1])
     plan = [("bf16", k) for k in ["mosaic"] + sweep if k not in converts] + [
-        (f, k) for f in a.formats.split(",") for k in ["pallas", "mosaic", "mosaic_late_v"] + sweep]
+        (f, k) for f in a.formats.split(",") for k in ["pallas", "mosaic", "mosaic_late_v"] + sweep
+        + (["mosaic_qk8"] if f == "fp8" else [])]
     for fmt, kname in plan:
         row = dict(head, kv=fmt, kernel=kname)
         try:
@@ -107,7 +117,11 @@ def main() -> None:
                 pages.clear()
                 kv, row_bytes = quantized_kv(case["kv"], "auto" if fmt == "bf16" else fmt)
                 pages[fmt] = (kv, upcast_reference(case, kv), row_bytes)
-            row.update(run_case(fns[kname], case, *pages[fmt], a.inner, C))
+            kv, want, row_bytes = pages[fmt]
+            if kname == "mosaic_qk8":
+                want, exact = upcast_reference(case, kv, qk8=True), want
+                row["fp8_q_err"] = float(np.linalg.norm(want - exact) / np.linalg.norm(exact))
+            row.update(run_case(fns[kname], case, kv, want, row_bytes, a.inner, C))
             times[fmt, kname] = {t: row[t] for t in ("us", "gpu_us") if t in row}
             for t, v in times[fmt, kname].items():
                 for tag, other in (("bf16", ("bf16", "mosaic")), ("pallas", (fmt, "pallas"))):

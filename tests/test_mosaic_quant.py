@@ -242,6 +242,31 @@ def test_decode_deq_stages_reach_the_kernel_and_bad_values_name_the_variable(mon
             mosaic_attention(q, pages, jnp.int32(0), md, sm_scale=0.1)
 
 
+def test_decode_qk_fp8_is_opt_in_and_only_on_e4m3_pages(monkeypatch):
+    """JAXLLM_DECODE_QK_FP8=1 passes qk_fp8 to the decode kernel on e4m3 pages only (e5m2
+    queries would keep two mantissa bits; the producer-converts schedule keeps its own path);
+    off by default, and a value other than 0 / 1 is an error naming the variable."""
+    from jaxllm.kernels import mosaic_attention, mosaic_decode
+
+    seen = []
+    monkeypatch.setattr(mosaic_decode, "paged_decode_attention",
+                        lambda q, *a, **k: seen.append(k["qk_fp8"]) or q)
+    rng = np.random.default_rng(25)
+    q, kv, md = make_batch(rng, [(40, 1), (9, 1)], page_size=8, num_kv_heads=2, group=4,
+                           head_dim=128, pad_reqs=1, pad_tokens=1, dtype=jnp.bfloat16)
+    e4m3, e5m2 = quantized_pages(kv, "fp8"), quantized_pages(kv, "fp8_e5m2")
+    mosaic_attention(q, e4m3, jnp.int32(0), md, sm_scale=0.1)
+    monkeypatch.setenv("JAXLLM_DECODE_QK_FP8", "1")
+    for pages in (e4m3, e5m2):
+        mosaic_attention(q, pages, jnp.int32(0), md, sm_scale=0.1)
+    monkeypatch.setenv("JAXLLM_DECODE_DEQ_STAGES", "2")
+    mosaic_attention(q, e4m3, jnp.int32(0), md, sm_scale=0.1)
+    assert seen == [False, True, False, False]
+    monkeypatch.setenv("JAXLLM_DECODE_QK_FP8", "yes")
+    with pytest.raises(ValueError, match="JAXLLM_DECODE_QK_FP8"):
+        mosaic_attention(q, e4m3, jnp.int32(0), md, sm_scale=0.1)
+
+
 def test_mosaic_backend_routes_int_pages_by_shape(monkeypatch):
     """int8 / int4 pages go to the decode kernel only for routed formats (int4 at D = 128 by
     default: int8 measured slower there than in the Pallas kernel; D = 64 unchecked on a GPU)
@@ -311,3 +336,65 @@ def test_mosaic_backend_sends_float32_pages_to_the_prefill_path(monkeypatch):
     monkeypatch.setattr(prefill_choice, "is_hopper", lambda: True)
     ok, why = prefill_choice.mosaic_prefill_ok(32, 8, 128, 16, "float32")
     assert not ok and "float32" in why
+
+
+# qk_fp8 (e4m3 pages): q rounded to e4m3 in the wrapper, the QK wgmma on the K tile as copied.
+# (splits, requests, kv heads, group, page size, head dim): one and several 64-key steps, a
+# split, D 64 (one 64-byte swizzled row) and 128, and a padding request and token.
+QK8_CASES = [
+    (1, [(27, 1), (130, 1), (3, 1)], 2, 4, 8, 64),
+    (2, [(200, 1), (9, 1)], 1, 8, 16, 128),
+]
+
+
+@pytest.mark.parametrize("splits,reqs,kv_heads,group,page_size,head_dim", QK8_CASES)
+def test_mosaic_decode_with_fp8_queries_matches_reference(splits, reqs, kv_heads, group,
+                                                          page_size, head_dim):
+    """qk_fp8: in the interpreter with its race detector, the kernel equals the reference run on
+    the same pages with the query rounded as the kernel rounds it (`q_fp8`), far closer than to
+    the reference on the unrounded query: the rounding is the only difference."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+    from jaxllm.kernels import mosaic_decode
+
+    rng = np.random.default_rng(43)
+    q, kv, md = make_batch(rng, reqs, page_size=page_size, num_kv_heads=kv_heads, group=group,
+                           head_dim=head_dim, pad_reqs=1, pad_tokens=1, dtype=jnp.bfloat16)
+    q = q * 3  # scores of a few units: softmax far from uniform
+    pages = quantized_pages(kv, "fp8")
+    got = mosaic_decode.paged_decode_attention(q, pages, jnp.int32(1), md, sm_scale=0.3,
+                                               num_splits=splits, num_stages=2, interpret=True,
+                                               qk_fp8=True)
+    got = np.asarray(got, np.float32)
+    n = len(reqs)
+    q8 = mosaic_decode.q_fp8(q, 0.3).astype(jnp.float32)
+    want = np.asarray(ref.ragged_paged_attention(q8, pages, jnp.int32(1), md,
+                                                 sm_scale=float(np.log(2.0))), np.float32)
+    exact_q = np.asarray(ref.ragged_paged_attention(q, pages, jnp.int32(1), md, sm_scale=0.3),
+                         np.float32)
+    err, q_err = rel_err(got[:n], want[:n]), rel_err(want[:n], exact_q[:n])
+    assert err < 3e-3, (err, q_err)  # f16 p and V, bf16 output
+    assert q_err > 3 * err, (err, q_err)  # the query really was rounded
+    # What rounding q costs, against the unquantized K/V: about what rounding K to e4m3 costs
+    # alone, so together 1.24-1.33x the fp8 pages' own error here.
+    bf16 = np.asarray(ref.ragged_paged_attention(q, kv, jnp.int32(1), md, sm_scale=0.3), np.float32)
+    assert rel_err(want[:n], bf16[:n]) < 1.6 * rel_err(exact_q[:n], bf16[:n])
+    assert not got[n:].any()  # the padding token
+    assert not ipc.get_races().races_found
+
+
+@pytest.mark.parametrize("splits,head_dim", [(1, 128), (4, 128), (1, 64)])
+def test_mosaic_decode_with_fp8_queries_lowers_for_cuda(splits, head_dim):
+    """qk_fp8's compiled path (e4m3 x e4m3 wgmma, both operands K-major in SMEM), exported for
+    cuda on the CPU; other pages or schedules are refused by name."""
+    from jaxllm.kernels import mosaic_decode
+
+    rng = np.random.default_rng(23)
+    q, kv, md = make_batch(rng, [(300, 1), (20, 1), (77, 1)], page_size=16, num_kv_heads=8,
+                           group=4, head_dim=head_dim, num_layers=1, pad_reqs=0, pad_tokens=1,
+                           dtype=jnp.bfloat16)
+    f = jax.jit(lambda q, kv, md: mosaic_decode.paged_decode_attention(
+        q, kv, jnp.int32(0), md, sm_scale=0.1, num_splits=splits, qk_fp8=True))
+    exported = jax.export.export(f, platforms=["cuda"])(q, quantized_pages(kv, "fp8"), md)
+    assert "mosaic_gpu" in exported.mlir_module()
+    with pytest.raises(ValueError, match="qk_fp8 needs e4m3 pages"):
+        f(q, quantized_pages(kv, "fp8_e5m2"), md)

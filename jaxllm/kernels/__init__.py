@@ -31,6 +31,7 @@ import logging
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 from jaxllm.kernels import ref
 
@@ -85,8 +86,10 @@ def mosaic_attention(q, kv_pages, layer, md, *, sm_scale: float,
     if num_tokens <= num_reqs and decode_head_dim_ok(q.shape[2], kv_pages.dtype):
         g = _pow2(group)  # a group that is no power of two (SmolLM2: 9 q / 3 kv heads) padded
         qpi = max(min(queries_per_request, mosaic_decode.ROWS // g), 1)
+        dst = decode_deq_stages()
+        qk8 = decode_qk_fp8() and kv_pages.dtype == jnp.float8_e4m3fn and qpi == 1 and not dst
         fn = functools.partial(mosaic_decode.paged_decode_attention, queries_per_item=qpi,
-                               deq_stages=decode_deq_stages())
+                               deq_stages=dst, qk_fp8=qk8)
         if g != group:
             return padded_group(fn, q, kv_pages, layer, md, sm_scale=sm_scale)
         return fn(q, kv_pages, layer, md, sm_scale=sm_scale)
@@ -110,6 +113,16 @@ def decode_deq_stages() -> int:
     so opt-in)."""
     from jaxllm.envs import env_int
     return env_int("JAXLLM_DECODE_DEQ_STAGES", 0, minimum=0)
+
+
+def decode_qk_fp8() -> bool:
+    """JAXLLM_DECODE_QK_FP8=1 (an experiment, off by default): on e4m3 pages the decode kernel
+    rounds the query to e4m3 and multiplies it with the K pages as stored (vLLM's
+    FlashAttention-3 path quantizes q for fp8 caches the same way), so only V is converted;
+    rounding q costs about as much accuracy as the e4m3 keys themselves
+    (`mosaic_decode.paged_decode_attention(qk_fp8=True)`)."""
+    from jaxllm.envs import env_choice
+    return env_choice("JAXLLM_DECODE_QK_FP8", "0", ("0", "1")) == "1"
 
 
 def fp8_gemm_tiling() -> str:

@@ -66,7 +66,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
                    kv_ref, *refs, sm_scale: float, num_kv_heads: int, num_pages: int, page_size: int,
                    ppb: int, nst: int, num_splits: int, staged: bool, early_v: bool,
                    interpret: bool, heads: int, qpi: int,
-                   ints: mosaic_kv_quant.IntPages | None, dst: int):
+                   ints: mosaic_kv_quant.IntPages | None, dst: int, qk8: bool = False):
     """Body; refs = outputs (o [, lse]) then the scoped SMEM / barriers.
 
     qpi > 1 (`queries_per_item`): CTA index `tok` is an item of up to qpi consecutive tokens
@@ -115,7 +115,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
             return ref.transpose((1, 0))
         a_bufs[2][...] = ref[...].T
         return a_bufs[2]
-    group, head_dim = q_ref.shape[2], q_ref.shape[3]  # G rows a token (qpi > 1: G = heads)
+    group, head_dim = heads, q_ref.shape[3]  # G rows a token (qk8: q_ref holds all ROWS rows)
     num_tokens = q_ref.shape[0]
     keys = ppb * page_size
 
@@ -210,23 +210,29 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
 
     @pl.when((wg == 0) & run)
     def _consumer():
-        q_smem[...] = cast(jnp.zeros((ROWS, head_dim), q_smem.dtype), plgpu.Layout.WGMMA)
-        plgpu.commit_smem()
+        if qk8:  # the scaled e4m3 q, padded to ROWS rows by the wrapper: the QK wgmma's A in SMEM
+            plgpu.copy_gmem_to_smem(q_ref.at[tok, kvh], q_smem, q_bar.at[0])
+        else:
+            q_smem[...] = cast(jnp.zeros((ROWS, head_dim), q_smem.dtype), plgpu.Layout.WGMMA)
+            plgpu.commit_smem()
         if qpi > 1:  # the item's tokens' rows, token-major (rows past the item: masked garbage)
             for i in range(qpi):
                 src = jnp.minimum(tok0_ref[tok] + i, num_tokens - 1)
                 plgpu.copy_gmem_to_smem(q_ref.at[src, kvh], q_smem.at[pl.ds(i * heads, heads)],
                                         q_bar.at[0])
-        else:
+        elif not qk8:
             plgpu.copy_gmem_to_smem(q_ref.at[tok, kvh], q_smem.at[pl.ds(0, group)], q_bar.at[0])
         plgpu.barrier_wait(q_bar.at[0])
-        # The CPU interpreter has no rule for plgpu.load; a plain read is equivalent there.
-        q = q_smem[...] if interpret else mgpu_compat.load(
-            q_smem, layout=plgpu.Layout.WGMMA, optimized=False)
-        if staged:  # f16 operands (module docstring); the score scale moves into q
+        if qk8:
+            q = q_smem  # read by the wgmma from SMEM
+        elif interpret:  # the CPU interpreter has no rule for plgpu.load; a plain read there
+            q = q_smem[...]
+        else:
+            q = mgpu_compat.load(q_smem, layout=plgpu.Layout.WGMMA, optimized=False)
+        if staged and not qk8:  # f16 operands (module docstring); the score scale moves into q
             q = (q.astype(jnp.float32) * (sm_scale * _LOG2E)).astype(jnp.float16)
         q_src = q_smem  # where `reload_q` reads q from
-        if q16_smem is not None:
+        if q16_smem is not None and not qk8:
             q16_smem[...] = q
             plgpu.commit_smem()
             q_src = q16_smem
@@ -245,7 +251,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
         # 0.11.2) every QK wgmma after a CTA's first then read p's registers, not q's (rel err
         # 0.6-0.8 once a CTA walks two blocks; q = 0 still gave wrong scores:
         # scripts/diag_decode_d64.py). Read from SMEM again each step, q is right there.
-        reload_q = head_dim == keys
+        reload_q = head_dim == keys and not qk8
 
         def body(step, carry):
             acc, m, l = carry
@@ -256,7 +262,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
                 k_tile = k_deq.at[d]
             else:
                 plgpu.barrier_wait(k_bar.at[slot])
-                k_tile = page_tile(slot, 0)
+                k_tile = k_smem.at[slot] if qk8 else page_tile(slot, 0)  # qk8: e4m3 as copied
             v_tiles = []
 
             def qk(acc_ref):
@@ -264,7 +270,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
                 if reload_q:
                     a = q_src[...] if interpret else mgpu_compat.load(
                         q_src, layout=plgpu.Layout.WGMMA, optimized=False)
-                plgpu.wgmma(acc_ref, operand(a, 0), keys_t(k_tile))
+                plgpu.wgmma(acc_ref, a if qk8 else operand(a, 0), keys_t(k_tile))
                 if early_v and not dst:  # convert the V tile while the async QK wgmma runs
                     plgpu.barrier_wait(v_bar.at[slot])
                     v_tiles.append(page_tile(slot, 1))
@@ -290,7 +296,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
             v_tile = v_tiles[0]
 
             def pv(acc_ref):
-                plgpu.wgmma(acc_ref, operand(p.astype(q.dtype), 1), v_tile)
+                plgpu.wgmma(acc_ref, operand(p.astype(v_tile.dtype), 1), v_tile)
                 return acc_ref[...]
 
             acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_dim), jnp.float32))
@@ -329,6 +335,12 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
             plgpu.wait_smem_to_gmem(0)
 
 
+def q_fp8(q: jax.Array, sm_scale: float) -> jax.Array:
+    """The query as the `qk_fp8` kernel multiplies it: scaled by sm_scale * log2(e) (the kernel's
+    softmax is base 2) and rounded to e4m3."""
+    return (q.astype(jnp.float32) * (sm_scale * _LOG2E)).astype(jnp.float8_e4m3fn)
+
+
 def _interpret_params():
     """Mosaic GPU's CPU interpreter (simulated SMEM, TMA and barriers, race detection)."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -342,7 +354,7 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
                            reduction_scratch_bytes: int | None = None,
                            return_partials: bool = False, num_sms: int = 132,
                            early_v_convert: bool = True, queries_per_item: int = 1,
-                           deq_stages: int = 0) -> jax.Array:
+                           deq_stages: int = 0, qk_fp8: bool = False) -> jax.Array:
     """Decode attention, q [T, H, D] -> [T, H, D]; same contract as ref.ragged_paged_attention.
 
     Without num_splits the grid has the splits one real token would want, and the
@@ -358,6 +370,12 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     wgmmas; d > 0, the producer warpgroup converts them, num_stages - 1 steps behind its copies,
     into a d-deep ring of f16 staging tiles, so the conversion overlaps the consumer's wgmmas and
     softmax (as FlashAttention-3's producer transposes fp8 V). Model-dtype pages ignore it.
+    qk_fp8 (e4m3 pages, one query a CTA, an experiment): the query, scaled by sm_scale * log2(e),
+    is rounded to e4m3 here and the QK wgmma multiplies it with the K tile as copied (8-bit
+    wgmma takes both operands K-major, which the K pages are): no K conversion, half the
+    consumer's; V is converted as before. Rounding q costs accuracy (vLLM's FlashAttention-3
+    path does the same for fp8 caches); `ref.ragged_paged_attention` on `q_fp8(q, sm_scale)`
+    with sm_scale ln 2 (its exp is base e) is this kernel's reference on the same pages.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_layers, _, num_kv_heads, num_pages, page_size, _ = kv_pages.shape
@@ -386,7 +404,14 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     if qpi < 1 or qpi * group > ROWS:
         raise ValueError(f"queries_per_item {qpi} x {group} query heads per KV head must fit the "
                          f"{ROWS} rows of a wgmma")
+    out_dtype = q.dtype
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    qk8 = bool(qk_fp8)
+    if qk8:
+        if kv_pages.dtype != jnp.float8_e4m3fn or qpi != 1 or dst:
+            raise ValueError(f"qk_fp8 needs e4m3 pages (got {kv_pages.dtype}), queries_per_item 1 "
+                             f"(got {qpi}) and deq_stages 0 (got {dst})")
+        q4 = jnp.pad(q_fp8(q4, sm_scale), ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
     positions, token_req, first, tok0 = md.positions, md.token_req, md.positions, md.positions
     if qpi > 1:
         it = items(md, qpi)
@@ -422,10 +447,15 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
                                               ints.scratch(num_stages, interpret))
         kv_bufs, meta_bufs = (k_vals, v_vals), (k_meta, v_meta)
         staging, copies = ints.staging_transforms(), ppb * ints.copies_per_page
+    o_buf = None  # one split: the output is staged in q's buffer, unless that holds e4m3 q
+    if splits > 1:
+        o_buf = plgpu.SMEM((ROWS, head_dim), jnp.float32)
+    elif qk8:
+        o_buf = plgpu.SMEM((ROWS, head_dim), out_dtype)
     scratch = (  # 16 KB + nst * BK * D * 4 bytes (+ 32 KB f32 partials when split)
-        plgpu.SMEM((ROWS, head_dim), q.dtype),
+        plgpu.SMEM((ROWS, head_dim), q4.dtype, transforms=kv_tiled if qk8 else ()),
         *kv_bufs,
-        plgpu.SMEM((ROWS, head_dim), jnp.float32) if splits > 1 else None,
+        o_buf,
         plgpu.SMEM((ROWS,), jnp.float32) if splits > 1 else None,
         plgpu.Barrier(num_arrivals=qpi, num_barriers=1),  # q: one copy per token of an item
         plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
@@ -433,10 +463,11 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         plgpu.Barrier(num_barriers=num_stages),
         # fp8 / int pages: the dequantized f16 K and V tiles the wgmmas read (`page_tile`; a
         # ring of dst when the producer converts).
-        *((plgpu.SMEM((dst, keys, head_dim) if dst else (keys, head_dim), cdt, transforms=staging)
-           if staged else None,) * 2),
+        # (qk8: no K tile to convert)
+        *(plgpu.SMEM((dst, keys, head_dim) if dst else (keys, head_dim), cdt, transforms=staging)
+          if staged and not (qk8 and which == 0) else None for which in (0, 1)),
         # f16 staging at D == BK: the scaled f16 q, read again every step (`reload_q`)
-        plgpu.SMEM((ROWS, head_dim), cdt) if staged and head_dim == keys else None,
+        plgpu.SMEM((ROWS, head_dim), cdt) if staged and head_dim == keys and not qk8 else None,
         *meta_bufs,  # int8 / int4 pages: the scale (and minimum) bytes
         # dst > 0: staged K / V tile d ready (producer -> consumer), staging slot d free (back)
         *((plgpu.Barrier(num_barriers=dst) if dst else None,) * 3),
@@ -444,13 +475,13 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     if interpret:  # staging for wgmma's A operand, see `operand`
         scratch += (plgpu.SMEM((ROWS, head_dim), cdt),
                     plgpu.SMEM((ROWS, keys), cdt),
-                    plgpu.SMEM((head_dim, keys), cdt))
+                    plgpu.SMEM((head_dim, keys), q4.dtype if qk8 else cdt))
     item = jnp.dtype(kv_pages.dtype).itemsize
     pages_smem = (num_stages * keys * head_dim * 2 * item if ints is None
                   else ints.smem_bytes(num_stages))
-    smem = (2 * ROWS * head_dim + pages_smem
-            + staged * 2 * keys * head_dim * 2 * max(dst, 1)
-            + (staged and head_dim == keys) * ROWS * head_dim * 2
+    smem = (ROWS * head_dim * (q4.dtype.itemsize + 2 * (qk8 and splits == 1)) + pages_smem
+            + staged * (2 - qk8) * keys * head_dim * 2 * max(dst, 1)
+            + (staged and head_dim == keys and not qk8) * ROWS * head_dim * 2
             + (splits > 1) * (ROWS * head_dim * 4 + ROWS * 4))
     # Mosaic reserves scratch for cross-warp reductions; the softmax only reduces along
     # rows (within a warp), so drop it when that lets two CTAs share an SM (<= 113 KB).
@@ -463,12 +494,12 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
                                          jnp.float32),
                     jax.ShapeDtypeStruct((splits, num_tokens, num_kv_heads, ROWS), jnp.float32))
     else:  # token layout (qpi > 1: each token's rows written on their own)
-        out_type = (jax.ShapeDtypeStruct((num_tokens, num_kv_heads, group, head_dim), q.dtype),)
+        out_type = (jax.ShapeDtypeStruct((num_tokens, num_kv_heads, group, head_dim), out_dtype),)
     body = functools.partial(
         _decode_kernel, sm_scale=float(sm_scale), num_kv_heads=num_kv_heads,
         num_pages=num_pages, page_size=page_size, ppb=ppb, nst=num_stages, num_splits=splits,
         staged=staged, early_v=staged and early_v_convert, interpret=interpret, heads=group,
-        qpi=qpi, ints=ints, dst=dst)
+        qpi=qpi, ints=ints, dst=dst, qk8=qk8)
     grid = ((num_ctas,), ("w",)) if splits > 1 else ((num_tokens, num_kv_heads), ("t", "h"))
     outs = plgpu.kernel(
         body, out_type=out_type, scratch_types=scratch,
@@ -484,7 +515,7 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
     if splits == 1:
         return outs[0].reshape(num_tokens, num_heads, head_dim)
     valid = (jnp.arange(splits)[:, None] < active[0]) & (jnp.arange(num_tokens) < active[1])[None, :]
-    out = combine(outs[0], outs[1], rows, q.dtype, valid)
+    out = combine(outs[0], outs[1], rows, out_dtype, valid)
     if qpi == 1:
         return out
     # few items (the split grid): their merged rows back to the tokens, a small gather
