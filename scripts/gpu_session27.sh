@@ -25,7 +25,9 @@
 #     any run suffixed "nocb" (e.g. "bf16nocb"): XLA's command buffers off; "sb" before it (e.g.
 #     "bf16sb", "fp8sb"): JAXLLM_STABLE_BATCH=1 (the layers read a copy of the batch the step makes).
 #     Session 31: any run suffixed "ns" (e.g. "fp8ns"): JAXLLM_STEP_CHOICE=0 (no step-level choice
-#     between measured and graphable matmul paths, quantization/step_choice.py).
+#     between measured and graphable matmul paths, quantization/step_choice.py). Session 32: "xc"
+#     before it (e.g. "bf16xc", "fp8xcns"): JAXLLM_DECODE_COMBINE=xla (split partials merged by
+#     XLA's three kernels a layer, not kernels/split_combine.py's one).
 #   s, d, g, q, p, m: as scripts/gpu_session26.sh.
 set -u
 cd "$(dirname "$0")/.."
@@ -47,6 +49,7 @@ case "${1:-}" in
   af) bash "$0" a; bash "$0" f ;;
   e) for run in ${RUNS_E:-bf16 fp8 fp8apart}; do
        r=${run%ns}; ns=""; [ "$r" != "$run" ] && ns="JAXLLM_STEP_CHOICE=0"  # "...ns": no step-level choice
+       r0=$r; r=${r%xc}; [ "$r" != "$r0" ] && ns="$ns JAXLLM_DECODE_COMBINE=xla"  # "...xc": XLA's split merge
        mode=${r%nocb}; mode=${mode%cb}; sb=""; [ "${mode%sb}" != "$mode" ] && { mode=${mode%sb}; sb="JAXLLM_STABLE_BATCH=1"; }
        q=""; case "$mode" in bf16) ;; int4*) q="--quantization int4" ;; *) q="--quantization fp8" ;; esac
        env=""; [ "$mode" = fp8apart ] && env="JAXLLM_FUSE_FP8=0"

@@ -56,7 +56,7 @@ def test_mosaic_decode_on_fp8_pages_matches_reference(name, splits, reqs, kv_hea
 @pytest.mark.parametrize("name,splits,early", [
     ("fp8", 1, False), ("fp8_e5m2", 1, False), ("fp8", 4, False), ("fp8", 1, True)])
 def test_mosaic_decode_on_fp8_pages_lowers_for_cuda(name, splits, early):
-    """The compiled path (no interpreter), exported for cuda on the CPU: lowering to the
+    """The compiled path (no interpreter), lowered for cuda on the CPU: lowering to the
     Mosaic GPU dialect runs every layout and conversion rule, so the fp8 -> bf16 cast the
     H200 refused (only fp8 -> f16 exists on Hopper) fails here too. B=4, Llama-3 heads."""
     from jaxllm.kernels import mosaic_decode
@@ -68,8 +68,8 @@ def test_mosaic_decode_on_fp8_pages_lowers_for_cuda(name, splits, early):
     pages = quantized_pages(kv, name)
     f = jax.jit(lambda q, kv, md: mosaic_decode.paged_decode_attention(
         q, kv, jnp.int32(0), md, sm_scale=0.1, num_splits=splits, early_v_convert=early))
-    exported = jax.export.export(f, platforms=["cuda"])(q, pages, md)
-    assert "mosaic_gpu" in exported.mlir_module()
+    text = f.trace(q, pages, md).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
 
 
 # int8 / int4 pages (split layout): (format, splits, requests, kv heads, GQA group, page size,
@@ -164,7 +164,7 @@ def test_mosaic_decode_with_producer_conversion_matches_reference(
 def test_mosaic_decode_with_producer_conversion_lowers_for_cuda(name, splits, page_size, stages,
                                                                  dst):
     """The producer-converts schedule's compiled path (staging rings, the three barrier rings),
-    exported for cuda on the CPU at Llama-3 heads (D 128)."""
+    lowered for cuda on the CPU at Llama-3 heads (D 128)."""
     from jaxllm.kernels import mosaic_decode
 
     rng = np.random.default_rng(23)
@@ -174,8 +174,8 @@ def test_mosaic_decode_with_producer_conversion_lowers_for_cuda(name, splits, pa
     f = jax.jit(lambda q, kv, md: mosaic_decode.paged_decode_attention(
         q, kv, jnp.int32(0), md, sm_scale=0.1, num_splits=splits, num_stages=stages,
         deq_stages=dst))
-    exported = jax.export.export(f, platforms=["cuda"])(q, quantized_pages(kv, name), md)
-    assert "mosaic_gpu" in exported.mlir_module()
+    text = f.trace(q, quantized_pages(kv, name), md).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("name,splits,page_size,head_dim,early", [
@@ -184,7 +184,7 @@ def test_mosaic_decode_with_producer_conversion_lowers_for_cuda(name, splits, pa
     ("int4", 2, 8, 64, True)])
 def test_mosaic_decode_on_int_pages_lowers_for_cuda(name, splits, page_size, head_dim, early):
     """The compiled path (bulk copies, `plgpu.load` of the linear value tile and of the scale
-    bytes in the rows' layout, the int4 half-tile stores), exported for cuda on the CPU."""
+    bytes in the rows' layout, the int4 half-tile stores), lowered for cuda on the CPU."""
     from jaxllm.kernels import mosaic_decode
 
     rng = np.random.default_rng(23)
@@ -193,8 +193,8 @@ def test_mosaic_decode_on_int_pages_lowers_for_cuda(name, splits, page_size, hea
                            dtype=jnp.bfloat16)
     f = jax.jit(lambda q, kv, md: mosaic_decode.paged_decode_attention(
         q, kv, jnp.int32(0), md, sm_scale=0.1, num_splits=splits, early_v_convert=early))
-    exported = jax.export.export(f, platforms=["cuda"])(q, quantized_pages(kv, name), md)
-    assert "mosaic_gpu" in exported.mlir_module()
+    text = f.trace(q, quantized_pages(kv, name), md).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
 
 
 @pytest.mark.parametrize("name,decode_kernel", [
@@ -384,7 +384,7 @@ def test_mosaic_decode_with_fp8_queries_matches_reference(splits, reqs, kv_heads
 
 @pytest.mark.parametrize("splits,head_dim", [(1, 128), (4, 128), (1, 64)])
 def test_mosaic_decode_with_fp8_queries_lowers_for_cuda(splits, head_dim):
-    """qk_fp8's compiled path (e4m3 x e4m3 wgmma, both operands K-major in SMEM), exported for
+    """qk_fp8's compiled path (e4m3 x e4m3 wgmma, both operands K-major in SMEM), lowered for
     cuda on the CPU; other pages or schedules are refused by name."""
     from jaxllm.kernels import mosaic_decode
 
@@ -394,7 +394,7 @@ def test_mosaic_decode_with_fp8_queries_lowers_for_cuda(splits, head_dim):
                            dtype=jnp.bfloat16)
     f = jax.jit(lambda q, kv, md: mosaic_decode.paged_decode_attention(
         q, kv, jnp.int32(0), md, sm_scale=0.1, num_splits=splits, qk_fp8=True))
-    exported = jax.export.export(f, platforms=["cuda"])(q, quantized_pages(kv, "fp8"), md)
-    assert "mosaic_gpu" in exported.mlir_module()
+    text = f.trace(q, quantized_pages(kv, "fp8"), md).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
     with pytest.raises(ValueError, match="qk_fp8 needs e4m3 pages"):
         f(q, quantized_pages(kv, "fp8_e5m2"), md)

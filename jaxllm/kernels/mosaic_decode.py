@@ -54,7 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxllm.kernels import kv_quant, mgpu_compat, mosaic_kv_quant
+from jaxllm.kernels import kv_quant, mgpu_compat, mosaic_kv_quant, split_combine
 from jaxllm.kernels.decode_schedule import active_splits, combine, default_config, items
 from jaxllm.kernels.metadata import AttentionMetadata
 
@@ -341,6 +341,13 @@ def q_fp8(q: jax.Array, sm_scale: float) -> jax.Array:
     return (q.astype(jnp.float32) * (sm_scale * _LOG2E)).astype(jnp.float8_e4m3fn)
 
 
+def combine_kernel() -> bool:
+    """JAXLLM_DECODE_COMBINE: "kernel" (default) merges split partials in one kernel
+    (`split_combine.py`), "xla" as XLA compiles `decode_schedule.combine` (three kernels)."""
+    from jaxllm.envs import env_choice
+    return env_choice("JAXLLM_DECODE_COMBINE", "kernel", ("kernel", "xla")) == "kernel"
+
+
 def _interpret_params():
     """Mosaic GPU's CPU interpreter (simulated SMEM, TMA and barriers, race detection)."""
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -514,8 +521,12 @@ def paged_decode_attention(q: jax.Array, kv_pages: jax.Array, layer: jax.Array,
         return outs
     if splits == 1:
         return outs[0].reshape(num_tokens, num_heads, head_dim)
-    valid = (jnp.arange(splits)[:, None] < active[0]) & (jnp.arange(num_tokens) < active[1])[None, :]
-    out = combine(outs[0], outs[1], rows, out_dtype, valid)
+    if split_combine.fits(outs[0]) and combine_kernel():  # one kernel, not XLA's three
+        out = split_combine.combine(outs[0], outs[1], active, out_dtype, interpret=interpret)
+    else:
+        valid = ((jnp.arange(splits)[:, None] < active[0])
+                 & (jnp.arange(num_tokens) < active[1])[None, :])
+        out = combine(outs[0], outs[1], rows, out_dtype, valid)
     if qpi == 1:
         return out
     # few items (the split grid): their merged rows back to the tokens, a small gather
