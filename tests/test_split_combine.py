@@ -40,6 +40,8 @@ def test_only_power_of_two_blocks_fit():
     assert split_combine.fits(jnp.zeros((16, 8, 8, 4, 128)))
     assert not split_combine.fits(jnp.zeros((16, 8, 8, 5, 128)))  # k + 1 = 5 verified rows
     assert not split_combine.fits(jnp.zeros((16, 8, 8, 4, 96)))
+    assert split_combine.fits(jnp.zeros((16, 8, 4, 8, 128)))  # Qwen3-30B-A3B's G 8
+    assert not split_combine.fits(jnp.zeros((16, 1, 8, 64, 128)))  # 8 verified tokens of G 8
 
 
 def test_decode_kernel_merges_through_it_unless_told_not_to(monkeypatch):

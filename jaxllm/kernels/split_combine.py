@@ -34,10 +34,15 @@ def _kernel(active_ref, lse_ref, o_ref, out_ref, *, rows: int):
     out_ref[...] = (num / jnp.where(den == 0.0, 1.0, den)[:, None]).astype(out_ref.dtype)
 
 
+MAX_ELEMENTS = 16 * 8 * 128  # a program's partials in registers: 16 splits of G 8 at D 128
+
+
 def fits(o_part: jax.Array) -> bool:
-    """Triton's blocks are powers of two: the split count, rows and head dim must be."""
+    """Triton's blocks are powers of two (the split count, rows and head dim must be), and a
+    program holds its N x G x D partials in registers (64 KB at most: verification items of
+    many rows take XLA's merge)."""
     n, _, _, rows, d = o_part.shape
-    return all(x & (x - 1) == 0 for x in (n, rows, d))
+    return all(x & (x - 1) == 0 for x in (n, rows, d)) and n * rows * d <= MAX_ELEMENTS
 
 
 def combine(o_part: jax.Array, lse: jax.Array, active: jax.Array, dtype,
@@ -53,7 +58,7 @@ def combine(o_part: jax.Array, lse: jax.Array, active: jax.Array, dtype,
                   pl.BlockSpec((n, None, None, lse.shape[-1]), lambda t, k: (0, t, k, 0)),
                   pl.BlockSpec((n, None, None, rows, D), lambda t, k: (0, t, k, 0, 0))],
         out_specs=pl.BlockSpec((None, None, rows, D), lambda t, k: (t, k, 0, 0)),
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=4 if n * rows * D <= 8192 else 8, num_stages=1),
         interpret=interpret,
         name="jaxllm_split_combine",
     )
