@@ -24,7 +24,7 @@ from jaxllm.engine.intake import Intake
 from jaxllm.engine.outputs_builder import ParentRequest, Sequence
 from jaxllm.engine.runner import ModelRunner, resolve_dtype
 from jaxllm.engine.sampler import Sampler
-from jaxllm.engine.setup import load_checkpoint, step_shapes
+from jaxllm.engine.startup import load_checkpoint, step_shapes
 from jaxllm.engine.step_io import StepIO
 from jaxllm.models import registry
 from jaxllm.kv_transfer.events import make_publisher, to_vllm
