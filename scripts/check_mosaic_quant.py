@@ -1,4 +1,5 @@
-"""GPU check of the Mosaic decode kernel on quantized KV pages; one JSON line per case.
+"""GPU check of the Mosaic decode kernel on quantized KV pages; one JSON line per case, then a
+line a case ("case ...") and a summary.
 
     python3 scripts/check_mosaic_quant.py [--batch 64] [--ctx 2048] [--formats fp8,fp8_e5m2,int8,int4]
         [--inner 10] [--json $OUT/check_mosaic_quant.json] [--sweep 1:2,1:3:2,...]
@@ -134,6 +135,12 @@ def main() -> None:
         print(json.dumps(row), flush=True)
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
+    nan = float("nan")
+    for r in rows:  # one line a case, readable in a device call's output
+        print(f"case {r['kv']:>8} {r['kernel']:<16} ok={r.get('ok')} err={r.get('rel_err', nan):.1e} "
+              f"q_err={r.get('fp8_q_err', nan):.1e} gpu_us={r.get('gpu_us', nan):7.1f} "
+              f"x_bf16={r.get('x_bf16_gpu_us', r.get('x_bf16_us', nan)):5.2f} "
+              f"frac_C={r.get('frac_C', nan):.2f} {r.get('error', '')[-300:]}")
     bad = [f"{r['kv']}/{r['kernel']}" for r in rows if not r.get("ok")]
     print(f"summary: {len(rows) - len(bad)}/{len(rows)} cases ok" + (f"; failed: {bad}" if bad else ""))
     sys.exit(1 if bad else 0)

@@ -55,17 +55,16 @@ class LLMEngine(Intake, StepIO):
         max_tokens = self.token_buckets[-1]
         spec_cfg = cfg.speculative_config
 
+        dtype = resolve_dtype(cfg.dtype, platform)
         state = None
         if weights is not None:
-            dtype = resolve_dtype(cfg.dtype, platform)
             state = self.model_entry.to_state(self.model_cfg, weights, dtype, consume=ckpt.owned)
             del weights, ckpt
         # A draft's config, its KV bytes per block, the hidden states an EAGLE head reads (spec/)
         draft_hf, draft_bytes, capture = None, 0, ()
         if spec_cfg is not None:
             from jaxllm.spec.build import draft_config
-            draft_hf, draft_bytes, capture = draft_config(spec_cfg, cfg, self.model_cfg,
-                                                          resolve_dtype(cfg.dtype, platform))
+            draft_hf, draft_bytes, capture = draft_config(spec_cfg, cfg, self.model_cfg, dtype)
         self.runner = ModelRunner(self.model_cfg, cfg, self.max_model_len, state,
                                   max_rows=self.seq_buckets[-1], max_num_tokens=max_tokens,
                                   extra_block_bytes=draft_bytes, capture=capture,

@@ -215,13 +215,14 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
         else:
             q_smem[...] = cast(jnp.zeros((ROWS, head_dim), q_smem.dtype), plgpu.Layout.WGMMA)
             plgpu.commit_smem()
-        if qpi > 1:  # the item's tokens' rows, token-major (rows past the item: masked garbage)
-            for i in range(qpi):
-                src = jnp.minimum(tok0_ref[tok] + i, num_tokens - 1)
-                plgpu.copy_gmem_to_smem(q_ref.at[src, kvh], q_smem.at[pl.ds(i * heads, heads)],
+            if qpi > 1:  # the item's tokens' rows, token-major (rows past the item: masked garbage)
+                for i in range(qpi):
+                    src = jnp.minimum(tok0_ref[tok] + i, num_tokens - 1)
+                    plgpu.copy_gmem_to_smem(q_ref.at[src, kvh],
+                                            q_smem.at[pl.ds(i * heads, heads)], q_bar.at[0])
+            else:
+                plgpu.copy_gmem_to_smem(q_ref.at[tok, kvh], q_smem.at[pl.ds(0, group)],
                                         q_bar.at[0])
-        elif not qk8:
-            plgpu.copy_gmem_to_smem(q_ref.at[tok, kvh], q_smem.at[pl.ds(0, group)], q_bar.at[0])
         plgpu.barrier_wait(q_bar.at[0])
         if qk8:
             q = q_smem  # read by the wgmma from SMEM
@@ -232,7 +233,7 @@ def _decode_kernel(pos_ref, req_ref, bt_ref, layer_ref, active_ref, first_ref, t
         if staged and not qk8:  # f16 operands (module docstring); the score scale moves into q
             q = (q.astype(jnp.float32) * (sm_scale * _LOG2E)).astype(jnp.float16)
         q_src = q_smem  # where `reload_q` reads q from
-        if q16_smem is not None and not qk8:
+        if q16_smem is not None:  # (never with qk8)
             q16_smem[...] = q
             plgpu.commit_smem()
             q_src = q16_smem
