@@ -3,7 +3,7 @@ more than one 64-key block; right at D = 128 and with one block: check_decode_sh
 
     python3 scripts/diag_decode_d64.py
 
-Kernel variants (the module's source with one edit each: the kernel as it is, as it was
+Kernel variants (the kernel body's source with one edit each: the kernel as it is, as it was
 before q was read again every block, and two edits of the rescale that changed nothing) x inputs (random; K = 0, so every
 score is equal and the online softmax never rescales; V = 1, so any output but 1 means the
 accumulator and the denominator were rescaled differently; q = 0: every score 0 again, unless
@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 
 import check_padded_group as cpg  # noqa: E402
 from bench_kernels import check  # noqa: E402
-from jaxllm.kernels import mosaic_decode, ref  # noqa: E402
+from jaxllm.kernels import mosaic_decode, mosaic_decode_kernel, ref  # noqa: E402
 
 RESCALE = "            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])\n"
 Q_IN_REGISTERS = ("        reload_q = head_dim == keys\n", "        reload_q = False\n")
@@ -50,14 +50,24 @@ EDITS = {
 }
 
 
+def _module(name: str, path: str, src: str) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__file__ = path
+    exec(compile(src, path, "exec"), mod.__dict__)
+    return mod
+
+
 def variant(name: str):
-    src = open(mosaic_decode.__file__).read()
+    """The wrapper module (mosaic_decode.py) launching an edited copy of the kernel body
+    (mosaic_decode_kernel.py)."""
+    path = mosaic_decode_kernel.__file__
+    src = open(path).read()
     for old, new in EDITS[name]:
         assert src.count(old) == 1, (name, old)
         src = src.replace(old, new)
-    mod = types.ModuleType(f"mosaic_decode_{name}")
-    mod.__file__ = mosaic_decode.__file__
-    exec(compile(src, mosaic_decode.__file__, "exec"), mod.__dict__)
+    body = _module(f"mosaic_decode_kernel_{name}", path, src)
+    mod = _module(f"mosaic_decode_{name}", mosaic_decode.__file__, open(mosaic_decode.__file__).read())
+    mod.decode_kernel = body.decode_kernel
     return mod
 
 
