@@ -142,6 +142,9 @@ def compile_step(args, topo) -> dict:
                                                     cfg.moe.moe_intermediate_size, platform="gpu"))
             chooser.choice[M] = args.gmm
         hooks["experts_fn"] = functools.partial(experts, gmm=chooser)
+        from jaxllm.kernels import moe_router
+        if moe_router.enabled():  # as the engine's runner (JAXLLM_MOE_ROUTER=xla: XLA's router)
+            hooks["router_fn"] = moe_router.route_small
     attn = pick_attention(None, "gpu", 1)
 
     def make():

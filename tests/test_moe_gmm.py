@@ -185,16 +185,20 @@ def test_kernel_lowers_to_triton(tiling):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("direct", [False, True], ids=["sorted", "direct_decode"])
-def test_model_with_the_kernel_keeps_greedy_ids(monkeypatch, direct):
+@pytest.mark.parametrize("direct,router", [(False, False), (True, False), (True, True)],
+                         ids=["sorted", "direct_decode", "direct_router"])
+def test_model_with_the_kernel_keeps_greedy_ids(monkeypatch, direct, router):
     """The whole engine (layer scan, padding tokens, prefill and decode rows) with the kernel's
     gate/up pair and down as the expert matmuls gives HF's greedy ids; `direct`: steps of up to
-    16 rows take the unsorted-rows path (`DirectGmm`), larger ones the sorted one."""
+    16 rows take the unsorted-rows path (`DirectGmm`), larger ones the sorted one; `router`:
+    steps of up to 64 tokens routed by kernels/moe_router.py (padding tokens given id E, so the
+    experts get no `valid`: the direct kernel and the sorted path skip those ids themselves)."""
     import functools
 
     from hf_tiny import hf_greedy, make, make_llm, random_prompts
 
     from jaxllm import SamplingParams
+    from jaxllm.kernels import moe_router
     from jaxllm.models import moe_model
 
     tiling = moe_gmm.Tiling(block_m=16, block_n=32, block_k=16, k_splits=2)  # H 64, F 32
@@ -216,9 +220,17 @@ def test_model_with_the_kernel_keeps_greedy_ids(monkeypatch, direct):
             traced.append(("direct", rows))
             return gmm_impls.DirectGmm(tiling, interpret=True).direct_mlp(rows)
 
+    routed = []
+
+    def route_small(h, *a):
+        out = moe_router.route_small(h, *a)
+        routed.append((h.shape[0], out is not None))
+        return out
+
     init = moe_model.MoeLlama.__init__
     monkeypatch.setattr(moe_model.MoeLlama, "__init__", lambda self, *a, **kw: init(
-        self, *a, **{**kw, "experts_fn": functools.partial(moe.experts, gmm=Kernel())}))
+        self, *a, **{**kw, "experts_fn": functools.partial(moe.experts, gmm=Kernel()),
+                     **({"router_fn": route_small} if router else {})}))
     model, cfg, sd = make("qwen3_moe")
     llm = make_llm((cfg, sd), token_buckets=(8, 64) if direct else (64,), max_model_len=128)
     prompts = random_prompts(2, cfg["vocab_size"], 3, 70, seed=4)
@@ -227,6 +239,8 @@ def test_model_with_the_kernel_keeps_greedy_ids(monkeypatch, direct):
         assert o.outputs[0].token_ids == hf_greedy(model, p, 6)
     assert traced  # the step was traced through the kernel
     assert any(t[0] == "direct" for t in traced) == direct
+    if router:  # the 8-token bucket through the kernel, the 64-token one too (<= MAX_TOKENS)
+        assert (8, True) in routed and (64, True) in routed
 
 
 def test_chooser_offers_decode_kernels_per_row_count(monkeypatch):

@@ -130,6 +130,9 @@ class ModelRunner(PoolSizing, Warmup):
             from jaxllm.models.moe import experts
             self.gmm_chooser = Chooser()
             hooks["experts_fn"] = functools.partial(experts, gmm=self.gmm_chooser)
+            from jaxllm.kernels import moe_router
+            if moe_router.enabled():  # decode-sized steps routed in one kernel
+                hooks["router_fn"] = moe_router.route_small
         # fp8 pages + calculate_kv_scales: the model calibrates layers whose kv_scale is 0 on
         # the first step with a real token and the step returns the scales it used (`Llama.calibrate_kv`).
         kv_dtype, _ = kv_quant.page_layout(cfg.kv_cache_dtype, self.dtype, model_cfg.head_dim)

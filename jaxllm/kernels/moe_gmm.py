@@ -110,7 +110,12 @@ def _kernel(sched_ref, x_ref, *refs, t: Tiling, k_steps: int, strips: int, rows_
     K split, or P = 1): silu(sum of gate) * (sum of up), computed as the rows are loaded."""
     w_refs, o_ref = refs[:-1], refs[-1]
     s, j, ks = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    expert, first, count = sched_ref[0, s], sched_ref[1, s], sched_ref[2, s]
+    if len(sched_ref.shape) == 1:  # the direct path's groups: slot s = row s of group groups[s]
+        g = sched_ref[s]
+        live = (g >= 0) & (g < w_refs[0].shape[0])  # any other id: no expert here, no work
+        expert, first, count = jnp.where(live, g, 0), s, live.astype(jnp.int32)
+    else:
+        expert, first, count = sched_ref[0, s], sched_ref[1, s], sched_ref[2, s]
     r = jnp.arange(t.block_m, dtype=jnp.int32)
     rows = first + r  # distinct (the output has block_m spare rows): masked stores never collide
     src = jnp.minimum(rows, rows_out - 1) // row_div  # past the count: clamped copies, results masked
@@ -149,10 +154,11 @@ def _kernel(sched_ref, x_ref, *refs, t: Tiling, k_steps: int, strips: int, rows_
 
 def row_slots(groups: jax.Array, num_groups: int) -> jax.Array:
     """[3, M] int32 for rows in any order, one slot a row: (its group, the row, 1), or 0 rows
-    when its group is `num_groups` (padding, another device's expert). The direct path: no
-    sort, no group sizes, no unsort (`direct_matmul`)."""
+    when its group is outside [0, num_groups) (padding, another device's expert): the slot table
+    that the direct path's kernel derives itself from `groups` (passed as its `sched`, one
+    int32 a row, so no XLA kernel builds the table between the router and the matmul)."""
     M = groups.shape[0]
-    live = groups < num_groups
+    live = (groups >= 0) & (groups < num_groups)
     return jnp.stack([jnp.where(live, groups, 0).astype(jnp.int32), jnp.arange(M, dtype=jnp.int32),
                       live.astype(jnp.int32)])
 
@@ -161,7 +167,8 @@ def _call(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array | None
           interpret: bool | None, sched: jax.Array | None = None, rows: int | None = None,
           row_div: int = 1, swiglu: int = 0, raw: bool = False) -> jax.Array:
     """x @ each w in ws per group, side by side: [M, len(ws) * N] (slots from the group sizes
-    of sorted rows, or the given `sched` over `rows` output rows; `row_div` / `swiglu`: how
+    of sorted rows, or the given `sched` over `rows` output rows: a [3, S] slot table or
+    the direct path's groups [M]; `row_div` / `swiglu`: how
     output rows read x, `_kernel`). `raw`: the kernel's own output, spare rows and K-split
     partials included ([M + bm, ...] or [k_splits, M + bm, ...] float32)."""
     M = x.shape[-2] if rows is None else rows
@@ -184,7 +191,7 @@ def _call(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array | None
     out = pl.pallas_call(
         functools.partial(_kernel, t=t, k_steps=k_steps, strips=strips, rows_out=M, row_div=row_div,
                           swiglu=swiglu),
-        grid=(sched.shape[1], len(ws) * strips, t.k_splits),
+        grid=(sched.shape[-1], len(ws) * strips, t.k_splits),
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,
@@ -211,18 +218,18 @@ def grouped_matmul_pair(x: jax.Array, w1: jax.Array, w2: jax.Array, group_sizes:
 
 def direct_matmul(x: jax.Array, w: jax.Array, groups: jax.Array, tiling: Tiling = TILINGS[0],
                   interpret: bool | None = None) -> jax.Array:
-    """x [M, K] in any row order, w [G, K, N], groups [M] in [0, G] -> [M, N]: row r times
-    w[groups[r]] (rows of group G: undefined). Each row is its own slot, so an expert that
+    """x [M, K] in any row order, w [G, K, N], groups [M] int -> [M, N]: row r times
+    w[groups[r]] (rows of a group outside [0, G): undefined). Each row is its own slot, so an expert that
     several rows route to is read once per row: for the few rows of a small decode batch,
     whose experts are mostly distinct, that costs less than sorting and unsorting them."""
-    return _call(x, (w,), None, tiling, interpret, row_slots(groups, w.shape[0]))
+    return _call(x, (w,), None, tiling, interpret, groups.astype(jnp.int32))
 
 
 def direct_matmul_pair(x: jax.Array, w1: jax.Array, w2: jax.Array, groups: jax.Array,
                        tiling: Tiling = TILINGS[0], interpret: bool | None = None
                        ) -> tuple[jax.Array, jax.Array]:
     """`direct_matmul` of gate and up in one launch."""
-    out = _call(x, (w1, w2), None, tiling, interpret, row_slots(groups, w1.shape[0]))
+    out = _call(x, (w1, w2), None, tiling, interpret, groups.astype(jnp.int32))
     return out[:, :w1.shape[2]], out[:, w1.shape[2]:]
 
 
@@ -230,12 +237,12 @@ def direct_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.
                   groups: jax.Array, tiling: Tiling = TILINGS[0], interpret: bool | None = None
                   ) -> jax.Array:
     """The expert MLP of unsorted rows in two launches and nothing between them: x [T, H] (row r
-    is token r // k's, k = rows / T), groups [T * k] in [0, E] -> [T * k, H] (rows of group E:
+    is token r // k's, k = rows / T), groups [T * k] -> [T * k, H] (rows of a group outside [0, E):
     undefined). The gate/up launch reads each row's token straight from x (no repeated copy of
     x); the down launch reads the pair's raw output (its K-split partials summed, then
     silu(gate) * up, as it loads them)."""
     T, rows = x.shape[0], groups.shape[0]
-    sched = row_slots(groups, w_gate.shape[0])
+    sched = groups.astype(jnp.int32)  # the kernel's slot s: row s of group groups[s]
     gu = _call(x, (w_gate, w_up), None, tiling, interpret, sched, rows=rows, row_div=rows // T, raw=True)
     if gu.ndim == 2:
         gu = gu[None]

@@ -11,8 +11,8 @@ dropped (no capacity factor): every row is computed by its expert.
 `jax.lax.ragged_dot` is the reference grouped matmul and the CPU path; other
 implementations plug in as `gmm` (models/gmm.py). A `gmm` whose `direct_mlp(rows)` returns a
 function `mlp(x [T, H], w_gate, w_up, w_down, groups [T * k]) -> [T * k, H]` takes the rows
-unsorted instead (row r = token r // k's (r % k)-th expert, of group groups[r]; group E_local:
-none): small decode batches skip the sort and unsort. Padding tokens (`valid` False) go
+unsorted instead (row r = token r // k's (r % k)-th expert, of group groups[r]; a group
+outside [0, E_local): none): small decode batches skip the sort and unsort. Padding tokens (`valid` False) go
 to a group past the last expert, which no group size covers: they cost nothing
 in a kernel that honours group sizes and contribute zeros.
 
@@ -28,6 +28,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxllm.kernels import moe_router
+
 GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
@@ -39,17 +41,7 @@ def route(logits: jax.Array, top_k: int, routing: str, norm_topk_prob: bool
     `norm_topk_prob` (Qwen2/3-MoE). "softmax_topk": softmax over the top-k
     logits (Mixtral). Ties pick the lower expert id first (`lax.top_k`).
     """
-    logits = logits.astype(jnp.float32)
-    if routing == "softmax_topk":
-        top, ids = jax.lax.top_k(logits, top_k)
-        return jax.nn.softmax(top, axis=-1), ids.astype(jnp.int32)
-    if routing != "softmax":
-        raise ValueError(f"unknown routing {routing!r}")
-    probs = jax.nn.softmax(logits, axis=-1)
-    top, ids = jax.lax.top_k(probs, top_k)
-    if norm_topk_prob:
-        top = top / jnp.sum(top, axis=-1, keepdims=True)
-    return top, ids.astype(jnp.int32)
+    return moe_router.route_logits(logits, top_k, routing, norm_topk_prob)
 
 
 def sort_rows(groups: jax.Array, num_groups: int) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -96,13 +88,15 @@ def experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
     mine = (local >= 0) & (local < E)
     if valid is not None:
         mine = mine & valid[:, None]
-    groups = jnp.where(mine, local, E).reshape(T * k)
     direct = getattr(gmm, "direct_mlp", None)
     mlp = direct(T * k) if direct is not None else None
     if mlp is not None:  # rows left in token order, one kernel slot each: nothing sorted
-        ys = mlp(x, w_gate, w_up, w_down, groups).reshape(T, k, -1)
+        # A direct kernel skips ids outside [0, E) itself: without `valid` (a router that gave
+        # padding tokens id E, `route_tokens`) the ids go to it as they are, no XLA kernel between.
+        groups = local if valid is None else jnp.where(mine, local, E)
+        ys = mlp(x, w_gate, w_up, w_down, groups.reshape(T * k)).reshape(T, k, -1)
     else:
-        order, inverse, sizes = sort_rows(groups, E)
+        order, inverse, sizes = sort_rows(jnp.where(mine, local, E).reshape(T * k), E)
         xs = x[order // k]  # row r = token r // k, its (r % k)-th expert
         ys = expert_mlp(xs, w_gate, w_up, w_down, sizes, gmm)[inverse].reshape(T, k, -1)
     wk = jnp.where(mine, weights, 0.0).astype(ys.dtype)

@@ -10,7 +10,10 @@ is one scan and a mixed one a few.
 Hooks: `experts_fn(x, weights, ids, w_gate, w_up, w_down, valid)` computes the
 routed experts (default `moe.experts` on one device; parallel/experts.py wraps
 it in shard_map for tensor or expert parallelism); `expert_map` (see eplb.py)
-turns logical expert ids into physical slots when experts are replicated.
+turns logical expert ids into physical slots when experts are replicated;
+`router_fn(h, w_router, valid, top_k, routing, norm_topk_prob)` routes in one kernel
+(kernels/moe_router.py `route_small`, on one GPU) or returns None where it does not take the
+batch (XLA's router then): its padding tokens come back with id E, so `experts_fn` gets no `valid`.
 """
 
 from __future__ import annotations
@@ -100,7 +103,7 @@ class MoeLlama(Llama):
                  attention_fn=None, embed_fn=None, experts_fn: Callable | None = None,
                  expert_map: Callable | None = None, num_slots: int | None = None,
                  placement: np.ndarray | None = None, count_loads: bool = False,
-                 expert_split: tuple[int, int] | None = None):
+                 expert_split: tuple[int, int] | None = None, router_fn: Callable | None = None):
         super().__init__(cfg, dtype, rngs=rngs, attention_fn=attention_fn, embed_fn=embed_fn)
         m: MoEConfig = cfg.moe
         self.layers = LayerStack(cfg, dtype, rngs, mlp_layers=cfg.num_layers - len(m.moe_layers))
@@ -109,17 +112,25 @@ class MoeLlama(Llama):
         # expert_map(ids [T, k], layer weights, md) -> physical slot ids [T, k] (EPLB); None: identity
         self.expert_map = expert_map
         self.count_loads = count_loads  # also return rows per logical expert [Lm, E] (EPLB)
+        self.router_fn = router_fn
 
     def _moe(self, h: jax.Array, w: dict[str, jax.Array], md: AttentionMetadata):
         """The expert block: (output [T, H], rows per logical expert [E])."""
         m: MoEConfig = self.cfg.moe
-        logits = llama.linear(h, w["router"], out_dtype=jnp.float32)
-        weights, ids = route(logits, m.top_k, m.routing, m.norm_topk_prob)
         valid = md.positions >= 0
+        routed = None
+        if self.router_fn is not None and self.expert_map is None:
+            routed = self.router_fn(h, w["router"], valid, m.top_k, m.routing, m.norm_topk_prob)
+        if routed is None:
+            logits = llama.linear(h, w["router"], out_dtype=jnp.float32)
+            weights, ids = route(logits, m.top_k, m.routing, m.norm_topk_prob)
+        else:
+            weights, ids = routed  # padding tokens: id E, no expert
         load = expert_loads(ids, m.num_experts, valid)
         if self.expert_map is not None:
             ids = self.expert_map(ids, w, md)
-        y = self.experts_fn(h, weights, ids, w["e_gate"], w["e_up"], w["e_down"], valid)
+        y = self.experts_fn(h, weights, ids, w["e_gate"], w["e_up"], w["e_down"],
+                            valid if routed is None else None)
         if m.shared_expert_intermediate_size:
             shared = llama.linear(jax.nn.silu(llama.linear(h, w["s_gate"])) * llama.linear(h, w["s_up"]),
                                   w["s_down"])

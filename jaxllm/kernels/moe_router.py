@@ -1,0 +1,191 @@
+"""The MoE router of a decode-sized step in one kernel: logits, softmax, top-k, renormalisation.
+
+`route_tokens(h [T, H], w [H, E], valid [T]) -> (weights [T, k] float32, ids [T, k] int32)`, the
+contract of `moe.route` on `h @ w` (float32 logits) except that padding tokens (`valid` False)
+get id E, no expert, and weight 0: the expert kernels skip them without an XLA kernel masking
+the ids in between (`moe.experts` with `valid=None`).
+
+Why: XLA compiles the router of a batch-1 decode step into four kernels a layer (a split-K
+GEMV, the split sum fused with the softmax, top-k, then the direct grouped matmul's row table)
+plus a fifth that applies the RMSNorm weight again for the experts' input (Qwen3-30B-A3B:
+about a fifth of the step's ~19 kernels a layer, each a few microseconds in a launch-bound
+step). Here one program takes 16 tokens: it streams the router weight ([H, E] bf16, 512 KB
+for Qwen3-30B-A3B) through `num_stages` pipelined tiles, multiplies on the tensor cores
+(float32 accumulation), then does the routing in registers. Reading the weight from one
+program per 16 tokens costs bandwidth that a split-K GEMV spreads over many SMs, so it is
+offered for small batches only (`fits`) and chosen by measurement beside XLA's router.
+
+Routing as `moe.route`: "softmax" (Qwen2/3-MoE: softmax over all experts, top-k of the
+probabilities, renormalised when `norm_topk_prob`), "softmax_topk" (Mixtral: top-k of the
+logits, softmax over them). Ties pick the lower expert id, as `lax.top_k`. Logits are summed in
+another order than XLA's, so a near-tie may resolve differently (the float32 sum of H products).
+
+A `pallas_call`: Triton on the GPU, Pallas' interpreter on the CPU (tests/test_moe_router.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+BLOCK_T = 16  # tokens a program (the tensor cores' minimum M)
+MAX_TOKENS = 64  # larger batches keep XLA's router (a split-K GEMM spreads the weight over SMs)
+ROUTINGS = ("softmax", "softmax_topk")
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def padded_experts(E: int) -> int:
+    """The kernel's expert columns: E rounded up to a power of two, at least 16 (the tensor
+    cores' minimum N); the padding columns read as -inf logits."""
+    return max(16, 1 << (E - 1).bit_length())
+
+
+def block_k(E: int, H: int) -> int:
+    """Router-weight rows a pipeline stage: up to 32 KB bf16 tiles, a power of two dividing H
+    (0: none of at least 16 rows)."""
+    bk = 16384 // E
+    while bk >= 16 and H % bk:
+        bk //= 2
+    return bk if bk >= 16 else 0
+
+
+def fits(T: int, H: int, E: int, top_k: int, routing: str) -> bool:
+    """Shapes the kernel takes: up to 256 experts, a power-of-two top-k (Triton's tiles), H a
+    multiple of 16, up to MAX_TOKENS tokens, a known routing."""
+    return (T <= MAX_TOKENS and E <= 256 and _pow2(top_k) and top_k <= E
+            and block_k(padded_experts(E), H) > 0 and routing in ROUTINGS)
+
+
+def _topk(x: jax.Array, k: int, E: int) -> tuple[jax.Array, jax.Array]:
+    """Top-k along axis 1 of x [bt, E], largest first, ties to the lower index: ([bt, k], [bt, k])."""
+    cols = jnp.arange(E, dtype=jnp.int32)[None, :]
+    slot = jnp.arange(k, dtype=jnp.int32)[None, :]
+    vals = jnp.zeros((x.shape[0], k), jnp.float32)
+    ids = jnp.zeros((x.shape[0], k), jnp.int32)
+    for j in range(k):
+        best = jnp.max(x, axis=1)
+        idx = jnp.min(jnp.where(x == best[:, None], cols, E), axis=1)
+        vals = jnp.where(slot == j, best[:, None], vals)
+        ids = jnp.where(slot == j, idx[:, None], ids)
+        x = jnp.where(cols == idx[:, None], -jnp.inf, x)
+    return vals, ids
+
+
+def _softmax(x: jax.Array) -> jax.Array:
+    e = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))
+    return e / jnp.sum(e, axis=1, keepdims=True)
+
+
+def _kernel(valid_ref, h_ref, w_ref, wt_ref, id_ref, *, top_k: int, routing: str, norm: bool,
+            bk: int, Ep: int):
+    T, H = h_ref.shape
+    E = w_ref.shape[1]
+    rows = pl.program_id(0) * BLOCK_T + jnp.arange(BLOCK_T, dtype=jnp.int32)
+    src = jnp.minimum(rows, T - 1)  # rows past T: clamped copies, their results not stored
+    cols = jnp.arange(Ep, dtype=jnp.int32)
+
+    def step(i, acc):
+        kk = i * bk + jnp.arange(bk, dtype=jnp.int32)
+        x = h_ref[src[:, None], kk[None, :]]  # [bt, bk]
+        if Ep == E:
+            w = w_ref[pl.ds(i * bk, bk), :]  # [bk, E]
+        else:  # padding columns read as 0
+            w = plt.load(w_ref.at[kk[:, None], jnp.minimum(cols, E - 1)[None, :]],
+                         mask=(cols < E)[None, :], other=0)
+        return acc + plt.dot(x, w).astype(jnp.float32)
+
+    logits = jax.lax.fori_loop(0, H // bk, step, jnp.zeros((BLOCK_T, Ep), jnp.float32))
+    if Ep != E:
+        logits = jnp.where((cols < E)[None, :], logits, -jnp.inf)
+    if routing == "softmax_topk":
+        top, ids = _topk(logits, top_k, Ep)
+        weights = _softmax(top)
+    else:
+        weights, ids = _topk(_softmax(logits), top_k, Ep)
+        if norm:
+            weights = weights / jnp.sum(weights, axis=1, keepdims=True)
+    live = valid_ref[src] != 0
+    mask = (rows < T)[:, None]
+    slots = jnp.arange(top_k, dtype=jnp.int32)
+    plt.store(wt_ref.at[rows[:, None], slots[None, :]], jnp.where(live[:, None], weights, 0.0),
+              mask=mask)
+    plt.store(id_ref.at[rows[:, None], slots[None, :]], jnp.where(live[:, None], ids, E), mask=mask)
+
+
+def route_tokens(h: jax.Array, w: jax.Array, valid: jax.Array | None, top_k: int, routing: str,
+                 norm_topk_prob: bool, interpret: bool | None = None,
+                 num_warps: int = 4, num_stages: int = 4) -> tuple[jax.Array, jax.Array]:
+    """h [T, H], w [H, E] (h's dtype), valid [T] bool or None (all valid) -> (weights [T, k]
+    float32, ids [T, k] int32; padding tokens: weight 0, id E). Raises ValueError where `fits`
+    does not hold."""
+    T, H = h.shape
+    E = w.shape[-1]
+    if not fits(T, H, E, top_k, routing):
+        raise ValueError(f"the router kernel does not take T={T} H={H} E={E} top_k={top_k} "
+                         f"routing={routing!r} (`moe_router.fits`)")
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    if valid is None:
+        valid = jnp.ones((T,), bool)
+    return pl.pallas_call(
+        functools.partial(_kernel, top_k=top_k, routing=routing, norm=bool(norm_topk_prob),
+                          bk=block_k(padded_experts(E), H), Ep=padded_experts(E)),
+        grid=(pl.cdiv(T, BLOCK_T),),
+        out_shape=(jax.ShapeDtypeStruct((T, top_k), jnp.float32),
+                   jax.ShapeDtypeStruct((T, top_k), jnp.int32)),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="jaxllm_moe_router",
+    )(valid.astype(jnp.int32), h, w.astype(h.dtype))
+
+
+def enabled() -> bool:
+    """JAXLLM_MOE_ROUTER: "kernel" (default) routes decode-sized steps on one GPU here, "xla"
+    keeps XLA's router throughout."""
+    from jaxllm.envs import env_choice
+    return env_choice("JAXLLM_MOE_ROUTER", "kernel", ("kernel", "xla")) == "kernel"
+
+
+def route_small(h: jax.Array, w, valid: jax.Array, top_k: int, routing: str,
+                norm_topk_prob: bool) -> tuple[jax.Array, jax.Array] | None:
+    """`route_tokens` where it takes the batch (`fits`, a plain weight of h's dtype), else None:
+    the model's `router_fn` hook (models/moe_model.py)."""
+    T, H = h.shape
+    if not (isinstance(w, jax.Array) and w.dtype == h.dtype and w.ndim == 2
+            and fits(T, H, w.shape[1], top_k, routing)):
+        return None
+    return route_tokens(h, w, valid, top_k, routing, norm_topk_prob)
+
+
+def route_logits(logits: jax.Array, top_k: int, routing: str, norm_topk_prob: bool
+                 ) -> tuple[jax.Array, jax.Array]:
+    """The routing in plain jnp (`moe.route`, the CPU path): logits [T, E] -> (weights [T, k]
+    float32, ids [T, k] int32), `lax.top_k`'s ties (the lower id first)."""
+    logits = logits.astype(jnp.float32)
+    if routing == "softmax_topk":
+        top, ids = jax.lax.top_k(logits, top_k)
+        return jax.nn.softmax(top, axis=-1), ids.astype(jnp.int32)
+    if routing != "softmax":
+        raise ValueError(f"unknown routing {routing!r}")
+    top, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+    if norm_topk_prob:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return top, ids.astype(jnp.int32)
+
+
+def route_tokens_ref(h: jax.Array, w: jax.Array, valid: jax.Array | None, top_k: int,
+                     routing: str, norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
+    """`route_tokens` in plain jnp: `route_logits` of the float32 logits, padding masked."""
+    logits = jnp.einsum("th,he->te", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    weights, ids = route_logits(logits, top_k, routing, norm_topk_prob)
+    if valid is None:
+        return weights, ids
+    return (jnp.where(valid[:, None], weights, 0.0),
+            jnp.where(valid[:, None], ids, w.shape[-1]).astype(jnp.int32))

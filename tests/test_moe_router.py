@@ -1,0 +1,103 @@
+"""The one-kernel MoE router (kernels/moe_router.py) against `moe.route` on the float32 logits, in
+Pallas' interpreter on the CPU: both routings, renormalised or not, padded expert counts, ties,
+padding tokens, two programs; where it declines a batch; lowered for cuda."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.kernels import moe_router
+from jaxllm.models import moe
+
+
+def _case(T: int, H: int, E: int, seed: int, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    h = jnp.asarray(rng.standard_normal((T, H)), dtype)
+    w = jnp.asarray(rng.standard_normal((H, E)) / np.sqrt(H), dtype)
+    return h, w
+
+
+def _route(h, w, valid, k, routing, norm):
+    return jax.jit(lambda h, w, v: moe_router.route_tokens(h, w, v, k, routing, norm, interpret=True))(
+        h, w, valid)
+
+
+@pytest.mark.parametrize("T,H,E,k,routing,norm", [
+    (8, 256, 128, 8, "softmax", True),  # Qwen3-MoE's routing at a batch-1 decode bucket
+    (20, 128, 64, 4, "softmax", False),  # two programs, the second partial; Qwen2-MoE's
+    (5, 128, 8, 2, "softmax_topk", False),  # Mixtral's: 8 experts padded to 16 columns
+    (3, 64, 60, 4, "softmax", True),  # 60 experts (Qwen1.5/2-MoE-A2.7B) padded to 64
+    (1, 64, 16, 1, "softmax_topk", False),  # top-1
+])
+def test_router_kernel_matches_route(T, H, E, k, routing, norm):
+    h, w = _case(T, H, E, seed=T + E)
+    valid = jnp.arange(T) < max(T - 2, 1)
+    weights, ids = _route(h, w, valid, k, routing, norm)
+    logits = jnp.einsum("th,he->te", h, w, preferred_element_type=jnp.float32)
+    want_w, want_ids = moe.route(logits, k, routing, norm)
+    v = np.asarray(valid)
+    np.testing.assert_array_equal(np.asarray(ids)[v], np.asarray(want_ids)[v])
+    np.testing.assert_allclose(np.asarray(weights)[v], np.asarray(want_w)[v], rtol=1e-5, atol=1e-6)
+    # padding tokens: no expert (id E), weight 0
+    assert (np.asarray(ids)[~v] == E).all() and (np.asarray(weights)[~v] == 0).all()
+    ref_w, ref_ids = moe_router.route_tokens_ref(h, w, valid, k, routing, norm)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
+
+
+@pytest.mark.parametrize("routing", moe_router.ROUTINGS)
+def test_ties_pick_the_lower_expert(routing):
+    """Equal logits (duplicated weight columns: experts 3 = 9 = 12, 5 = 7) rank as `lax.top_k`
+    ranks them, the lower id first."""
+    T, H, E, k = 4, 64, 16, 4
+    h, w = _case(T, H, E, seed=3)
+    w = w.at[:, 3].add(jnp.sign(h[0]) * 0.5)  # expert 3 far ahead for token 0
+    w = w.at[:, 9].set(w[:, 3]).at[:, 12].set(w[:, 3]).at[:, 7].set(w[:, 5])
+    _, ids = _route(h, w, None, k, routing, True)
+    logits = jnp.einsum("th,he->te", h, w, preferred_element_type=jnp.float32)
+    _, want = moe.route(logits, k, routing, True)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want))
+    assert list(np.asarray(ids)[0, :3]) == [3, 9, 12]
+
+
+def test_where_the_kernel_declines():
+    """`fits` / `route_small`: more than MAX_TOKENS tokens, a top-k that is no power of two, an
+    unknown routing, more than 256 experts, a weight of another dtype (or a quantized one)."""
+    h, w = _case(8, 64, 16, seed=1)
+    assert moe_router.fits(8, 64, 16, 4, "softmax")
+    assert not moe_router.fits(moe_router.MAX_TOKENS + 1, 64, 16, 4, "softmax")
+    assert not moe_router.fits(8, 64, 16, 6, "softmax")
+    assert not moe_router.fits(8, 64, 16, 4, "sigmoid")
+    assert not moe_router.fits(8, 64, 512, 4, "softmax")
+    assert not moe_router.fits(8, 40, 16, 4, "softmax")  # H not a multiple of 16
+    valid = jnp.ones(8, bool)
+    assert moe_router.route_small(h, w.astype(jnp.bfloat16), valid, 4, "softmax", True) is None
+    assert moe_router.route_small(h, {"values": w}, valid, 4, "softmax", True) is None
+    assert moe_router.route_small(h, w, valid, 6, "softmax", True) is None
+    got = moe_router.route_small(h, w, valid, 4, "softmax", True)
+    assert got is not None and got[1].shape == (8, 4)
+    with pytest.raises(ValueError, match="top_k=6"):
+        moe_router.route_tokens(h, w, valid, 6, "softmax", True)
+
+
+def test_switch(monkeypatch):
+    assert moe_router.enabled()
+    monkeypatch.setenv("JAXLLM_MOE_ROUTER", "xla")
+    assert not moe_router.enabled()
+    monkeypatch.setenv("JAXLLM_MOE_ROUTER", "triton")
+    with pytest.raises(ValueError, match="JAXLLM_MOE_ROUTER"):
+        moe_router.enabled()
+
+
+@pytest.mark.parametrize("E", [128, 60])
+def test_lowers_for_cuda(E):
+    """The Triton kernel at Qwen3-30B-A3B's router (H 2048, 128 experts, top-8) and with padded
+    columns, lowered for a GPU on this CPU."""
+    h = jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((2048, E), jnp.bfloat16)
+    valid = jax.ShapeDtypeStruct((8,), jnp.bool_)
+    f = jax.jit(lambda h, w, v: moe_router.route_tokens(h, w, v, 8, "softmax", True, interpret=False))
+    text = f.trace(h, w, valid).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jaxllm_moe_router" in text
