@@ -13,8 +13,8 @@ Schedule (`slots`, a few XLA ops on [G] vectors): each group's rows are cut into
 `block_m`; slot s = (expert, first row, row count) of the s-th block over all groups in order.
 The number of slots is bounded statically by min(G, M) + M // block_m, so the grid never
 depends on the routing (no recompiles); slots past the real blocks have count 0 and return at
-once. Grid (slot, N / block_n, K splits): every slot's expert weight [K, N] is cut into
-N / block_n column strips x `k_splits` row ranges, one CTA each, so a single token's 8 experts
+once. Grid (N / block_n, K splits, slot; the slot slowest, so a batch's first, real rows launch
+first): every slot's expert weight [K, N] is cut into N / block_n column strips x `k_splits` row ranges, one CTA each, so a single token's 8 experts
 become hundreds of CTAs streaming disjoint weight tiles (the "spread over all SMs" part). A CTA
 gathers its rows of x ([block_m, block_k] per step; rows past the count are clamped copies
 whose results are masked), multiplies on the tensor cores (`plt.dot`, float32 accumulation) and
@@ -109,7 +109,7 @@ def _kernel(sched_ref, x_ref, *refs, t: Tiling, k_steps: int, strips: int, rows_
     with `swiglu` = P > 0 the gate/up pair's raw output [P, rows, 2K] (P float32 partials of a
     K split, or P = 1): silu(sum of gate) * (sum of up), computed as the rows are loaded."""
     w_refs, o_ref = refs[:-1], refs[-1]
-    s, j, ks = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    j, ks, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # slot slowest: see `_call`
     if len(sched_ref.shape) == 1:  # the direct path's groups: slot s = row s of group groups[s]
         g = sched_ref[s]
         live = (g >= 0) & (g < w_refs[0].shape[0])  # any other id: no expert here, no work
@@ -191,7 +191,10 @@ def _call(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array | None
     out = pl.pallas_call(
         functools.partial(_kernel, t=t, k_steps=k_steps, strips=strips, rows_out=M, row_div=row_div,
                           swiglu=swiglu),
-        grid=(sched.shape[-1], len(ws) * strips, t.k_splits),
+        # the slot axis slowest (CUDA launches x fastest): every CTA of the first slots (a decode
+        # batch's real tokens come first) goes out in the first wave, the padding rows' empty
+        # CTAs after them, instead of 7 empty slots between live ones (batch 1 in a bucket of 8)
+        grid=(len(ws) * strips, t.k_splits, sched.shape[-1]),
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,
