@@ -118,13 +118,16 @@ def test_expert_block_with_the_kernel_matches_the_reference():
 def test_chooser_offers_the_kernel_on_gpu_only():
     assert not any(n.startswith("decode_") for n in gmm_impls.candidates(8, 128, 2048, 768, "cpu"))
     gpu = gmm_impls.candidates(8, 128, 2048, 768, "gpu")
-    assert {t.name for t in moe_gmm.TILINGS} <= set(gpu)
+    assert {t.name for t in moe_gmm.TILINGS if not t.ctas} <= set(gpu)
+    assert {"direct_" + t.name for t in moe_gmm.TILINGS} <= set(gpu)  # persistent ones: direct only
+    assert not any(t.ctas and t.name in gpu for t in moe_gmm.TILINGS)
     big = gmm_impls.candidates(8192, 128, 2048, 768, "gpu")
     assert not any(n.startswith("decode_") for n in big)
     assert {t.name for t in moe_gmm.PREFILL_TILINGS} <= set(big)  # prefill-sized: the row-block tilings
     assert not any(n.startswith("tiles") for n in gpu)
     engine = gmm_impls.candidates(8, 128, 2048, 768, "gpu", engine=True)  # warm-up's subset
-    assert {n for n in engine if n.startswith(("decode_", "mosaic_"))} == set(gmm_impls.ENGINE_DECODE_TILINGS)
+    assert {n.removeprefix("direct_") for n in engine if n.startswith(("decode_", "mosaic_", "direct_"))} \
+        == set(gmm_impls.ENGINE_DECODE_TILINGS)
 
 
 def test_chooser_never_picks_a_wrong_kernel(monkeypatch):
@@ -172,9 +175,11 @@ def test_chooser_skips_ragged_dot_at_prefill_sizes(monkeypatch):
     assert timed and all(m == 16 for m in timed)  # traced only for the 16-row bucket
 
 
-@pytest.mark.parametrize("tiling", moe_gmm.TILINGS + moe_gmm.PREFILL_TILINGS, ids=lambda t: t.name)
+@pytest.mark.parametrize("tiling", [t for t in moe_gmm.TILINGS if not t.ctas] + list(moe_gmm.PREFILL_TILINGS),
+                         ids=lambda t: t.name)
 def test_kernel_lowers_to_triton(tiling):
-    """The GPU path: every shipped tiling lowers through Pallas' Triton backend (on this CPU)."""
+    """The GPU path: every shipped tiling of the sorted path lowers through Pallas' Triton
+    backend (on this CPU); persistent ones are the direct path's (`test_direct_kernel_lowers_to_triton`)."""
     f = jax.jit(lambda x, w, s: moe_gmm.grouped_matmul(x, w, s, tiling, interpret=False))
     args = (jax.ShapeDtypeStruct((8 if tiling.block_m == 16 else 8192, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16),
             jax.ShapeDtypeStruct((128,), jnp.int32))
@@ -301,13 +306,14 @@ def test_expert_block_through_the_direct_path_matches_the_reference():
 
 def test_chooser_offers_direct_rows_for_small_batches_and_times_the_whole_block(monkeypatch):
     """Direct (unsorted) candidates up to DIRECT_MAX_ROWS rows; the measurement times
-    `moe.experts` end to end (sorting included), tokens = rows / top_k with distinct experts."""
+    `moe.experts` end to end (sorting included), tokens = rows / top_k with distinct experts,
+    with every token real and with one real token (the rest padding, id E)."""
     gpu = gmm_impls.candidates(8, 128, 2048, 768, "gpu", engine=True)
     assert {n for n in gpu if n.startswith("direct_")} == {
         "direct_" + n for n in gmm_impls.ENGINE_DECODE_TILINGS if n.startswith("decode_")}
     assert not any(n.startswith("direct_") for n in gmm_impls.candidates(
         gmm_impls.DIRECT_MAX_ROWS + 8, 128, 2048, 768, "gpu"))
-    seen = []
+    seen, live = [], set()
 
     class Direct:  # a direct implementation that records what it is called with
         def __call__(self, x, w, s):
@@ -316,6 +322,7 @@ def test_chooser_offers_direct_rows_for_small_batches_and_times_the_whole_block(
         def direct_mlp(self, rows):
             def mlp(x, a, u, b, groups):
                 seen.append((x.shape, groups.shape))
+                jax.debug.callback(lambda g: live.add(int((np.asarray(g) < 8).sum())), groups)
                 xr = jnp.repeat(x, groups.shape[0] // x.shape[0], axis=0)
                 gi = jnp.minimum(groups, a.shape[0] - 1)
                 h = jax.nn.silu(jnp.einsum("mh,mhf->mf", xr, a[gi])) * jnp.einsum("mh,mhf->mf", xr, u[gi])
@@ -328,29 +335,38 @@ def test_chooser_offers_direct_rows_for_small_batches_and_times_the_whole_block(
     chooser.measure([16], E=8, H=64, F=32, dtype=jnp.float32, reps=1, top_k=4)
     assert set(chooser.timings[16]) == {"ragged_dot", "direct_x"}
     assert seen and all(s == ((4, 64), (16,)) for s in seen)  # 4 tokens x top 4 = 16 rows
+    assert live == {16, 4}  # rows of live experts: all 4 tokens', then the first token's
 
 
-@pytest.mark.parametrize("tiling", [moe_gmm.Tiling(block_m=16, block_n=32, block_k=16),
-                                    moe_gmm.Tiling(block_m=16, block_n=32, block_k=16, k_splits=2)],
-                         ids=lambda t: t.name)
-def test_direct_swiglu_is_the_expert_mlp(tiling):
+@pytest.mark.parametrize("tiling,padding", [
+    (moe_gmm.Tiling(block_m=16, block_n=32, block_k=16), False),
+    (moe_gmm.Tiling(block_m=16, block_n=32, block_k=16, k_splits=2), False),
+    # persistent CTAs: fewer than the items (each walks several), and more
+    (moe_gmm.Tiling(block_m=16, block_n=32, block_k=16, k_splits=2, ctas=5), False),
+    (moe_gmm.Tiling(block_m=16, block_n=32, block_k=16, k_splits=2, ctas=5), True),
+    (moe_gmm.Tiling(block_m=16, block_n=32, block_k=16, ctas=64), True)],
+    ids=lambda a: a.name if isinstance(a, moe_gmm.Tiling) else ("padding" if a else "full"))
+def test_direct_swiglu_is_the_expert_mlp(tiling, padding):
     """`direct_swiglu`: x read per token (k rows a token), the down launch summing the gate/up
     K-split partials and applying silu(gate) * up itself = the per-row expert MLP; rows of
-    group E (padding, other devices' experts) are not checked."""
+    group E or -1 (padding, other devices' experts) are not checked. `padding`: the last token
+    is padding (id E, as `moe_router` gives it), so persistent CTAs stop at the row before."""
     rng = np.random.default_rng(11)
     T, k, E, H, F = 3, 4, 6, 64, 32
     x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
     wg, wu = (jnp.asarray(rng.standard_normal((E, H, F)) / 8, jnp.float32) for _ in range(2))
     wd = jnp.asarray(rng.standard_normal((E, F, H)) / 6, jnp.float32)
     groups = np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).reshape(-1)
-    groups[5] = E
+    groups[5], groups[2] = E, -1
+    if padding:
+        groups[-k:] = E
     got = jax.jit(lambda *a: moe_gmm.direct_swiglu(*a, tiling, interpret=True))(
         x, wg, wu, wd, jnp.asarray(groups, jnp.int32))
     xr, gi = np.repeat(np.asarray(x), k, axis=0), np.minimum(groups, E - 1)
     h = np.einsum("mh,mhf->mf", xr, np.asarray(wg)[gi])
     h = h / (1 + np.exp(-h)) * np.einsum("mh,mhf->mf", xr, np.asarray(wu)[gi])
     want = np.einsum("mf,mfh->mh", h, np.asarray(wd)[gi])
-    live = groups < E
+    live = (groups >= 0) & (groups < E)
     assert got.shape == (T * k, H)
     np.testing.assert_allclose(np.asarray(got)[live], want[live], rtol=2e-5, atol=2e-5)
 
@@ -361,9 +377,19 @@ def test_direct_kernel_lowers_to_triton():
     args = (jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16),
             jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16), jax.ShapeDtypeStruct((8,), jnp.int32))
     assert "jaxllm_moe_decode_gmm" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    for t in (moe_gmm.TILINGS[0], moe_gmm.TILINGS[2]):  # K splits 1 and 4: bf16 / float32 partials
+    persistent = next(t for t in moe_gmm.TILINGS if t.ctas)
+    for t in (moe_gmm.TILINGS[0], moe_gmm.TILINGS[2], persistent):  # K splits 1 and 4; persistent
         mlp = jax.jit(lambda x, a, b, c, g, t=t: moe_gmm.direct_swiglu(x, a, b, c, g, t, interpret=False))
         text = mlp.trace(jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16), args[1], args[2],
                          jax.ShapeDtypeStruct((128, 768, 2048), jnp.bfloat16),
                          jax.ShapeDtypeStruct((8,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("jaxllm_moe_decode_gmm") >= 2
+
+
+def test_persistent_tilings_take_the_direct_path_only():
+    t = next(t for t in moe_gmm.TILINGS if t.ctas)
+    x = jnp.zeros((8, 2048), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16)
+    with pytest.raises(ValueError, match="persistent"):
+        jax.eval_shape(lambda x, w: moe_gmm.grouped_matmul(x, w, jnp.full((128,), 0, jnp.int32), t,
+                                                           interpret=False), x, w)

@@ -58,19 +58,25 @@ class Tiling:
     k_splits: int = 1  # CTAs along K per strip (float32 partials summed by XLA)
     num_warps: int = 4
     num_stages: int = 3
+    # direct path only: 0, a CTA an item (row, strip, K split) of the grid; n > 0, n CTAs that
+    # walk the items of the rows up to the last live one (`_kernel`), so the rows of padding
+    # tokens past it launch nothing
+    ctas: int = 0
 
     @property
     def name(self) -> str:
         if self.block_m != 16:  # a prefill tiling (PREFILL_TILINGS): rows per slot named too
             return f"tiles{self.block_m}_{self.block_n}x{self.block_k}w{self.num_warps}s{self.num_stages}"
-        return f"decode_{self.block_n}x{self.block_k}k{self.k_splits}"
+        return f"decode_{self.block_n}x{self.block_k}k{self.k_splits}" + (f"c{self.ctas}" if self.ctas else "")
 
     def fits(self, K: int, N: int) -> bool:
         return N % self.block_n == 0 and K % (self.block_k * self.k_splits) == 0
 
 
 TILINGS = (Tiling(block_n=128, block_k=128), Tiling(block_n=64, block_k=256),
-           Tiling(block_n=128, block_k=64, k_splits=4), Tiling(block_n=256, block_k=64, k_splits=4))
+           Tiling(block_n=128, block_k=64, k_splits=4), Tiling(block_n=256, block_k=64, k_splits=4),
+           # direct path only: 4 CTAs an SM of an H100 / H200 (132 SMs), persistent
+           Tiling(block_n=128, block_k=64, k_splits=4, ctas=4 * 132))
 # Prefill-sized steps (many rows an expert): the same kernel with tensor-core-sized row blocks, a
 # slot per 128 (64) rows of an expert, so each expert's weight tile is read once per row block
 # rather than once per 16 rows. Offered beside JAX's bundled `ragged_dot_mgpu` (264 TFLOP/s at
@@ -109,7 +115,35 @@ def _kernel(sched_ref, x_ref, *refs, t: Tiling, k_steps: int, strips: int, rows_
     with `swiglu` = P > 0 the gate/up pair's raw output [P, rows, 2K] (P float32 partials of a
     K split, or P = 1): silu(sum of gate) * (sum of up), computed as the rows are loaded."""
     w_refs, o_ref = refs[:-1], refs[-1]
-    j, ks, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # slot slowest: see `_call`
+    G = w_refs[0].shape[0]
+    if not t.ctas:  # a CTA an item; the slot axis slowest: see `_call`
+        _item(pl.program_id(0), pl.program_id(1), pl.program_id(2), sched_ref, x_ref, w_refs, o_ref,
+              t=t, k_steps=k_steps, strips=strips, rows_out=rows_out, row_div=row_div, swiglu=swiglu)
+        return
+    # persistent (direct path): the items of rows [0, last live row] in order (a decode batch's
+    # real tokens come first), item i = (row, K split, column strip) in that nesting, to CTA
+    # i % ctas
+    M = sched_ref.shape[0]
+    idx = jnp.arange(pl.next_power_of_2(M), dtype=jnp.int32)
+    g = sched_ref[jnp.minimum(idx, M - 1)]
+    rows_live = jnp.max(jnp.where((idx < M) & (g >= 0) & (g < G), idx + 1, 0))
+    cols = len(w_refs) * strips
+    items = rows_live * (t.k_splits * cols)
+    c = pl.program_id(0)
+
+    def each(n, carry):
+        i = c + n * t.ctas
+        s, rem = i // (t.k_splits * cols), i % (t.k_splits * cols)
+        _item(rem % cols, rem // cols, s, sched_ref, x_ref, w_refs, o_ref, t=t, k_steps=k_steps,
+              strips=strips, rows_out=rows_out, row_div=row_div, swiglu=swiglu)
+        return carry
+
+    jax.lax.fori_loop(0, jnp.maximum(items - c + t.ctas - 1, 0) // t.ctas, each, 0)
+
+
+def _item(j, ks, s, sched_ref, x_ref, w_refs, o_ref, *, t: Tiling, k_steps: int, strips: int,
+          rows_out: int, row_div: int, swiglu: int):
+    """One item: column strip j (of the weights side by side), K split ks, slot s."""
     if len(sched_ref.shape) == 1:  # the direct path's groups: slot s = row s of group groups[s]
         g = sched_ref[s]
         live = (g >= 0) & (g < w_refs[0].shape[0])  # any other id: no expert here, no work
@@ -180,6 +214,8 @@ def _call(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array | None
         interpret = jax.default_backend() == "cpu"
     if sched is None:
         sched = slots(group_sizes, M, t.block_m)
+    if t.ctas and sched.ndim != 1:
+        raise ValueError(f"tiling {t.name}: persistent CTAs walk the direct path's rows only")
     dt = ws[0].dtype if swiglu else x.dtype  # the dot's operands and the output
     k_steps = K // (t.block_k * t.k_splits)
     rows, cols = M + t.block_m, len(ws) * N  # spare rows take the last block's masked lanes
@@ -194,7 +230,7 @@ def _call(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array | None
         # the slot axis slowest (CUDA launches x fastest): every CTA of the first slots (a decode
         # batch's real tokens come first) goes out in the first wave, the padding rows' empty
         # CTAs after them, instead of 7 empty slots between live ones (batch 1 in a bucket of 8)
-        grid=(len(ws) * strips, t.k_splits, sched.shape[-1]),
+        grid=(t.ctas,) if t.ctas else (len(ws) * strips, t.k_splits, sched.shape[-1]),
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages),
         interpret=interpret,

@@ -10,7 +10,9 @@
   (`moe_gmm.PREFILL_TILINGS`), offered for prefill-sized row counts (M > DECODE_MAX_ROWS).
 - "direct_decode_<bn>x<bk>k<splits>": the decode kernel over unsorted rows, one slot a row
   (`moe_gmm.direct_swiglu`), offered up to DIRECT_MAX_ROWS rows: `moe.experts` then skips
-  sorting and unsorting the rows (an expert two rows share is read twice).
+  sorting and unsorting the rows (an expert two rows share is read twice). With a suffix
+  "c<n>": n persistent CTAs walking the rows up to the last live one, so a batch-1 step in a
+  bucket of 8 launches n CTAs, not one per item of all 8 tokens' rows.
 - "mosaic_<bn>x<bk>s<stages>": its Hopper twin (`kernels/moe_gmm_mosaic.py`, Mosaic GPU:
   the bundled kernel's TMA/wgmma schedule over only the row blocks that hold rows).
 - "ws<bm>_<bn>x<bk>s<stages>": a warp-specialized Hopper kernel (`kernels/moe_gmm_ws.py`: the
@@ -130,7 +132,8 @@ class MosaicGmm(DecodeGmm):
 
 # The decode tilings the engine measures at warm-up (each costs a compile per row count);
 # scripts/gpu_moe.sh times all of them, so this list follows its figures.
-ENGINE_DECODE_TILINGS = ("decode_64x256k1", "decode_128x64k4", "mosaic_128x64s4", "mosaic_64x64s6")
+ENGINE_DECODE_TILINGS = ("decode_64x256k1", "decode_128x64k4", "decode_128x64k4c528", "mosaic_128x64s4",
+                         "mosaic_64x64s6")
 
 
 def candidates(M: int, E: int, H: int, F: int, platform: str | None = None,
@@ -146,7 +149,8 @@ def candidates(M: int, E: int, H: int, F: int, platform: str | None = None,
 
         for t in moe_gmm.TILINGS:  # each projection's (K, N): gate/up (H, F or 2F), down (F, H)
             if t.fits(H, F) and t.fits(F, H):
-                out[t.name] = DecodeGmm(t)
+                if not t.ctas:  # persistent CTAs: the direct path only
+                    out[t.name] = DecodeGmm(t)
                 if M <= DIRECT_MAX_ROWS:
                     out["direct_" + t.name] = DirectGmm(t)
         try:
@@ -255,10 +259,19 @@ class Chooser:
             # depends on no other token), against which each candidate's first rows are checked;
             # ragged_dot over all rows at prefill sizes runs out of memory (32 GiB at 65,536).
             n = min(T, REF_TOKENS)
-            ref = jax.jit(lambda *a: experts(*a, gmm=ragged_dot_ref))(x[:n], wts[:n], ids[:n], w_g, w_u, w_d)
-            times = time_checked(fns, (x, wts, ids, w_g, w_u, w_d), reps, "MoE grouped matmul",
-                                 f" at {M} rows", tol=3e-2, catch=True, ref=ref,
-                                 chain=20 if M <= DECODE_MAX_ROWS else 0, unroll=UNROLL)
+            ref_fn = jax.jit(lambda *a: experts(*a, gmm=ragged_dot_ref))
+
+            def timed(ids, what):
+                ref = ref_fn(x[:n], wts[:n], ids[:n], w_g, w_u, w_d)
+                return time_checked(fns, (x, wts, ids, w_g, w_u, w_d), reps, "MoE grouped matmul",
+                                    f" at {M} rows{what}", tol=3e-2, catch=True, ref=ref,
+                                    chain=20 if M <= DECODE_MAX_ROWS else 0, unroll=UNROLL)
+            times = timed(ids, "")
+            if M <= DIRECT_MAX_ROWS and T > 1 and times:
+                # A small decode bucket also serves a batch of one: time that too (the other
+                # tokens padding, id E as the router kernel gives them) and rank by the sum.
+                one = timed(ids.at[1:].set(E), ", one real token")
+                times = {name: t + one[name] for name, t in times.items() if name in one}
             if times:
                 self.choice[M] = min(times, key=times.get)
                 self.timings[M] = times
