@@ -145,6 +145,9 @@ def compile_step(args, topo) -> dict:
         from jaxllm.kernels import moe_router
         if moe_router.enabled():  # as the engine's runner (JAXLLM_MOE_ROUTER=xla: XLA's router)
             hooks["router_fn"] = moe_router.route_small
+    from jaxllm.kernels import rope_write
+    if rope_write.enabled():  # as the engine's runner on one GPU (JAXLLM_ROPE_WRITE=xla: XLA's)
+        hooks["rope_write_fn"] = rope_write.rope_write_small
     attn = pick_attention(None, "gpu", 1)
 
     def make():

@@ -43,7 +43,7 @@ def test_router_kernel_matches_route(T, H, E, k, routing, norm):
     np.testing.assert_allclose(np.asarray(weights)[v], np.asarray(want_w)[v], rtol=1e-5, atol=1e-6)
     # padding tokens: no expert (id E), weight 0
     assert (np.asarray(ids)[~v] == E).all() and (np.asarray(weights)[~v] == 0).all()
-    ref_w, ref_ids = moe_router.route_tokens_ref(h, w, valid, k, routing, norm)
+    _, ref_ids = moe_router.route_tokens_ref(h, w, valid, k, routing, norm)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(ref_ids))
 
 

@@ -125,6 +125,10 @@ class ModelRunner(PoolSizing, Warmup):
         model_cls = self.model_entry.model_cls
         hooks = (self.tp.model_hooks() if self.tp else {}) | (self.eplb.model_hooks() if self.eplb else {})
         self.gmm_chooser = None  # one GPU, MoE: grouped matmul picked by measurement at warm-up
+        if self.tp is None and self.platform == "gpu":
+            from jaxllm.kernels import rope_write
+            if rope_write.enabled():  # decode-sized steps: head norms, RoPE, K/V write in one kernel
+                hooks["rope_write_fn"] = rope_write.rope_write_small
         if model_cfg.moe is not None and self.tp is None and self.platform == "gpu":
             from jaxllm.models.gmm import Chooser
             from jaxllm.models.moe import experts

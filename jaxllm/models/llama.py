@@ -136,12 +136,18 @@ class Llama(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, dtype=jnp.float32, *, rngs: nnx.Rngs,
                  attention_fn: AttentionFn | None = None,
-                 embed_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None):
+                 embed_fn: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
+                 rope_write_fn: Callable | None = None):
         from jaxllm.kernels.ref import ragged_paged_attention
 
         self.cfg = cfg
         self.attention_fn = attention_fn or ragged_paged_attention
         self.embed_fn = embed_fn  # None: a plain gather (tensor parallel: parallel/embedding.py)
+        # rope_write_fn(qkv, (H, K), q_norm, k_norm, eps, positions, inv_freq, kv_pages, layer,
+        # slot_mapping) -> (q, kv_pages) or None: head norms, RoPE and the K/V write of a fused
+        # q/k/v projection in one kernel where it takes the step (kernels/rope_write.py
+        # `rope_write_small`, on one GPU)
+        self.rope_write_fn = rope_write_fn
         self.embed = _param((cfg.vocab_size, cfg.hidden_size), dtype, rngs)
         self.layers = LayerStack(cfg, dtype, rngs)
         self.norm = _param((cfg.hidden_size,), dtype, rngs, None)
@@ -183,6 +189,14 @@ class Llama(nnx.Module):
             qkv = linear(h, wqkv, "te,esp->tsp") if isinstance(wqkv, jax.Array) else (h @ wqkv)[:, None]
             if cfg.qkv_bias:
                 qkv = qkv + w["bqkv"]
+            if self.rope_write_fn is not None and qkv.shape[1] == 1:  # one shard: q, k, v side by side
+                norms = (w["q_norm"], w["k_norm"]) if cfg.qk_norm else (None, None)
+                done = self.rope_write_fn(qkv[:, 0], (H, K), *norms, cfg.rms_norm_eps, md.positions,
+                                          inv_freq, kv_pages, layer, md.slot_mapping)
+                if done is not None:  # plain pages: nothing scaled or rotated
+                    q, kv_pages = done
+                    return (x + self._attend(q, kv_pages, layer, md, w, False, None), kv_pages,
+                            w.get("kv_scale", jnp.ones((2,), jnp.float32)))
             nq, nk = H * D // qkv.shape[1], K * D // qkv.shape[1]
             q, k, v = qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:]
         else:
@@ -190,12 +204,12 @@ class Llama(nnx.Module):
             if cfg.qkv_bias:
                 q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
         q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
+        scale = w.get("kv_scale", jnp.ones((2,), jnp.float32))
         if cfg.qk_norm:
             q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
         q = apply_rope(q, md.positions, inv_freq)
         k = apply_rope(k, md.positions, inv_freq)
-        scale = w.get("kv_scale", jnp.ones((2,), jnp.float32))
         fp8 = kv_quant.page_format(kv_pages.dtype, kv_pages.shape[-1], D) == "fp8"
         if fp8:
             if self.calibrate_kv:
@@ -206,15 +220,20 @@ class Llama(nnx.Module):
         if rot is not None:
             q, k, v = (kv_quant.rotate(a, rot) for a in (q, k, v))
         kv_pages = write_kv(kv_pages, layer, k, v, md.slot_mapping)
+        return x + self._attend(q, kv_pages, layer, md, w, fp8, rot, scale), kv_pages, scale
+
+    def _attend(self, q, kv_pages, layer, md, w, fp8: bool, rot, scale=None) -> jax.Array:
+        """Attention over the written pages and the o projection: [T, E]."""
+        cfg = self.cfg
         attn = self.attention_fn(q, kv_pages, layer, md, sm_scale=cfg.sm_scale)
         if fp8:
             attn = (attn.astype(jnp.float32) * scale[1]).astype(attn.dtype)
         if rot is not None:
             attn = kv_quant.rotate(attn, rot, transpose=True)
-        o = linear(attn.reshape(T, H * D), w["wo"])
+        o = linear(attn.reshape(q.shape[0], -1), w["wo"])
         if cfg.o_bias:
             o = o + w["bo"]
-        return x + o, kv_pages, scale
+        return o
 
     def _mlp(self, h: jax.Array, w: dict[str, jax.Array], md: AttentionMetadata) -> jax.Array:
         if "w_gu" in w and not isinstance(w["w_gu"], jax.Array):  # fp8 W8A8 [gate; up]: one matmul

@@ -103,8 +103,10 @@ class MoeLlama(Llama):
                  attention_fn=None, embed_fn=None, experts_fn: Callable | None = None,
                  expert_map: Callable | None = None, num_slots: int | None = None,
                  placement: np.ndarray | None = None, count_loads: bool = False,
-                 expert_split: tuple[int, int] | None = None, router_fn: Callable | None = None):
-        super().__init__(cfg, dtype, rngs=rngs, attention_fn=attention_fn, embed_fn=embed_fn)
+                 expert_split: tuple[int, int] | None = None, router_fn: Callable | None = None,
+                 rope_write_fn: Callable | None = None):
+        super().__init__(cfg, dtype, rngs=rngs, attention_fn=attention_fn, embed_fn=embed_fn,
+                         rope_write_fn=rope_write_fn)
         m: MoEConfig = cfg.moe
         self.layers = LayerStack(cfg, dtype, rngs, mlp_layers=cfg.num_layers - len(m.moe_layers))
         self.experts = ExpertStack(cfg, dtype, rngs, placement, expert_split)

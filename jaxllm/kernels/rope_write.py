@@ -1,0 +1,143 @@
+"""A decode-sized step's q/k head RMSNorm (Qwen3), RoPE and K/V write into the paged pool in one
+kernel.
+
+`rope_write(qkv [T, (H + 2K) D], ...) -> (q roped [T, H, D], kv_pages)`, q, k and v side by side
+as the fused q/k/v projection gives them (no XLA slice of it, each of which was a kernel): the
+model's `rms_norm` of each q and k head (with `q_norm` / `k_norm` weights, else none), its
+rotate-half `apply_rope` at each token's position, and `ref.write_kv` of the roped k and of v
+into the token's slot of layer `layer` (padding tokens, slot -1: nothing written). The pool is
+aliased in and out (donated through the step, so written in place).
+
+Why: XLA compiled these, at a batch-1 decode step of Qwen3-30B-A3B, into four kernels a layer
+(the k-norm, the KV scatter with k's RoPE, the q-norm, q's RoPE: the rotate-half concatenate
+fuses with nothing before it), each a few microseconds of a launch-bound step; with this kernel
+two (it, and the sum of the q/k/v GEMM's split-K partials that XLA fused into those four):
+635 kernels a step instead of 731 (`scripts/aot_kernels.py`). One program a
+token: it loads each half of every head ([H, D/2] tiles, so the rotation pairs columns j and
+j + D/2 without a shuffle), normalises in float32 (statistics over both halves, the bf16 cast
+before the weight as HF does), rotates, stores q and writes k / v to their page row.
+
+Plain pages only (the model's dtype: fp8 / int pages quantize in `write_kv`), no rotation of
+the page layout (`kv_quant.page_rotation`), up to MAX_TOKENS tokens (`fits`); the model keeps
+XLA's path otherwise. A `pallas_call`: Triton on the GPU, Pallas' interpreter on the CPU
+(tests/test_rope_write.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+MAX_TOKENS = 64  # larger steps keep XLA's fusions (their scatter is one kernel at any size)
+
+
+def fits(qkv: jax.Array, head_dim: int, kv_pages: jax.Array) -> bool:
+    """Plain pages of qkv's dtype, head dim a power of two >= 32, up to MAX_TOKENS tokens."""
+    D = head_dim
+    return (qkv.ndim == 2 and qkv.shape[0] <= MAX_TOKENS and kv_pages.dtype == qkv.dtype
+            and kv_pages.shape[-1] == D and D >= 32 and D & (D - 1) == 0)
+
+
+def enabled() -> bool:
+    """JAXLLM_ROPE_WRITE: "kernel" (default) takes decode-sized steps on one GPU here, "xla" keeps
+    XLA's fusions throughout."""
+    from jaxllm.envs import env_choice
+    return env_choice("JAXLLM_ROPE_WRITE", "kernel", ("kernel", "xla")) == "kernel"
+
+
+def rope_write_small(qkv, heads, q_norm, k_norm, eps, positions, inv_freq, kv_pages, layer,
+                     slot_mapping) -> tuple[jax.Array, jax.Array] | None:
+    """`rope_write` where it takes the step (`fits`) and the model has head norms, else None: the
+    model's `rope_write_fn` hook. Without head norms XLA compiles the same work into as many
+    kernels (q's RoPE; the KV scatter with k's), so the measured path stays."""
+    if q_norm is None or not fits(qkv, kv_pages.shape[-1], kv_pages):
+        return None
+    return rope_write(qkv, heads, q_norm, k_norm, eps, positions, inv_freq, kv_pages, layer,
+                      slot_mapping)
+
+
+def _heads(ref, t, base: int, n: int, half: int, hi: int):
+    """[n_pad, half] float32: columns [hi * half, (hi + 1) * half) of the n heads of token t's
+    row that start at column `base`."""
+    h = jnp.arange(pl.next_power_of_2(n), dtype=jnp.int32)
+    j = jnp.arange(half, dtype=jnp.int32)
+    cols = base + jnp.minimum(h, n - 1)[:, None] * (2 * half) + hi * half + j[None, :]
+    return plt.load(ref.at[t, cols]).astype(jnp.float32)
+
+
+def _norm_rope(ref, w_ref, t, base: int, n: int, half: int, cos, sin, eps: float, dt):
+    """Token t's n heads normalised (w_ref None: not) and rotated: two [n_pad, half] halves."""
+    x1, x2 = _heads(ref, t, base, n, half, 0), _heads(ref, t, base, n, half, 1)
+    if w_ref is not None:
+        j = jnp.arange(half, dtype=jnp.int32)
+        r = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / (2 * half) + eps)
+        w1, w2 = (w_ref[hi * half + j].astype(jnp.float32)[None, :] for hi in (0, 1))
+        x1 = (w1 * (x1 * r[:, None]).astype(dt).astype(jnp.float32)).astype(dt).astype(jnp.float32)
+        x2 = (w2 * (x2 * r[:, None]).astype(dt).astype(jnp.float32)).astype(dt).astype(jnp.float32)
+    return (x1 * cos - x2 * sin).astype(dt), (x2 * cos + x1 * sin).astype(dt)
+
+
+def _kernel(pos_ref, slot_ref, layer_ref, inv_ref, x_ref, *refs, H: int, K: int, half: int,
+            page_size: int, eps: float, norm: bool):
+    if norm:
+        qw_ref, kw_ref, _, qo_ref, kv_ref = refs
+    else:
+        (_, qo_ref, kv_ref), qw_ref, kw_ref = refs, None, None
+    dt = qo_ref.dtype
+    t = pl.program_id(0)
+    j = jnp.arange(half, dtype=jnp.int32)
+    ang = pos_ref[t].astype(jnp.float32) * inv_ref[j]
+    cos, sin = jnp.cos(ang)[None, :], jnp.sin(ang)[None, :]
+    hq = jnp.arange(pl.next_power_of_2(H), dtype=jnp.int32)
+    D = 2 * half
+    q1, q2 = _norm_rope(x_ref, qw_ref, t, 0, H, half, cos, sin, eps, dt)
+    for hi, part in ((0, q1), (1, q2)):
+        plt.store(qo_ref.at[t, hq[:, None], hi * half + j[None, :]], part, mask=(hq < H)[:, None])
+    slot = slot_ref[t]
+
+    @pl.when(slot >= 0)
+    def _write():
+        layer, page, off = layer_ref[0], slot // page_size, slot % page_size
+        hk = jnp.arange(pl.next_power_of_2(K), dtype=jnp.int32)
+        mask = (hk < K)[:, None]
+        k1, k2 = _norm_rope(x_ref, kw_ref, t, H * D, K, half, cos, sin, eps, dt)
+        v1, v2 = (_heads(x_ref, t, (H + K) * D, K, half, hi).astype(dt) for hi in (0, 1))
+        for which, hi, part in ((0, 0, k1), (0, 1, k2), (1, 0, v1), (1, 1, v2)):
+            plt.store(kv_ref.at[layer, which, hk[:, None], page, off, hi * half + j[None, :]], part,
+                      mask=mask)
+
+
+def rope_write(qkv: jax.Array, heads: tuple[int, int], q_norm: jax.Array | None,
+               k_norm: jax.Array | None, eps: float, positions: jax.Array, inv_freq: np.ndarray,
+               kv_pages: jax.Array, layer: jax.Array, slot_mapping: jax.Array,
+               interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+    """qkv [T, (H + 2K) D] (q's H heads, k's K, v's K), heads (H, K) -> (q normed and roped
+    [T, H, D], kv_pages with each token's k (normed, roped) and v written at its slot of
+    `layer`). q_norm / k_norm [D] or None (no head norm)."""
+    (T, C), (H, K), D = qkv.shape, heads, kv_pages.shape[-1]
+    if not fits(qkv, D, kv_pages) or C != (H + 2 * K) * D:
+        raise ValueError(f"rope_write does not take qkv {qkv.shape} {qkv.dtype}, heads {heads}, "
+                         f"pages {kv_pages.dtype} [..., {kv_pages.shape[-1]}] (`rope_write.fits`)")
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    norm = q_norm is not None
+    weights = (q_norm, k_norm) if norm else ()
+    args = (positions.astype(jnp.int32), slot_mapping.astype(jnp.int32),
+            jnp.reshape(layer, (1,)).astype(jnp.int32), jnp.asarray(inv_freq, jnp.float32),
+            qkv, *weights, kv_pages)
+    return pl.pallas_call(
+        functools.partial(_kernel, H=H, K=K, half=D // 2, page_size=kv_pages.shape[-2],
+                          eps=float(eps), norm=norm),
+        grid=(T,),
+        out_shape=(jax.ShapeDtypeStruct((T, H, D), qkv.dtype),
+                   jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype)),
+        input_output_aliases={len(args) - 1: 1},
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="jaxllm_rope_write",
+    )(*args)
