@@ -3,10 +3,13 @@
 #   a (~8 min): scripts/gpu_session32.sh a (issue 17's decode kernel on fp8 pages with the e4m3
 #     query; the 8B batch-1 step with the one-kernel split merge against XLA's merge; fp8 steps).
 #   b (~8 min, needs_h200): issue 15's MoE decode, Qwen3-30B-A3B shape, context 2,048: batch 1
-#     and 64 with the one-kernel router (kernels/moe_router.py, new in session 33: 924 -> 731
-#     kernels a batch-1 step compiled on the CPU), then batch 1 again with XLA's router
-#     (JAXLLM_MOE_ROUTER=xla), in the same call. Target: batch 1 <= 1.5x the floor (4.14x in
-#     session 26, before the direct grouped matmul, command buffers and this).
+#     and 64 with session 33's kernels (kernels/moe_router.py, the router in one kernel;
+#     kernels/rope_write.py, the head norms, RoPE and K/V write in one; 924 -> 635 kernels a
+#     batch-1 step compiled on the CPU; the warm-up also times the persistent direct grouped
+#     matmul, direct_decode_128x64k4c528, against the others: its log line), then batch 1 again
+#     with XLA's router and XLA's head norm / RoPE / scatter (JAXLLM_MOE_ROUTER=xla
+#     JAXLLM_ROPE_WRITE=xla), in the same call. Target: batch 1 <= 1.5x the floor (4.14x in
+#     session 26, before the direct grouped matmul, command buffers and these).
 #   c (~6 min): scripts/gpu_session32.sh c (launch count under the card's jax; int4 / fp8pallas
 #     decode batch 1).
 set -u
@@ -17,12 +20,13 @@ moe_decode() {  # $1: label, $2: batch sizes; env as given
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 timeout -k 10 ${T_G:-230} python3 scripts/bench_moe.py decode \
     --random-shape qwen3-30b-a3b --batch-size $2 --input-len 2048 --num-iters 20 --profile-steps 3 \
     --output-json "$OUT/moe_decode_$1.json" > "$OUT/moe_decode_$1.log" 2>&1; echo "rc=$? ($1)"
-  grep -E "^decode|^  /device|kernels a step|router" "$OUT/moe_decode_$1.log" | cut -c1-400
+  grep -E "^decode|^  /device|kernels a step|router|grouped matmul" "$OUT/moe_decode_$1.log" | cut -c1-600
 }
 case "${1:-}" in
   a) bash scripts/gpu_session32.sh a ;;
   b) echo "== MoE decode, router kernel (default)"; moe_decode router "1 64"
-     echo "== MoE decode, XLA's router"; JAXLLM_MOE_ROUTER=xla moe_decode xla "1" ;;
+     echo "== MoE decode, XLA's router, head norms, RoPE and scatter"
+     JAXLLM_MOE_ROUTER=xla JAXLLM_ROPE_WRITE=xla moe_decode xla "1" ;;
   c) bash scripts/gpu_session32.sh c ;;
   *) echo "usage: $0 a|b|c" >&2; exit 2 ;;
 esac
