@@ -72,14 +72,38 @@ def test_where_the_kernel_declines():
     assert not moe_router.fits(8, 64, 16, 4, "sigmoid")
     assert not moe_router.fits(8, 64, 512, 4, "softmax")
     assert not moe_router.fits(8, 40, 16, 4, "softmax")  # H not a multiple of 16
-    valid = jnp.ones(8, bool)
-    assert moe_router.route_small(h, w.astype(jnp.bfloat16), valid, 4, "softmax", True) is None
-    assert moe_router.route_small(h, {"values": w}, valid, 4, "softmax", True) is None
-    assert moe_router.route_small(h, w, valid, 6, "softmax", True) is None
-    got = moe_router.route_small(h, w, valid, 4, "softmax", True)
-    assert got is not None and got[1].shape == (8, 4)
+    valid, ln = jnp.ones(8, bool), jnp.ones(64, jnp.float32)
+    assert moe_router.route_small(h, w.astype(jnp.bfloat16), valid, 4, "softmax", True, ln, 1e-6) is None
+    assert moe_router.route_small(h, {"values": w}, valid, 4, "softmax", True, ln, 1e-6) is None
+    assert moe_router.route_small(h, w, valid, 6, "softmax", True, ln, 1e-6) is None
+    got = moe_router.route_small(h, w, valid, 4, "softmax", True, ln, 1e-6)
+    assert got is not None and got[1].shape == (8, 4) and got[2].shape == (8, 64)
     with pytest.raises(ValueError, match="top_k=6"):
         moe_router.route_tokens(h, w, valid, 6, "softmax", True)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rms_norm_before_the_router(dtype):
+    """`rms_norm`: the kernel normalises the residual stream itself (two programs, padding rows)
+    and returns the normed rows, as `llama.rms_norm` computes them, beside the routing of them."""
+    from jaxllm.models.llama import rms_norm
+
+    T, H, E, k = 20, 256, 64, 4
+    x, w = _case(T, H, E, seed=7, dtype=dtype)
+    x = x * 3 + 0.5
+    ln = jnp.asarray(np.random.default_rng(2).standard_normal(H) * 0.2 + 1, dtype)
+    valid = jnp.arange(T) < 17
+    weights, ids, h = jax.jit(lambda x, w, v, ln: moe_router.route_tokens(
+        x, w, v, k, "softmax", True, interpret=True, rms_norm=(ln, 1e-6)))(x, w, valid, ln)
+    want_h = rms_norm(x, ln, 1e-6)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(np.asarray(h), np.asarray(want_h), rtol=1e-5, atol=1e-6)
+    else:  # the same bf16 rounding points: nearly every value equal, none off by more than an ulp
+        assert np.mean(np.asarray(h) == np.asarray(want_h)) > 0.97
+        np.testing.assert_allclose(np.asarray(h, np.float32), np.asarray(want_h, np.float32), rtol=8e-3)
+    want_w, want_ids = moe_router.route_tokens_ref(h, w, valid, k, "softmax", True)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_ids))
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(want_w), rtol=1e-4, atol=1e-5)
 
 
 def test_switch(monkeypatch):
@@ -93,11 +117,13 @@ def test_switch(monkeypatch):
 
 @pytest.mark.parametrize("E", [128, 60])
 def test_lowers_for_cuda(E):
-    """The Triton kernel at Qwen3-30B-A3B's router (H 2048, 128 experts, top-8) and with padded
-    columns, lowered for a GPU on this CPU."""
+    """The Triton kernel at Qwen3-30B-A3B's router (H 2048, 128 experts, top-8, the RMSNorm
+    before it) and with padded columns, lowered for a GPU on this CPU."""
     h = jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16)
     w = jax.ShapeDtypeStruct((2048, E), jnp.bfloat16)
     valid = jax.ShapeDtypeStruct((8,), jnp.bool_)
-    f = jax.jit(lambda h, w, v: moe_router.route_tokens(h, w, v, 8, "softmax", True, interpret=False))
-    text = f.trace(h, w, valid).lower(lowering_platforms=("cuda",)).as_text()
+    ln = jax.ShapeDtypeStruct((2048,), jnp.bfloat16)
+    f = jax.jit(lambda h, w, v, ln: moe_router.route_tokens(h, w, v, 8, "softmax", True, interpret=False,
+                                                            rms_norm=(ln, 1e-6) if E == 128 else None))
+    text = f.trace(h, w, valid, ln).lower(lowering_platforms=("cuda",)).as_text()
     assert "jaxllm_moe_router" in text

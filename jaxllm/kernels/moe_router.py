@@ -83,17 +83,35 @@ def _softmax(x: jax.Array) -> jax.Array:
     return e / jnp.sum(e, axis=1, keepdims=True)
 
 
-def _kernel(valid_ref, h_ref, w_ref, wt_ref, id_ref, *, top_k: int, routing: str, norm: bool,
-            bk: int, Ep: int):
+def _kernel(valid_ref, h_ref, w_ref, *refs, top_k: int, routing: str, norm: bool, bk: int,
+            Ep: int, eps: float | None):
+    """refs: (ln_ref,) when `eps` (h_ref is the residual stream, RMS-normalised here), then the
+    weights and ids outputs, then (the normalised rows, hn_ref) when `eps`."""
+    if eps is None:
+        wt_ref, id_ref = refs
+    else:
+        ln_ref, wt_ref, id_ref, hn_ref = refs
     T, H = h_ref.shape
     E = w_ref.shape[1]
     rows = pl.program_id(0) * BLOCK_T + jnp.arange(BLOCK_T, dtype=jnp.int32)
     src = jnp.minimum(rows, T - 1)  # rows past T: clamped copies, their results not stored
     cols = jnp.arange(Ep, dtype=jnp.int32)
+    if eps is not None:  # RMSNorm statistics of each row (float32, over all H columns)
+        def sq(i, acc):
+            x = h_ref[src[:, None], (i * bk + jnp.arange(bk, dtype=jnp.int32))[None, :]]
+            x = x.astype(jnp.float32)
+            return acc + jnp.sum(x * x, axis=1)
+        ss = jax.lax.fori_loop(0, H // bk, sq, jnp.zeros((BLOCK_T,), jnp.float32))
+        r = jax.lax.rsqrt(ss / H + eps)[:, None]
 
     def step(i, acc):
         kk = i * bk + jnp.arange(bk, dtype=jnp.int32)
         x = h_ref[src[:, None], kk[None, :]]  # [bt, bk]
+        if eps is not None:  # the model's rms_norm: cast back before the weight, as HF does
+            dt = x.dtype
+            x = (x.astype(jnp.float32) * r).astype(dt)
+            x = (ln_ref[kk].astype(jnp.float32)[None, :] * x.astype(jnp.float32)).astype(dt)
+            plt.store(hn_ref.at[rows[:, None], kk[None, :]], x, mask=(rows < T)[:, None])
         if Ep == E:
             w = w_ref[pl.ds(i * bk, bk), :]  # [bk, E]
         else:  # padding columns read as 0
@@ -121,10 +139,13 @@ def _kernel(valid_ref, h_ref, w_ref, wt_ref, id_ref, *, top_k: int, routing: str
 
 def route_tokens(h: jax.Array, w: jax.Array, valid: jax.Array | None, top_k: int, routing: str,
                  norm_topk_prob: bool, interpret: bool | None = None,
-                 num_warps: int = 4, num_stages: int = 4) -> tuple[jax.Array, jax.Array]:
+                 num_warps: int = 4, num_stages: int = 4,
+                 rms_norm: tuple[jax.Array, float] | None = None) -> tuple[jax.Array, ...]:
     """h [T, H], w [H, E] (h's dtype), valid [T] bool or None (all valid) -> (weights [T, k]
-    float32, ids [T, k] int32; padding tokens: weight 0, id E). Raises ValueError where `fits`
-    does not hold."""
+    float32, ids [T, k] int32; padding tokens: weight 0, id E). With `rms_norm` = (weight [H],
+    eps), h is the residual stream: the router reads `llama.rms_norm(h, weight, eps)`, computed
+    here, and returns it as well (the experts' input): (weights, ids, normed h [T, H]). Raises
+    ValueError where `fits` does not hold."""
     T, H = h.shape
     E = w.shape[-1]
     if not fits(T, H, E, top_k, routing):
@@ -134,16 +155,20 @@ def route_tokens(h: jax.Array, w: jax.Array, valid: jax.Array | None, top_k: int
         interpret = jax.default_backend() == "cpu"
     if valid is None:
         valid = jnp.ones((T,), bool)
+    out_shape = (jax.ShapeDtypeStruct((T, top_k), jnp.float32), jax.ShapeDtypeStruct((T, top_k), jnp.int32))
+    extra, eps = (), None
+    if rms_norm is not None:
+        extra, eps = (rms_norm[0].astype(h.dtype),), float(rms_norm[1])
+        out_shape += (jax.ShapeDtypeStruct((T, H), h.dtype),)
     return pl.pallas_call(
         functools.partial(_kernel, top_k=top_k, routing=routing, norm=bool(norm_topk_prob),
-                          bk=block_k(padded_experts(E), H), Ep=padded_experts(E)),
+                          bk=block_k(padded_experts(E), H), Ep=padded_experts(E), eps=eps),
         grid=(pl.cdiv(T, BLOCK_T),),
-        out_shape=(jax.ShapeDtypeStruct((T, top_k), jnp.float32),
-                   jax.ShapeDtypeStruct((T, top_k), jnp.int32)),
+        out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="jaxllm_moe_router",
-    )(valid.astype(jnp.int32), h, w.astype(h.dtype))
+    )(valid.astype(jnp.int32), h, w.astype(h.dtype), *extra)
 
 
 def enabled() -> bool:
@@ -153,15 +178,16 @@ def enabled() -> bool:
     return env_choice("JAXLLM_MOE_ROUTER", "kernel", ("kernel", "xla")) == "kernel"
 
 
-def route_small(h: jax.Array, w, valid: jax.Array, top_k: int, routing: str,
-                norm_topk_prob: bool) -> tuple[jax.Array, jax.Array] | None:
-    """`route_tokens` where it takes the batch (`fits`, a plain weight of h's dtype), else None:
-    the model's `router_fn` hook (models/moe_model.py)."""
-    T, H = h.shape
-    if not (isinstance(w, jax.Array) and w.dtype == h.dtype and w.ndim == 2
-            and fits(T, H, w.shape[1], top_k, routing)):
+def route_small(x: jax.Array, w, valid: jax.Array, top_k: int, routing: str,
+                norm_topk_prob: bool, ln: jax.Array, eps: float) -> tuple[jax.Array, ...] | None:
+    """`route_tokens` of the residual stream x with the RMSNorm (ln, eps) before the router
+    done here, where it takes the batch (`fits`, plain weights of x's dtype): (weights, ids,
+    normed x); else None. The model's `router_fn` hook (models/moe_model.py)."""
+    T, H = x.shape
+    if not (isinstance(w, jax.Array) and w.dtype == x.dtype and w.ndim == 2
+            and isinstance(ln, jax.Array) and fits(T, H, w.shape[1], top_k, routing)):
         return None
-    return route_tokens(h, w, valid, top_k, routing, norm_topk_prob)
+    return route_tokens(x, w, valid, top_k, routing, norm_topk_prob, rms_norm=(ln, eps))
 
 
 def route_logits(logits: jax.Array, top_k: int, routing: str, norm_topk_prob: bool

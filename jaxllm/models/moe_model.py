@@ -11,9 +11,10 @@ Hooks: `experts_fn(x, weights, ids, w_gate, w_up, w_down, valid)` computes the
 routed experts (default `moe.experts` on one device; parallel/experts.py wraps
 it in shard_map for tensor or expert parallelism); `expert_map` (see eplb.py)
 turns logical expert ids into physical slots when experts are replicated;
-`router_fn(h, w_router, valid, top_k, routing, norm_topk_prob)` routes in one kernel
-(kernels/moe_router.py `route_small`, on one GPU) or returns None where it does not take the
-batch (XLA's router then): its padding tokens come back with id E, so `experts_fn` gets no `valid`.
+`router_fn(x, w_router, valid, top_k, routing, norm_topk_prob, ln_mlp, eps)` normalises the
+residual stream and routes in one kernel (kernels/moe_router.py `route_small`, on one GPU),
+returning (weights, ids, normed x), or None where it does not take the batch (XLA's RMSNorm and
+router then): its padding tokens come back with id E, so `experts_fn` gets no `valid`.
 """
 
 from __future__ import annotations
@@ -116,18 +117,21 @@ class MoeLlama(Llama):
         self.count_loads = count_loads  # also return rows per logical expert [Lm, E] (EPLB)
         self.router_fn = router_fn
 
-    def _moe(self, h: jax.Array, w: dict[str, jax.Array], md: AttentionMetadata):
-        """The expert block: (output [T, H], rows per logical expert [E])."""
+    def _moe(self, x: jax.Array, w: dict[str, jax.Array], md: AttentionMetadata):
+        """The expert block on the residual stream x (its RMSNorm first): (output [T, H], rows
+        per logical expert [E])."""
         m: MoEConfig = self.cfg.moe
         valid = md.positions >= 0
         routed = None
         if self.router_fn is not None and self.expert_map is None:
-            routed = self.router_fn(h, w["router"], valid, m.top_k, m.routing, m.norm_topk_prob)
+            routed = self.router_fn(x, w["router"], valid, m.top_k, m.routing, m.norm_topk_prob,
+                                    w["ln_mlp"], self.cfg.rms_norm_eps)
         if routed is None:
+            h = act.norm(x, w["ln_mlp"], self.cfg.rms_norm_eps)
             logits = llama.linear(h, w["router"], out_dtype=jnp.float32)
             weights, ids = route(logits, m.top_k, m.routing, m.norm_topk_prob)
         else:
-            weights, ids = routed  # padding tokens: id E, no expert
+            weights, ids, h = routed  # padding tokens: id E, no expert; h normed by the kernel
         load = expert_loads(ids, m.num_experts, valid)
         if self.expert_map is not None:
             ids = self.expert_map(ids, w, md)
@@ -143,11 +147,11 @@ class MoeLlama(Llama):
         """One decoder layer: (x, kv_pages, expert load [E] or None for a dense layer, the
         layer's (k_scale, v_scale) as used)."""
         x, kv_pages, scale = self._attention(x, w, kv_pages, layer, md, inv_freq)
-        h = act.norm(x, w["ln_mlp"], self.cfg.rms_norm_eps,
-                     None if "router" in w else llama._consumers(w, "w_gate", "w_up", "w_gu"))
         if "router" not in w:
+            h = act.norm(x, w["ln_mlp"], self.cfg.rms_norm_eps,
+                         llama._consumers(w, "w_gate", "w_up", "w_gu"))
             return x + self._mlp(h, w, md), kv_pages, None, scale
-        y, load = self._moe(h, w, md)
+        y, load = self._moe(x, w, md)
         return x + y, kv_pages, load, scale
 
     def _layers(self, x, kv_pages, md, inv_freq, layer_weights):
