@@ -4,7 +4,7 @@
 #     query; the 8B batch-1 step with the one-kernel split merge against XLA's merge; fp8 steps).
 #   b (~8 min, needs_h200): issue 15's MoE decode, Qwen3-30B-A3B shape, context 2,048: batch 1
 #     and 64 with session 33's kernels (kernels/moe_router.py, the router in one kernel;
-#     kernels/rope_write.py, the head norms, RoPE and K/V write in one; 924 -> 635 kernels a
+#     kernels/rope_write.py, the head norms, RoPE and K/V write in one; 924 -> 587 kernels a
 #     batch-1 step compiled on the CPU; the warm-up also times the persistent direct grouped
 #     matmul, direct_decode_128x64k4c528, against the others: its log line), then batch 1 again
 #     with XLA's router and XLA's head norm / RoPE / scatter (JAXLLM_MOE_ROUTER=xla
