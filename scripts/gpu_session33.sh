@@ -24,7 +24,11 @@ moe_decode() {  # $1: label, $2: batch sizes; env as given
 }
 case "${1:-}" in
   a) bash scripts/gpu_session32.sh a ;;
-  b) echo "== MoE decode, router kernel (default)"; moe_decode router "1 64"
+  b) echo "== session 33's kernels against XLA's paths (scripts/check_moe_kernels.py)"
+     timeout -k 10 ${T_K:-150} python3 scripts/check_moe_kernels.py --json "$OUT/moe_kernels.json" \
+       > "$OUT/moe_kernels.log" 2>&1; echo "rc=$?"
+     grep -E "^(floor|router|rope_write|gmm)" "$OUT/moe_kernels.log"
+     echo "== MoE decode, router kernel (default)"; moe_decode router "${MOE_B:-1 64}"
      echo "== MoE decode, XLA's router, head norms, RoPE and scatter"
      JAXLLM_MOE_ROUTER=xla JAXLLM_ROPE_WRITE=xla moe_decode xla "1" ;;
   c) bash scripts/gpu_session32.sh c ;;
