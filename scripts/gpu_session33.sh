@@ -12,6 +12,8 @@
 #     session 26, before the direct grouped matmul, command buffers and these).
 #   c (~6 min): scripts/gpu_session32.sh c (launch count under the card's jax; int4 / fp8pallas
 #     decode batch 1).
+#   k (~2 min, ~5 on an H200): scripts/check_moe_kernels.py alone, then on an H200 the MoE
+#     batch-1 step with session 33's kernels.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
@@ -31,6 +33,14 @@ case "${1:-}" in
      echo "== MoE decode, router kernel (default)"; moe_decode router "${MOE_B:-1 64}"
      echo "== MoE decode, XLA's router, head norms, RoPE and scatter"
      JAXLLM_MOE_ROUTER=xla JAXLLM_ROPE_WRITE=xla moe_decode xla "1" ;;
+  k) echo "== session 33's kernels against XLA's paths (scripts/check_moe_kernels.py)"
+     timeout -k 10 ${T_K:-150} python3 scripts/check_moe_kernels.py --json "$OUT/moe_kernels.json" \
+       > "$OUT/moe_kernels.log" 2>&1; echo "rc=$?"
+     grep -E "^(floor|router|rope_write|gmm)" "$OUT/moe_kernels.log"
+     grep -iE "wrong|failed|error" "$OUT/moe_kernels.log" | head -5 | cut -c1-400
+     # then, on a card with the memory for Qwen3-30B-A3B (an H200), the batch-1 step with them
+     mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+     if [ "${mem:-0}" -gt 100000 ]; then echo "== MoE decode batch 1"; moe_decode router 1; fi ;;
   c) bash scripts/gpu_session32.sh c ;;
-  *) echo "usage: $0 a|b|c" >&2; exit 2 ;;
+  *) echo "usage: $0 a|b|c|k" >&2; exit 2 ;;
 esac
