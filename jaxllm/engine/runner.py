@@ -126,8 +126,10 @@ class ModelRunner(PoolSizing, Warmup):
         hooks = (self.tp.model_hooks() if self.tp else {}) | (self.eplb.model_hooks() if self.eplb else {})
         self.gmm_chooser = None  # one GPU, MoE: grouped matmul picked by measurement at warm-up
         if self.tp is None and self.platform == "gpu":
+            from jaxllm.engine import kernel_probes
             from jaxllm.kernels import rope_write
-            if rope_write.enabled():  # decode-sized steps: head norms, RoPE, K/V write in one kernel
+            # decode-sized steps: head norms, RoPE, K/V write in one kernel, once probed here
+            if rope_write.enabled() and kernel_probes.rope_write_ok(model_cfg, self.dtype, cfg.block_size):
                 hooks["rope_write_fn"] = rope_write.rope_write_small
         if model_cfg.moe is not None and self.tp is None and self.platform == "gpu":
             from jaxllm.models.gmm import Chooser
@@ -135,7 +137,8 @@ class ModelRunner(PoolSizing, Warmup):
             self.gmm_chooser = Chooser()
             hooks["experts_fn"] = functools.partial(experts, gmm=self.gmm_chooser)
             from jaxllm.kernels import moe_router
-            if moe_router.enabled():  # decode-sized steps routed in one kernel
+            # decode-sized steps routed in one kernel (with the RMSNorm), once probed here
+            if moe_router.enabled() and kernel_probes.router_ok(model_cfg, self.dtype):
                 hooks["router_fn"] = moe_router.route_small
         # fp8 pages + calculate_kv_scales: the model calibrates layers whose kv_scale is 0 on
         # the first step with a real token and the step returns the scales it used (`Llama.calibrate_kv`).
