@@ -28,10 +28,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxllm.engine.kernel_probes import xla_rope_write  # noqa: E402
 from jaxllm.kernels import moe_gmm, moe_router, rope_write  # noqa: E402
-from jaxllm.kernels.ref import write_kv  # noqa: E402
 from jaxllm.kernels.timing import loop_floor, time_checked  # noqa: E402
-from jaxllm.models.llama import apply_rope, rms_norm  # noqa: E402
+from jaxllm.models.llama import rms_norm  # noqa: E402
 
 T, H, E, K_TOP, F = 8, 2048, 128, 8, 768  # Qwen3-30B-A3B, a batch-1 bucket
 NH, NK, D = 32, 4, 128
@@ -74,10 +74,7 @@ def rope_case(rng, real: int) -> tuple[dict, tuple]:
         return flat(jnp.where((pos >= 0)[:, None, None], q, 0), p)
 
     def xla(qkv, qn, kn, pages):
-        q, k, v = jnp.split(qkv, [NH * D, (NH + NK) * D], axis=1)
-        q = apply_rope(rms_norm(q.reshape(T, NH, D), qn, 1e-6), pos, inv)
-        k = apply_rope(rms_norm(k.reshape(T, NK, D), kn, 1e-6), pos, inv)
-        p = write_kv(pages, jnp.int32(1), k, v.reshape(T, NK, D), slots)
+        q, p = xla_rope_write(qkv, (NH, NK), qn, kn, 1e-6, pos, inv, pages, jnp.int32(1), slots)
         return flat(jnp.where((pos >= 0)[:, None, None], q, 0), p)
     return {"xla": xla, "kernel": kernel}, (qkv, qn, kn, pages)
 

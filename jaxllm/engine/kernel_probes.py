@@ -55,11 +55,25 @@ def router_ok(cfg: ModelConfig, dtype) -> bool:
     return ok
 
 
-def rope_write_ok(cfg: ModelConfig, dtype, page_size: int) -> bool:
-    """`rope_write.rope_write` against `llama.rms_norm` / `apply_rope` / `ref.write_kv` here."""
-    from jaxllm.kernels import rope_write
+def xla_rope_write(qkv, heads: tuple[int, int], q_norm, k_norm, eps: float, positions, inv_freq,
+                   kv_pages, layer, slot_mapping) -> tuple[jax.Array, jax.Array]:
+    """The model's XLA path that `rope_write.rope_write` replaces, same arguments and results:
+    `llama.rms_norm` of the heads, `apply_rope`, `ref.write_kv` (the probe's reference and
+    scripts/check_moe_kernels.py's)."""
     from jaxllm.kernels.ref import write_kv
-    from jaxllm.models.llama import apply_rope, rms_norm, rope_inv_freq
+    from jaxllm.models.llama import apply_rope, rms_norm
+
+    (H, K), (T, _), D = heads, qkv.shape, kv_pages.shape[-1]
+    q, k, v = jnp.split(qkv, [H * D, (H + K) * D], axis=1)
+    q = apply_rope(rms_norm(q.reshape(T, H, D), q_norm, eps), positions, inv_freq)
+    k = apply_rope(rms_norm(k.reshape(T, K, D), k_norm, eps), positions, inv_freq)
+    return q, write_kv(kv_pages, layer, k, v.reshape(T, K, D), slot_mapping)
+
+
+def rope_write_ok(cfg: ModelConfig, dtype, page_size: int) -> bool:
+    """`rope_write.rope_write` against the model's XLA path (`xla_rope_write`) here."""
+    from jaxllm.kernels import rope_write
+    from jaxllm.models.llama import rope_inv_freq
 
     if not cfg.qk_norm:
         return True  # never taken (`rope_write_small`)
@@ -78,10 +92,7 @@ def rope_write_ok(cfg: ModelConfig, dtype, page_size: int) -> bool:
     try:
         q, got = jax.jit(lambda qkv, qn, kn, p: rope_write.rope_write(
             qkv, (Hq, K), qn, kn, eps, pos, inv, p, layer, slots))(qkv, qn, kn, pages)
-        wq, wk, wv = jnp.split(qkv, [Hq * D, (Hq + K) * D], axis=1)
-        want_q = apply_rope(rms_norm(wq.reshape(TOKENS, Hq, D), qn, eps), pos, inv)
-        want = write_kv(pages, layer, apply_rope(rms_norm(wk.reshape(TOKENS, K, D), kn, eps), pos, inv),
-                        wv.reshape(TOKENS, K, D), slots)
+        want_q, want = xla_rope_write(qkv, (Hq, K), qn, kn, eps, pos, inv, pages, layer, slots)
         ok = _close(q[:REAL], want_q[:REAL], 1e-2) and _close(got, want, 1e-2)
         why = "disagrees with XLA's head norms, RoPE and K/V write"
     except Exception as e:  # noqa: BLE001 - any failure: XLA's path instead

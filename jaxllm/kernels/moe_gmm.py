@@ -14,8 +14,8 @@ Schedule (`slots`, a few XLA ops on [G] vectors): each group's rows are cut into
 The number of slots is bounded statically by min(G, M) + M // block_m, so the grid never
 depends on the routing (no recompiles); slots past the real blocks have count 0 and return at
 once. Grid (N / block_n, K splits, slot; the slot slowest, so a batch's first, real rows launch
-first): every slot's expert weight [K, N] is cut into N / block_n column strips x `k_splits` row ranges, one CTA each, so a single token's 8 experts
-become hundreds of CTAs streaming disjoint weight tiles (the "spread over all SMs" part). A CTA
+first): every slot's expert weight [K, N] is cut into N / block_n column strips x `k_splits`
+row ranges, one CTA each, so a single token's 8 experts become hundreds of CTAs streaming disjoint weight tiles (the "spread over all SMs" part). A CTA
 gathers its rows of x ([block_m, block_k] per step; rows past the count are clamped copies
 whose results are masked), multiplies on the tensor cores (`plt.dot`, float32 accumulation) and
 stores its rows with a mask (into an output with `block_m` spare rows, so the masked lanes'
@@ -201,9 +201,8 @@ def _call(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array | None
           interpret: bool | None, sched: jax.Array | None = None, rows: int | None = None,
           row_div: int = 1, swiglu: int = 0, raw: bool = False) -> jax.Array:
     """x @ each w in ws per group, side by side: [M, len(ws) * N] (slots from the group sizes
-    of sorted rows, or the given `sched` over `rows` output rows: a [3, S] slot table or
-    the direct path's groups [M]; `row_div` / `swiglu`: how
-    output rows read x, `_kernel`). `raw`: the kernel's own output, spare rows and K-split
+    of sorted rows, or the given `sched` over `rows` output rows: a [3, S] slot table or the
+    direct path's groups [M]; `row_div` / `swiglu`: how output rows read x, `_kernel`). `raw`: the kernel's own output, spare rows and K-split
     partials included ([M + bm, ...] or [k_splits, M + bm, ...] float32)."""
     M = x.shape[-2] if rows is None else rows
     K = ws[0].shape[1]
@@ -258,8 +257,8 @@ def grouped_matmul_pair(x: jax.Array, w1: jax.Array, w2: jax.Array, group_sizes:
 def direct_matmul(x: jax.Array, w: jax.Array, groups: jax.Array, tiling: Tiling = TILINGS[0],
                   interpret: bool | None = None) -> jax.Array:
     """x [M, K] in any row order, w [G, K, N], groups [M] int -> [M, N]: row r times
-    w[groups[r]] (rows of a group outside [0, G): undefined). Each row is its own slot, so an expert that
-    several rows route to is read once per row: for the few rows of a small decode batch,
+    w[groups[r]] (rows of a group outside [0, G): undefined). Each row is its own slot, so an
+    expert that several rows route to is read once per row: for the few rows of a small decode batch,
     whose experts are mostly distinct, that costs less than sorting and unsorting them."""
     return _call(x, (w,), None, tiling, interpret, groups.astype(jnp.int32))
 
@@ -276,8 +275,8 @@ def direct_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.
                   groups: jax.Array, tiling: Tiling = TILINGS[0], interpret: bool | None = None
                   ) -> jax.Array:
     """The expert MLP of unsorted rows in two launches and nothing between them: x [T, H] (row r
-    is token r // k's, k = rows / T), groups [T * k] -> [T * k, H] (rows of a group outside [0, E):
-    undefined). The gate/up launch reads each row's token straight from x (no repeated copy of
+    is token r // k's, k = rows / T), groups [T * k] -> [T * k, H] (rows of a group outside
+    [0, E): undefined). The gate/up launch reads each row's token straight from x (no repeated copy of
     x); the down launch reads the pair's raw output (its K-split partials summed, then
     silu(gate) * up, as it loads them)."""
     T, rows = x.shape[0], groups.shape[0]

@@ -184,6 +184,7 @@ class Llama(nnx.Module):
         T = x.shape[0]
         H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         h = act.norm(x, w["ln_attn"], cfg.rms_norm_eps, _consumers(w, "wq", "wk", "wv", "wqkv"))
+        scale = w.get("kv_scale", jnp.ones((2,), jnp.float32))  # fp8 pages: (k, v) scales
         if "wqkv" in w:  # fused (the unrolled layout, `fuse_layer`): one matmul, shard-major columns
             wqkv = w["wqkv"]
             qkv = linear(h, wqkv, "te,esp->tsp") if isinstance(wqkv, jax.Array) else (h @ wqkv)[:, None]
@@ -195,8 +196,7 @@ class Llama(nnx.Module):
                                           inv_freq, kv_pages, layer, md.slot_mapping)
                 if done is not None:  # plain pages: nothing scaled or rotated
                     q, kv_pages = done
-                    return (x + self._attend(q, kv_pages, layer, md, w, False, None), kv_pages,
-                            w.get("kv_scale", jnp.ones((2,), jnp.float32)))
+                    return x + self._attend(q, kv_pages, layer, md, w, False, None), kv_pages, scale
             nq, nk = H * D // qkv.shape[1], K * D // qkv.shape[1]
             q, k, v = qkv[..., :nq], qkv[..., nq:nq + nk], qkv[..., nq + nk:]
         else:
@@ -204,7 +204,6 @@ class Llama(nnx.Module):
             if cfg.qkv_bias:
                 q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
         q, k, v = q.reshape(T, H, D), k.reshape(T, K, D), v.reshape(T, K, D)
-        scale = w.get("kv_scale", jnp.ones((2,), jnp.float32))
         if cfg.qk_norm:
             q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
             k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)

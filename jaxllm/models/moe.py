@@ -12,9 +12,9 @@ dropped (no capacity factor): every row is computed by its expert.
 implementations plug in as `gmm` (models/gmm.py). A `gmm` whose `direct_mlp(rows)` returns a
 function `mlp(x [T, H], w_gate, w_up, w_down, groups [T * k]) -> [T * k, H]` takes the rows
 unsorted instead (row r = token r // k's (r % k)-th expert, of group groups[r]; a group
-outside [0, E_local): none): small decode batches skip the sort and unsort. Padding tokens (`valid` False) go
-to a group past the last expert, which no group size covers: they cost nothing
-in a kernel that honours group sizes and contribute zeros.
+outside [0, E_local): none): small decode batches skip the sort and unsort. Padding tokens
+(`valid` False) go to a group past the last expert, which no group size covers: they cost
+nothing in a kernel that honours group sizes and contribute zeros.
 
 Expert parallelism calls `experts` with a slice of the experts (`first_expert`
 .. + E_local): rows routed elsewhere go to the uncovered group too, and the
@@ -88,15 +88,16 @@ def experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
     mine = (local >= 0) & (local < E)
     if valid is not None:
         mine = mine & valid[:, None]
+    groups = jnp.where(mine, local, E).reshape(T * k)
     direct = getattr(gmm, "direct_mlp", None)
     mlp = direct(T * k) if direct is not None else None
     if mlp is not None:  # rows left in token order, one kernel slot each: nothing sorted
         # A direct kernel skips ids outside [0, E) itself: without `valid` (a router that gave
         # padding tokens id E, `route_tokens`) the ids go to it as they are, no XLA kernel between.
-        groups = local if valid is None else jnp.where(mine, local, E)
-        ys = mlp(x, w_gate, w_up, w_down, groups.reshape(T * k)).reshape(T, k, -1)
+        ys = mlp(x, w_gate, w_up, w_down, groups if valid is not None else local.reshape(T * k))
+        ys = ys.reshape(T, k, -1)
     else:
-        order, inverse, sizes = sort_rows(jnp.where(mine, local, E).reshape(T * k), E)
+        order, inverse, sizes = sort_rows(groups, E)
         xs = x[order // k]  # row r = token r // k, its (r % k)-th expert
         ys = expert_mlp(xs, w_gate, w_up, w_down, sizes, gmm)[inverse].reshape(T, k, -1)
     wk = jnp.where(mine, weights, 0.0).astype(ys.dtype)
