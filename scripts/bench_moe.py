@@ -123,6 +123,8 @@ def gmm_bench(args) -> dict:
         groups_r = jnp.asarray(np.stack([np.repeat(np.arange(E), s) for s in sizes_np]).astype(np.int32))
         variants = []  # (name, swiglu_of(x, a, b, routes), a: w_gu or the engine's (w_gate, w_up))
         for name, impl in gmm_impls.candidates(M, E, H, F).items():
+            if args.impls and not name.startswith(tuple(args.impls)):
+                continue
             if name.startswith("direct_"):
                 mlp = impl.direct_mlp(M)
 
@@ -131,14 +133,18 @@ def gmm_bench(args) -> dict:
                 variants.append((name, swiglu_of, w_pair))
                 continue
 
+            def pair_of(x, a, b, s, impl=impl):  # as the engine calls it, gate and up stored apart
+                return moe.expert_mlp(x, a[0], a[1], b, s, impl)
+            if hasattr(impl, "swiglu"):  # "wsglu*": gate, up and silu(gate) * up in one launch
+                variants.append((name, pair_of, w_pair))
+                continue
+
             def swiglu_of(x, a, b, s, impl=impl):
                 return gmm_impls.swiglu(x, a, b, s, impl)
             variants.append((name, swiglu_of, w_gu))
             if hasattr(impl, "pair") and args.pairs:
-                # As the engine calls it (models/moe.expert_mlp): gate and up stored apart, `pair`
-                # multiplies both in one launch; "_split": two launches of the one-weight call.
-                def pair_of(x, a, b, s, impl=impl):
-                    return moe.expert_mlp(x, a[0], a[1], b, s, impl)
+                # As the engine calls it (models/moe.expert_mlp): `pair` multiplies gate and up
+                # in one launch; "_split": two launches of the one-weight call.
 
                 def split_of(x, a, b, s, impl=impl):
                     return moe.expert_mlp(x, a[0], a[1], b, s, lambda x, w, s: impl(x, w, s))
@@ -406,6 +412,8 @@ def main() -> None:
     p.add_argument("--copy-gib", type=float, default=4.0, help="size of the copy-bandwidth pass")
     p.add_argument("--kernels", action=argparse.BooleanOptionalAction, default=True,
                    help="gmm: GPU time per kernel name at <= 64 tokens (a profiler trace per variant)")
+    p.add_argument("--impls", nargs="+", default=None,
+                   help="gmm: time only the candidates whose names start so (XLA ragged_dot: \"ragged_dot\")")
     p.add_argument("--pairs", action="store_true",
                    help="gmm: also time each kernel with gate and up stored apart, as the engine calls it "
                         "(`<name>_pair`: one launch for both; `<name>_split`: two launches)")

@@ -86,6 +86,82 @@ def test_split_pair_is_two_launches_of_the_one_weight_kernel(monkeypatch):
     _check(u, x, w2, sizes)
 
 
+def _check_glu(got, x, w1, w2, sizes):
+    """silu(x @ w1) * (x @ w2) on the covered rows, from float32 products of the bf16 inputs."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+
+    assert not ipc.get_races().races_found
+    n = int(sizes.sum())
+    f32, s = jnp.float32, jnp.asarray(sizes)
+    g, u = (jax.lax.ragged_dot(x.astype(f32), w.astype(f32), s) for w in (w1, w2))
+    want = np.asarray(jax.nn.silu(g) * u)[:n]
+    got = np.asarray(got, np.float32)[:n]
+    assert got.shape == want.shape and np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3
+
+
+@pytest.mark.parametrize("bm, stages, sms, chained", [(128, 3, 2, False), (64, 2, 3, False),
+                                                      (128, 2, 2, True)])
+def test_glu_tile_stores_silu_gate_times_up(bm, stages, sms, chained):
+    """`glu` tilings: gate and up strips of the same columns through one ring, both accumulators
+    in each compute warpgroup, silu(gate) * up stored [M, N] (not [M, 2N]); groups across row
+    blocks, empty experts, padding rows, dead slots; chained too; the race detector runs."""
+    sizes = np.array([70, 0, 50, 20, 0, 9], np.int32)
+    x, w1, w2 = _inputs(160, 6, 256, 256, seed=4)
+    t = ws.WsTiling(block_m=bm, block_n=128, block_k=64, stages=stages, chained=chained, glu=True)
+    assert t.name.startswith("wsglu")
+    h = jax.jit(lambda *a: ws.swiglu(*a, t, interpret=True, num_sms=sms))(x, w1, w2, jnp.asarray(sizes))
+    assert h.shape == (160, 256)
+    _check_glu(h, x, w1, w2, sizes)
+
+
+def test_glu_candidate_runs_gate_up_and_down_through_expert_mlp(monkeypatch):
+    """The engine's `wsglu` candidate (`WsGluGmm`) in `moe.expert_mlp`, directly and through the
+    `Chooser`: its `swiglu` for gate/up (one launch), the one-weight kernel of the same tiling
+    for down; equal to ragged_dot's SwiGLU on the covered rows."""
+    from jaxllm.models import moe
+
+    sizes = np.array([30, 0, 41], np.int32)
+    x, w1, w2 = _inputs(80, 3, 128, 128, seed=5)
+    wd = _inputs(80, 3, 128, 128, seed=6)[1]
+    t = ws.WsTiling(block_m=128, block_n=128, block_k=64, stages=2, glu=True)
+    calls = []
+    for name in ("swiglu", "grouped_matmul"):
+        one = getattr(ws, name)
+        monkeypatch.setattr(ws, name, lambda *a, one=one, name=name, **k: calls.append(name) or one(
+            *a, **k, num_sms=2))
+    impl = gmm_impls.WsGluGmm(t, interpret=True)
+    chooser = gmm_impls.Chooser()
+    chooser.impls[t.name], chooser.choice[80] = impl, t.name
+    f32, s = jnp.float32, jnp.asarray(sizes)
+    want = np.asarray(moe.expert_mlp(*(a.astype(f32) for a in (x, w1, w2, wd)), s))
+    n = int(sizes.sum())
+    for gmm in (impl, chooser):
+        calls.clear()
+        got = np.asarray(jax.jit(lambda *a: moe.expert_mlp(*a, gmm=gmm))(x, w1, w2, wd, s), np.float32)
+        assert calls == ["swiglu", "grouped_matmul"]
+        assert np.linalg.norm(got[:n] - want[:n]) / np.linalg.norm(want[:n]) < 1e-2
+
+
+def test_glu_tilings_fit_shared_memory_and_are_engine_candidates():
+    E, H, F, M = 128, 2048, 768, 65536
+    for t in ws.GLU:
+        assert t.fits(H, F) and t.fits(F, H)
+        assert t.smem_bytes(weights=2) <= 227 * 1024 and t.smem_bytes() <= 227 * 1024
+        assert t.name in gmm_impls.candidates(M, E, H, F, "gpu", engine=True)
+        assert t.name not in gmm_impls.candidates(64, E, H, F, "gpu")
+
+
+@pytest.mark.parametrize("tiling", ws.GLU, ids=lambda t: t.name)
+def test_glu_lowers_for_cuda_at_qwen3_moe_shapes(tiling):
+    E, H, F, M = 128, 2048, 768, 65536
+    sds = jax.ShapeDtypeStruct
+    f = jax.jit(lambda x, a, b, s: ws.swiglu(x, a, b, s, tiling))
+    w = sds((E, H, F), jnp.bfloat16)
+    text = f.trace(sds((M, H), jnp.bfloat16), w, w, sds((E,), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text.lower()
+
+
 @pytest.mark.parametrize("tiling", ws.TILINGS + ws.CHAINED, ids=lambda t: t.name)
 def test_lowers_for_cuda_at_qwen3_moe_shapes(tiling):
     """Compiled path (no interpreter): Mosaic's lowering, shared-memory check included, at

@@ -111,10 +111,11 @@ def _body(sched_gmem, x_gmem, *refs, t: MosaicTiling, num_slots_: int, K: int, N
 
 
 def launch(body, x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array, block_m: int,
-           interpret: bool, num_sms: int, **kernel_kw) -> jax.Array:
+           interpret: bool, num_sms: int, out_cols: int | None = None, **kernel_kw) -> jax.Array:
     """The slot schedule around a persistent kernel `body(sched, x, *ws, out, num_slots_=S)`:
     the slot list, x padded to whole row blocks (for the TMA copies), the slot-major output
-    [S, block_m, len(ws) * N] and the gather that puts every row back from its own slot."""
+    [S, block_m, out_cols (default len(ws) * N)] and the gather that puts every row back from
+    its own slot."""
     M = x.shape[0]
     sched, row_slot = slots(group_sizes, M, block_m)
     S = sched.shape[1]
@@ -125,7 +126,7 @@ def launch(body, x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array
         kernel_kw["interpret"] = InterpretGPUParams(detect_races=True)
     out = plgpu.kernel(
         functools.partial(body, num_slots_=S),
-        out_type=jax.ShapeDtypeStruct((S, block_m, len(ws) * ws[0].shape[2]), x.dtype),
+        out_type=jax.ShapeDtypeStruct((S, block_m, out_cols or len(ws) * ws[0].shape[2]), x.dtype),
         grid=(num_sms,), grid_names=("sm",), kernel_name="jaxllm_moe_gmm",  # profiles: a matmul
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **kernel_kw,

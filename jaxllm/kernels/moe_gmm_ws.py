@@ -24,6 +24,13 @@ blocks while the compute warpgroups finish the current one, instead of each tile
 ring and refilling it (a ~1-2 us bubble a tile: a tenth of a 128 x 256 tile at K = 2,048, a
 quarter at the down projection's K = 768). JAX requires the K steps to be a multiple of the
 ring's depth for it. Interpreter-checked; not yet timed on a GPU, so only the benchmark offers it.
+
+`glu` tilings ("wsglu...") compute the SwiGLU of gate and up in one tile: the ring streams the x
+rows with the gate's and the up's [bk, bn] strips of the same columns, each compute warpgroup
+keeps both accumulators, and the epilogue stores silu(gate) * up [bm, bn] (float32 to bf16 once):
+x is read once for both projections, and neither the [M, 2F] gate/up output nor XLA's
+silu-multiply over it (a write and a read of 2 x 65,536 x 768 bf16 a layer at 8,192 tokens)
+exists. Same schedule otherwise; the down projection runs the one-weight kernel of that tiling.
 """
 
 from __future__ import annotations
@@ -50,10 +57,12 @@ class WsTiling:
     block_k: int = 64
     stages: int = 4
     chained: bool = False  # a CTA's tiles as one pipeline of pipelines (module docstring)
+    glu: bool = False  # gate and up strips in one tile, silu(gate) * up stored (module docstring)
 
     @property
     def name(self) -> str:
-        return f"ws{self.block_m}_{self.block_n}x{self.block_k}s{self.stages}" + ("c" if self.chained else "")
+        return (f"ws{'glu' if self.glu else ''}{self.block_m}_{self.block_n}x{self.block_k}s{self.stages}"
+                + ("c" if self.chained else ""))
 
     @property
     def wg_cols(self) -> int:  # columns a compute warpgroup multiplies and stores
@@ -63,8 +72,9 @@ class WsTiling:
         return N % self.block_n == 0 and K % self.block_k == 0 and (
             not self.chained or (K // self.block_k) % self.stages == 0)
 
-    def smem_bytes(self, itemsize: int = 2) -> int:  # ring + the two warpgroups' output tiles
-        ring = self.stages * (self.block_m * self.block_k + self.block_k * self.block_n)
+    def smem_bytes(self, itemsize: int = 2, weights: int = 1) -> int:
+        """The ring (x and `weights` strips a stage) + the two warpgroups' output tiles."""
+        ring = self.stages * (self.block_m * self.block_k + weights * self.block_k * self.block_n)
         return (ring + 2 * WG_ROWS * self.wg_cols) * itemsize
 
 
@@ -72,31 +82,34 @@ TILINGS = (WsTiling(64, 256, 64, 4), WsTiling(64, 128, 64, 6), WsTiling(128, 256
            WsTiling(128, 128, 64, 5))
 CHAINED = (WsTiling(64, 256, 64, 4, True), WsTiling(128, 256, 64, 2, True),
            WsTiling(128, 128, 64, 4, True))  # K steps of gate/up (32) and down (12): multiples of 2 and 4
+GLU = (WsTiling(128, 128, 64, 3, glu=True), WsTiling(128, 128, 64, 4, glu=True),
+       WsTiling(64, 128, 64, 4, glu=True))  # ring of x + two strips: 144-192 KiB at 128 rows
 
 
-
-def _body(sched_gmem, x_gmem, *refs, t: WsTiling, num_slots_: int, K: int, N: int):
-    """refs = the weights (one, or gate and up), then the slot-major output [S, bm, n_w * N]."""
+def _body(sched_gmem, x_gmem, *refs, t: WsTiling, num_slots_: int, K: int, N: int, glu: bool):
+    """refs = the weights (one, or gate and up), then the slot-major output [S, bm, n_w * N]
+    (`glu`: gate and up read together, the output silu(gate) * up [S, bm, N])."""
     w_refs, o_gmem = refs[:-1], refs[-1]
     bm, strip, wn = t.block_m, t.block_n, t.wg_cols
     split_rows = bm == 2 * WG_ROWS
     strips = N // strip
-    cols = len(w_refs) * strips
+    groups = (w_refs,) if glu else tuple((w,) for w in w_refs)  # the weights a tile reads
+    cols = len(groups) * strips
+    w_spec = plgpu.BlockSpec((t.block_k, strip), lambda k: (k, 0), transforms=swizzled(strip))
 
     def pipeline(body, ctx, state=None):
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(K // t.block_k,), memory_registers=40, pipeline_state=state,
             in_specs=[plgpu.BlockSpec((bm, t.block_k), lambda k: (0, k),
                                       transforms=swizzled(t.block_k)),
-                      plgpu.BlockSpec((t.block_k, strip), lambda k: (k, 0),
-                                      transforms=swizzled(strip))],
+                      *[w_spec] * len(groups[0])],
             wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=t.stages, compute_context=ctx)
 
     ignore = lambda *_, **__: None  # noqa: E731 -- allocations do not depend on the bodies
 
     @functools.partial(
         pl.run_scoped,
-        allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_refs[0].at[0]),
+        allocs=pipeline(ignore, ignore).get_allocations(x_gmem, *(w.at[0] for w in groups[0])),
         out_smem=plgpu.SMEM((2, WG_ROWS, wn), o_gmem.dtype, transforms=swizzled(wn)),
         collective_axes="wg")
     def _scope(allocs, out_smem):
@@ -113,17 +126,21 @@ def _body(sched_gmem, x_gmem, *refs, t: WsTiling, num_slots_: int, K: int, N: in
                 last = (nxt >= num_slots_ * cols) | (
                     sched_gmem[2, lax.min(lax.div(nxt, cols), num_slots_ - 1)] == 0)
                 state = chain_state(info.local_index == 0, last)
-            for i, w_gmem in enumerate(w_refs):
+            for i, ws_gmem in enumerate(groups):
                 @pl.when((live > 0) & (lax.div(c, strips) == i))
-                def _(w_gmem=w_gmem, i=i):
+                def _(ws_gmem=ws_gmem, i=i):
                     j = c - i * strips
 
                     def ctx(eval_pipeline):
-                        @functools.partial(pl.run_scoped,
-                                           acc_ref=plgpu.ACC((WG_ROWS, wn), jnp.float32))
-                        def _(acc_ref):
-                            eval_pipeline(acc_ref)
-                            acc = acc_ref[...].astype(o_gmem.dtype)
+                        @functools.partial(pl.run_scoped, acc_refs=[
+                            plgpu.ACC((WG_ROWS, wn), jnp.float32) for _ in ws_gmem])
+                        def _(acc_refs):
+                            eval_pipeline(tuple(acc_refs))
+                            if glu:  # silu(gate) * up, in float32
+                                g, u = acc_refs[0][...], acc_refs[1][...]
+                                acc = (g * u / (1.0 + jnp.exp(-g))).astype(o_gmem.dtype)
+                            else:
+                                acc = acc_refs[0][...].astype(o_gmem.dtype)
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last store
                             out_smem[wg] = acc
                             plgpu.commit_smem()
@@ -132,30 +149,32 @@ def _body(sched_gmem, x_gmem, *refs, t: WsTiling, num_slots_: int, K: int, N: in
                             plgpu.copy_smem_to_gmem(out_smem.at[wg],
                                                     o_gmem.at[s, rows, pl.ds(col, wn)])
 
-                    def mma(_, x_smem, w_smem, acc_ref):
-                        if split_rows:
-                            plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], w_smem)
-                        else:
-                            plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, pl.ds(wg * wn, wn)])
+                    def mma(_, x_smem, *rest):
+                        *w_smems, accs = rest
+                        for w_smem, acc_ref in zip(w_smems, accs):
+                            if split_rows:
+                                plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * WG_ROWS, WG_ROWS)], w_smem)
+                            else:
+                                plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, pl.ds(wg * wn, wn)])
                         plgpu.wgmma_wait(0)
-                        return acc_ref
+                        return accs
 
                     pipeline(mma, ctx, state)(x_gmem.at[pl.ds(block * bm, bm)],
-                                       w_gmem.at[expert, :, pl.ds(j * strip, strip)],
-                                       allocations=allocs)
+                                              *(w.at[expert, :, pl.ds(j * strip, strip)] for w in ws_gmem),
+                                              allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _call(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array, t: WsTiling,
-          interpret: bool, num_sms: int) -> jax.Array:
+          interpret: bool, num_sms: int, glu: bool = False) -> jax.Array:
     K, N = ws[0].shape[1:]
     if not t.fits(K, N) or any(w.shape != ws[0].shape for w in ws):
         raise ValueError(f"tiling {t.name} does not fit K={K}, N={N} (weights {[w.shape for w in ws]})")
     if t.block_m not in (WG_ROWS, 2 * WG_ROWS):
         raise ValueError(f"block_m must be {WG_ROWS} or {2 * WG_ROWS}, got {t.block_m}")
-    return launch(functools.partial(_body, t=t, K=K, N=N), x, ws, group_sizes, t.block_m,
-                  interpret, num_sms, num_threads=3, thread_name="wg")
+    return launch(functools.partial(_body, t=t, K=K, N=N, glu=glu), x, ws, group_sizes, t.block_m,
+                  interpret, num_sms, out_cols=N if glu else None, num_threads=3, thread_name="wg")
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
@@ -171,3 +190,10 @@ def grouped_matmul_pair(x: jax.Array, w1: jax.Array, w2: jax.Array, group_sizes:
     """(x @ w1, x @ w2) per group in one launch (gate and up)."""
     out = _call(x, (w1, w2), group_sizes, tiling, interpret, num_sms)
     return out[:, :w1.shape[2]], out[:, w1.shape[2]:]
+
+
+def swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.Array,
+           tiling: WsTiling = GLU[0], interpret: bool = False, num_sms: int = 132) -> jax.Array:
+    """silu(x @ w_gate) * (x @ w_up) per group, [M, K] -> [M, N], in one launch (a `glu` tiling's
+    schedule; the products kept in float32 until the one cast)."""
+    return _call(x, (w_gate, w_up), group_sizes, tiling, interpret, num_sms, glu=True)

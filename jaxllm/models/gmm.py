@@ -19,6 +19,9 @@
   twin's slot schedule over bm-row slots, a memory warpgroup and two compute warpgroups), offered
   for prefill-sized row counts; gate and up in one launch, and for the engine's 128-row tilings
   also as two ("..._split", `WsSplitGmm`).
+- "wsglu<bm>_<bn>x<bk>s<stages>": the same kernel reading gate's and up's strips of the same
+  columns in one tile and storing silu(gate) * up (`moe_gmm_ws.swiglu`, `WsGluGmm`); down
+  through the one-weight kernel of that tiling.
 - "mgpu_<bm>x<bn>": JAX's bundled Mosaic GPU kernel
   (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`) at one tiling. It needs the
   group sizes to cover every row, so the rows no group covers (padding, other
@@ -118,6 +121,14 @@ class WsSplitGmm(WsGmm):
         return self(x, w1, group_sizes), self(x, w2, group_sizes)
 
 
+class WsGluGmm(WsGmm):
+    """A `glu` tiling: gate, up and silu(gate) * up in one launch (`moe.swiglu` takes it)."""
+
+    def swiglu(self, x, w_gate, w_up, group_sizes):
+        from jaxllm.kernels import moe_gmm_ws
+        return moe_gmm_ws.swiglu(x, w_gate, w_up, group_sizes, self.tiling, interpret=self.interpret)
+
+
 class MosaicGmm(DecodeGmm):
     """The Hopper (Mosaic GPU) twin of the decode kernel (`kernels/moe_gmm_mosaic.py`)."""
 
@@ -173,9 +184,9 @@ def candidates(M: int, E: int, H: int, F: int, platform: str | None = None,
         try:
             from jaxllm.kernels import moe_gmm_ws
 
-            for t in moe_gmm_ws.TILINGS + (() if engine else moe_gmm_ws.CHAINED):  # chained: bench only
-                if t.fits(H, F) and t.fits(F, H):
-                    out[t.name] = WsGmm(t)
+            for t in moe_gmm_ws.TILINGS + moe_gmm_ws.GLU + (() if engine else moe_gmm_ws.CHAINED):
+                if t.fits(H, F) and t.fits(F, H):  # chained: the bench's only (untimed on a GPU)
+                    out[t.name] = WsGluGmm(t) if t.glu else WsGmm(t)
                     if engine and t.block_m == 2 * moe_gmm_ws.WG_ROWS:  # the bench times `_split` itself
                         out[t.name + "_split"] = WsSplitGmm(t)
         except Exception as e:  # a jax without Mosaic GPU's warp-specialized pipeline
@@ -217,6 +228,11 @@ class Chooser:
         if hasattr(impl, "pair"):
             return impl.pair(x, w1, w2, group_sizes)
         return impl(x, w1, group_sizes), impl(x, w2, group_sizes)
+
+    def swiglu(self, x: jax.Array, w1: jax.Array, w2: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        """silu(x @ w1) * (x @ w2) by the chosen implementation (`moe.swiglu`: whole where it can)."""
+        from jaxllm.models.moe import swiglu
+        return swiglu(x, w1, w2, group_sizes, self._impl(x.shape[0]))
 
     def direct_mlp(self, rows: int):
         """The chosen implementation's unsorted-rows MLP at this row count, or None (sorted)."""

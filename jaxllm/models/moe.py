@@ -61,18 +61,28 @@ def ragged_dot(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     return jax.lax.ragged_dot(x, w, group_sizes)
 
 
-def expert_mlp(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-               group_sizes: jax.Array, gmm: GroupedMatmul = ragged_dot) -> jax.Array:
-    """SwiGLU of each sorted row by its group's expert: [M, H] -> [M, H].
+def swiglu(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, group_sizes: jax.Array,
+           gmm: GroupedMatmul = ragged_dot) -> jax.Array:
+    """silu(xs @ w_gate) * (xs @ w_up) per group: [M, H] -> [M, F].
 
-    A `gmm` with a `pair(x, w1, w2, sizes) -> (y1, y2)` method computes gate and up together.
+    A `gmm` with `swiglu(x, w1, w2, sizes)` computes it whole (one kernel); else one with
+    `pair(x, w1, w2, sizes) -> (y1, y2)` computes gate and up together; else two calls.
     """
+    fused = getattr(gmm, "swiglu", None)
+    if fused is not None:
+        return fused(xs, w_gate, w_up, group_sizes)
     pair = getattr(gmm, "pair", None)
     if pair is not None:
         g, u = pair(xs, w_gate, w_up, group_sizes)
     else:
         g, u = gmm(xs, w_gate, group_sizes), gmm(xs, w_up, group_sizes)
-    return gmm(jax.nn.silu(g) * u, w_down, group_sizes)
+    return jax.nn.silu(g) * u
+
+
+def expert_mlp(xs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+               group_sizes: jax.Array, gmm: GroupedMatmul = ragged_dot) -> jax.Array:
+    """SwiGLU of each sorted row by its group's expert: [M, H] -> [M, H]."""
+    return gmm(swiglu(xs, w_gate, w_up, group_sizes, gmm), w_down, group_sizes)
 
 
 def experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,

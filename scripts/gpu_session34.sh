@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Session 34's GPU calls (the device's 10-minute limit each; whole logs in $OUT):
+#   g (~5 min, any Hopper card): issue 15's grouped matmul at 8,192 tokens (65,536 rows), one
+#     Qwen3-30B-A3B layer: the warp-specialized kernel on the fused gate/up weight
+#     (ws128_256x64s3, session 25's best: 0.79x torch), as the engine calls it (weights apart:
+#     `_pair` one launch, `_split` two), the new `wsglu*` tilings (gate, up and silu(gate) * up
+#     in one launch, weights apart), Triton tiles128, and torch `_grouped_mm` (+ CUDA graph) in
+#     the same process (target >= 1.2x torch); then scripts/check_moe_kernels.py (session 33's
+#     router and rope_write kernels against XLA's paths, never run on a GPU before).
+#   p (~9 min, an H200 best; needs_h200): MOE_PARTS="3 2" scripts/gpu_moe.sh: the engine's prefill
+#     8 x 2,048 (MFU; the warm-up now measures the wsglu tilings too; 0.436 in session 26,
+#     target >= 0.5), then its decode step batch 1 and 64 with session 33's kernels (batch 1
+#     4.14x floor in session 26, target <= 1.5x).
+#   t (~9 min, needs_h200): MOE_PARTS="4 5" scripts/gpu_moe.sh: offline throughput 512 x (512 ->
+#     256) against HF transformers (grouped_mm experts), never run yet (target >= 3x).
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export OUT
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+case "${1:-}" in
+  g) echo "== grouped matmul, 8,192 tokens, one Qwen3-30B-A3B layer"
+     timeout -k 10 ${T_G:-300} python3 scripts/bench_moe.py gmm --random-shape qwen3-30b-a3b --tokens 8192 \
+       --impls ws128_256x64s3 wsglu tiles128 --pairs --output-json "$OUT/moe_gmm.json" \
+       > "$OUT/moe_gmm.log" 2>&1; echo "rc=$?"
+     grep "^T=" "$OUT/moe_gmm.log" | cut -c1-1500
+     echo "== session 33's kernels against XLA's paths (scripts/check_moe_kernels.py)"
+     timeout -k 10 ${T_K:-150} python3 scripts/check_moe_kernels.py --json "$OUT/moe_kernels.json" \
+       > "$OUT/moe_kernels.log" 2>&1; echo "rc=$?"
+     grep -E "^(floor|router|rope_write|gmm)" "$OUT/moe_kernels.log"
+     grep -iE "wrong|failed|error" "$OUT/moe_kernels.log" | head -5 | cut -c1-400 ;;
+  p) MOE_PARTS="3 2" T3=${T3:-260} T2=${T2:-260} bash scripts/gpu_moe.sh
+     grep -E "grouped matmul by measurement|grouped matmul timings" "$OUT/moe_prefill.log" | cut -c1-1200 ;;
+  t) MOE_PARTS="4 5" T4=${T4:-270} T5=${T5:-270} bash scripts/gpu_moe.sh ;;
+  *) echo "usage: $0 g|p|t" >&2; exit 2 ;;
+esac
