@@ -135,8 +135,11 @@ def gmm_bench(args) -> dict:
 
             def pair_of(x, a, b, s, impl=impl):  # as the engine calls it, gate and up stored apart
                 return moe.expert_mlp(x, a[0], a[1], b, s, impl)
-            if hasattr(impl, "swiglu"):  # "wsglu*": gate, up and silu(gate) * up in one launch
-                variants.append((name, pair_of, w_pair))
+            if hasattr(impl, "swiglu"):  # "wsglu*": gate, up and silu(gate) * up in one launch,
+                # the MLP in slot space (as `moe.experts` runs it), "_glu": then down as its own call
+                def whole_of(x, a, b, s, mlp=impl.sorted_mlp(M)):
+                    return mlp(x, a[0], a[1], b, s)
+                variants += [(name, whole_of, w_pair), (name + "_glu", pair_of, w_pair)]
                 continue
 
             def swiglu_of(x, a, b, s, impl=impl):
@@ -167,7 +170,7 @@ def gmm_bench(args) -> dict:
                 f = jax.jit(run)
                 t = timed(f, x, a_arg, w_d, routes) / reps
                 row[name] = {"s": t, "x_floor": t / floor, "tflops": flops / t / 1e12, "rel_err": err}
-                if T <= 64 and args.kernels and jax.default_backend() == "gpu":
+                if (T <= 64 or args.impls) and args.kernels and jax.default_backend() == "gpu":
                     try:  # where the time goes: GPU time per kernel name per step
                         from bench_kernels import gpu_kernels
                         per = gpu_kernels(lambda: f(x, a_arg, w_d, routes), calls=2)

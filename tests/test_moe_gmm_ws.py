@@ -142,6 +142,58 @@ def test_glu_candidate_runs_gate_up_and_down_through_expert_mlp(monkeypatch):
         assert np.linalg.norm(got[:n] - want[:n]) / np.linalg.norm(want[:n]) < 1e-2
 
 
+@pytest.mark.parametrize("bm", [128, 64])
+def test_mlp_in_slot_space_with_the_unsort_in_its_gather(bm):
+    """`mlp`: glu into slot-major [S, bm, F], down reading each slot's rows from there (rows of
+    other experts in a block computed and never gathered), one gather by `rows` (a permutation,
+    as `moe.experts`' unsort); groups across row blocks, empty experts, padding rows."""
+    from jaxllm.models import moe
+
+    sizes = np.array([70, 0, 50, 20, 0, 9], np.int32)
+    M = 160  # 11 padding rows
+    x, w1, w2 = _inputs(M, 6, 128, 256, seed=7)
+    wd = _inputs(M, 6, 256, 128, seed=8)[1]
+    t = ws.WsTiling(block_m=bm, block_n=128, block_k=64, stages=2, glu=True)
+    rows = jnp.asarray(np.random.default_rng(0).permutation(M), jnp.int32)
+    got = jax.jit(lambda *a: ws.mlp(*a, t, rows=rows, interpret=True, num_sms=3))(
+        x, w1, w2, wd, jnp.asarray(sizes))
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+    assert not ipc.get_races().races_found
+    f32 = jnp.float32
+    want = np.asarray(moe.expert_mlp(*(a.astype(f32) for a in (x, w1, w2, wd)), jnp.asarray(sizes)))
+    covered = np.asarray(rows) < int(sizes.sum())
+    got, want = np.asarray(got, np.float32)[covered], want[np.asarray(rows)][covered]
+    assert got.shape == (149, 128) and np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
+def test_experts_takes_the_whole_mlp_of_a_sorted_mlp_impl(monkeypatch):
+    """`moe.experts` with an implementation offering `sorted_mlp` (the chooser having picked a
+    wsglu tiling): one call of `moe_gmm_ws.mlp` given the unsort, equal to ragged_dot's experts."""
+    from jaxllm.models import moe
+
+    rng = np.random.default_rng(9)
+    T, k, E, H, F = 24, 2, 4, 128, 128
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+    wg, wu = (jnp.asarray(rng.standard_normal((E, H, F)) / np.sqrt(H), jnp.bfloat16) for _ in range(2))
+    wd = jnp.asarray(rng.standard_normal((E, F, H)) / np.sqrt(F), jnp.bfloat16)
+    ids = jnp.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :k], jnp.int32)
+    wts = jnp.asarray(rng.random((T, k)), jnp.float32)
+    valid = jnp.arange(T) < 20  # 4 padding tokens
+    t = ws.WsTiling(block_m=64, block_n=128, block_k=64, stages=2, glu=True)
+    calls = []
+    one = ws.mlp
+    monkeypatch.setattr(ws, "mlp", lambda *a, **kw: calls.append(kw["rows"].shape) or one(*a, **kw, num_sms=2))
+    chooser = gmm_impls.Chooser()
+    chooser.impls[t.name], chooser.choice[T * k] = gmm_impls.WsGluGmm(t, interpret=True), t.name
+    got = jax.jit(lambda *a: moe.experts(*a, valid=valid, gmm=chooser))(x, wts, ids, wg, wu, wd)
+    assert calls == [(T * k,)]
+    f32 = jnp.float32
+    want = moe.experts(x.astype(f32), wts, ids, wg.astype(f32), wu.astype(f32), wd.astype(f32), valid=valid)
+    got, want = np.asarray(got, np.float32), np.asarray(want)
+    assert not got[20:].any()  # padding tokens: nothing
+    assert np.linalg.norm(got[:20] - want[:20]) / np.linalg.norm(want[:20]) < 1e-2
+
+
 def test_glu_tilings_fit_shared_memory_and_are_engine_candidates():
     E, H, F, M = 128, 2048, 768, 65536
     for t in ws.GLU:

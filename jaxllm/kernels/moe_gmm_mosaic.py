@@ -110,27 +110,38 @@ def _body(sched_gmem, x_gmem, *refs, t: MosaicTiling, num_slots_: int, K: int, N
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def launch(body, x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array, block_m: int,
-           interpret: bool, num_sms: int, out_cols: int | None = None, **kernel_kw) -> jax.Array:
-    """The slot schedule around a persistent kernel `body(sched, x, *ws, out, num_slots_=S)`:
-    the slot list, x padded to whole row blocks (for the TMA copies), the slot-major output
-    [S, block_m, out_cols (default len(ws) * N)] and the gather that puts every row back from
-    its own slot."""
-    M = x.shape[0]
-    sched, row_slot = slots(group_sizes, M, block_m)
+def slot_kernel(body, sched: jax.Array, x: jax.Array, ws: tuple[jax.Array, ...], block_m: int,
+                out_cols: int, interpret: bool, num_sms: int, **kernel_kw) -> jax.Array:
+    """A persistent kernel `body(sched, x, *ws, out, num_slots_=S)` over the slot list `sched`
+    [3, S], its slot-major output [S, block_m, out_cols]."""
     S = sched.shape[1]
-    pad = -M % block_m
-    xp = jnp.pad(x, ((0, pad), (0, 0))) if pad else x
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         kernel_kw["interpret"] = InterpretGPUParams(detect_races=True)
-    out = plgpu.kernel(
+    return plgpu.kernel(
         functools.partial(body, num_slots_=S),
-        out_type=jax.ShapeDtypeStruct((S, block_m, out_cols or len(ws) * ws[0].shape[2]), x.dtype),
+        out_type=jax.ShapeDtypeStruct((S, block_m, out_cols), x.dtype),
         grid=(num_sms,), grid_names=("sm",), kernel_name="jaxllm_moe_gmm",  # profiles: a matmul
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **kernel_kw,
-    )(sched, xp, *(w.astype(x.dtype) for w in ws))
+    )(sched, x, *(w.astype(x.dtype) for w in ws))
+
+
+def pad_rows(x: jax.Array, block_m: int) -> jax.Array:
+    """x [M, K] padded to whole row blocks (for the TMA copies)."""
+    pad = -x.shape[0] % block_m
+    return jnp.pad(x, ((0, pad), (0, 0))) if pad else x
+
+
+def launch(body, x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array, block_m: int,
+           interpret: bool, num_sms: int, out_cols: int | None = None, **kernel_kw) -> jax.Array:
+    """The slot schedule around a persistent kernel `body(sched, x, *ws, out, num_slots_=S)`:
+    the slot list, x padded to whole row blocks, the slot-major output [S, block_m, out_cols
+    (default len(ws) * N)] and the gather that puts every row back from its own slot."""
+    M = x.shape[0]
+    sched, row_slot = slots(group_sizes, M, block_m)
+    out = slot_kernel(body, sched, pad_rows(x, block_m), ws, block_m,
+                      out_cols or len(ws) * ws[0].shape[2], interpret, num_sms, **kernel_kw)
     return out[row_slot, jnp.arange(M) % block_m]
 
 

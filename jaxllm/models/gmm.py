@@ -21,7 +21,8 @@
   also as two ("..._split", `WsSplitGmm`).
 - "wsglu<bm>_<bn>x<bk>s<stages>": the same kernel reading gate's and up's strips of the same
   columns in one tile and storing silu(gate) * up (`moe_gmm_ws.swiglu`, `WsGluGmm`); down
-  through the one-weight kernel of that tiling.
+  through the one-weight kernel of that tiling, reading the slot-major gate/up output as it is
+  (`moe_gmm_ws.mlp`: the whole MLP and the unsort, one gather in row order).
 - "mgpu_<bm>x<bn>": JAX's bundled Mosaic GPU kernel
   (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`) at one tiling. It needs the
   group sizes to cover every row, so the rows no group covers (padding, other
@@ -122,11 +123,20 @@ class WsSplitGmm(WsGmm):
 
 
 class WsGluGmm(WsGmm):
-    """A `glu` tiling: gate, up and silu(gate) * up in one launch (`moe.swiglu` takes it)."""
+    """A `glu` tiling: gate, up and silu(gate) * up in one launch (`moe.swiglu` takes it), and
+    the whole MLP in slot space (`moe_gmm_ws.mlp`: `moe.experts` takes it, unsort included)."""
 
     def swiglu(self, x, w_gate, w_up, group_sizes):
         from jaxllm.kernels import moe_gmm_ws
         return moe_gmm_ws.swiglu(x, w_gate, w_up, group_sizes, self.tiling, interpret=self.interpret)
+
+    def sorted_mlp(self, rows: int):
+        return self._mlp
+
+    def _mlp(self, x, w_gate, w_up, w_down, group_sizes, rows=None):
+        from jaxllm.kernels import moe_gmm_ws
+        return moe_gmm_ws.mlp(x, w_gate, w_up, w_down, group_sizes, self.tiling, rows=rows,
+                              interpret=self.interpret)
 
 
 class MosaicGmm(DecodeGmm):
@@ -233,6 +243,11 @@ class Chooser:
         """silu(x @ w1) * (x @ w2) by the chosen implementation (`moe.swiglu`: whole where it can)."""
         from jaxllm.models.moe import swiglu
         return swiglu(x, w1, w2, group_sizes, self._impl(x.shape[0]))
+
+    def sorted_mlp(self, rows: int):
+        """The chosen implementation's whole MLP of sorted rows at this row count, or None."""
+        whole = getattr(self._impl(rows), "sorted_mlp", None)
+        return whole(rows) if whole is not None else None
 
     def direct_mlp(self, rows: int):
         """The chosen implementation's unsorted-rows MLP at this row count, or None (sorted)."""

@@ -12,7 +12,9 @@ dropped (no capacity factor): every row is computed by its expert.
 implementations plug in as `gmm` (models/gmm.py). A `gmm` whose `direct_mlp(rows)` returns a
 function `mlp(x [T, H], w_gate, w_up, w_down, groups [T * k]) -> [T * k, H]` takes the rows
 unsorted instead (row r = token r // k's (r % k)-th expert, of group groups[r]; a group
-outside [0, E_local): none): small decode batches skip the sort and unsort. Padding tokens
+outside [0, E_local): none): small decode batches skip the sort and unsort. One whose
+`sorted_mlp(rows)` returns `mlp(xs [M, H] sorted, w_gate, w_up, w_down, sizes, inverse [M]) ->
+[M, H]` (rows in token order) runs the whole MLP of the sorted rows and the unsort. Padding tokens
 (`valid` False) go to a group past the last expert, which no group size covers: they cost
 nothing in a kernel that honours group sizes and contribute zeros.
 
@@ -109,7 +111,13 @@ def experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w_gate: jax.Array,
     else:
         order, inverse, sizes = sort_rows(groups, E)
         xs = x[order // k]  # row r = token r // k, its (r % k)-th expert
-        ys = expert_mlp(xs, w_gate, w_up, w_down, sizes, gmm)[inverse].reshape(T, k, -1)
+        whole = getattr(gmm, "sorted_mlp", None)
+        mlp = whole(T * k) if whole is not None else None
+        if mlp is not None:  # the whole MLP in one implementation, the unsort in its last gather
+            ys = mlp(xs, w_gate, w_up, w_down, sizes, inverse)
+        else:
+            ys = expert_mlp(xs, w_gate, w_up, w_down, sizes, gmm)[inverse]
+        ys = ys.reshape(T, k, -1)
     wk = jnp.where(mine, weights, 0.0).astype(ys.dtype)
     ys = jnp.where(mine[..., None], ys, 0)  # a kernel may leave uncovered rows undefined
     return jnp.einsum("tkh,tk->th", ys, wk)
