@@ -220,12 +220,14 @@ def torch_grouped(x, w_gu, w_d, sizes, floor, flops) -> dict:
         offs_r = [torch.tensor(np.cumsum(s), device=dev, dtype=torch.int32) for s in sizes]
         R = len(offs_r)
 
-        def run():
-            for offs in offs_r:
-                h = torch._grouped_mm(xt, gu, offs=offs)
+        def run():  # each call's input the last one's output mixed in, as the JAX variants' loop
+            x_ = xt  # (`y * 0.5 + x * 0.5`: an [M, H] pass both sides pay; XLA fuses the gather
+            for offs in offs_r:  # of a slot-major output into it)
+                h = torch._grouped_mm(x_, gu, offs=offs)
                 g, u = h.chunk(2, dim=-1)
                 y = torch._grouped_mm(Fn.silu(g) * u, dn, offs=offs)
-            return y
+                x_ = y * 0.5 + x_ * 0.5
+            return x_
 
         out = {}
         for _ in range(3):
