@@ -89,7 +89,8 @@ class WsTiling:
 TILINGS = (WsTiling(64, 256, 64, 4), WsTiling(64, 128, 64, 6), WsTiling(128, 256, 64, 3),
            WsTiling(128, 128, 64, 5))
 CHAINED = (WsTiling(64, 256, 64, 4, True), WsTiling(128, 256, 64, 2, True),
-           WsTiling(128, 128, 64, 4, True))  # K steps of gate/up (32) and down (12): multiples of 2 and 4
+           WsTiling(128, 128, 64, 4, True),  # K steps of gate/up (32) and down (12): multiples of 2 and 4
+           WsTiling(128, 128, 64, 4, True, glu=True))
 GLU = (WsTiling(128, 128, 64, 3, glu=True), WsTiling(128, 128, 64, 4, glu=True),
        WsTiling(64, 128, 64, 4, glu=True))  # ring of x + two strips: 144-192 KiB at 128 rows
 
