@@ -143,10 +143,10 @@ def compile_step(args, topo) -> dict:
             chooser.choice[M] = args.gmm
         hooks["experts_fn"] = functools.partial(experts, gmm=chooser)
         from jaxllm.kernels import moe_router
-        if moe_router.enabled():  # as the engine's runner (JAXLLM_MOE_ROUTER=xla: XLA's router)
+        if moe_router.enabled():  # as the engine's runner (JAXLLM_MOE_ROUTER=kernel: the kernel)
             hooks["router_fn"] = moe_router.route_small
     from jaxllm.kernels import rope_write
-    if rope_write.enabled():  # as the engine's runner on one GPU (JAXLLM_ROPE_WRITE=xla: XLA's)
+    if rope_write.enabled():  # as the engine's runner on one GPU (JAXLLM_ROPE_WRITE=kernel)
         hooks["rope_write_fn"] = rope_write.rope_write_small
     attn = pick_attention(None, "gpu", 1)
 

@@ -30,7 +30,8 @@ case "${1:-}" in
      timeout -k 10 ${T_K:-150} python3 scripts/check_moe_kernels.py --json "$OUT/moe_kernels.json" \
        > "$OUT/moe_kernels.log" 2>&1; echo "rc=$?"
      grep -E "^(floor|router|rope_write|gmm)" "$OUT/moe_kernels.log"
-     echo "== MoE decode, router kernel (default)"; moe_decode router "${MOE_B:-1 64}"
+     echo "== MoE decode, router kernel (opt-in since session 34)"
+     JAXLLM_MOE_ROUTER=kernel JAXLLM_ROPE_WRITE=kernel moe_decode router "${MOE_B:-1 64}"
      echo "== MoE decode, XLA's router, head norms, RoPE and scatter"
      JAXLLM_MOE_ROUTER=xla JAXLLM_ROPE_WRITE=xla moe_decode xla "1" ;;
   k) echo "== session 33's kernels against XLA's paths (scripts/check_moe_kernels.py)"
@@ -40,7 +41,8 @@ case "${1:-}" in
      grep -iE "wrong|failed|error" "$OUT/moe_kernels.log" | head -5 | cut -c1-400
      # then, on a card with the memory for Qwen3-30B-A3B (an H200), the batch-1 step with them
      mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-     if [ "${mem:-0}" -gt 100000 ]; then echo "== MoE decode batch 1"; moe_decode router 1; fi ;;
+     if [ "${mem:-0}" -gt 100000 ]; then echo "== MoE decode batch 1"
+       JAXLLM_MOE_ROUTER=kernel JAXLLM_ROPE_WRITE=kernel moe_decode router 1; fi ;;
   c) bash scripts/gpu_session32.sh c ;;
   *) echo "usage: $0 a|b|c|k" >&2; exit 2 ;;
 esac

@@ -8,9 +8,9 @@
 #     the same process (target >= 1.2x torch); then scripts/check_moe_kernels.py (session 33's
 #     router and rope_write kernels against XLA's paths, never run on a GPU before).
 #   d (~6 min, fits an H100 at batch 1): the MoE batch-1 decode step (Qwen3-30B-A3B, ctx 2,048)
-#     with session 33's router / rope_write kernels (default), then with XLA's paths
-#     (JAXLLM_MOE_ROUTER=xla JAXLLM_ROPE_WRITE=xla): the `g` call found both kernels slower than
-#     XLA's alone (router 10-31 us over the loop's cost against ~0), fewer kernels a step aside.
+#     with session 33's router / rope_write kernels (JAXLLM_MOE_ROUTER=kernel JAXLLM_ROPE_WRITE=kernel),
+#     then with XLA's paths (the default since the `g` call found both kernels slower than XLA's
+#     alone: router 10-31 us over the loop's cost against ~0), fewer kernels a step aside.
 #   p (~9 min, an H200 best; needs_h200): MOE_PARTS="3 2" scripts/gpu_moe.sh: the engine's prefill
 #     8 x 2,048 (MFU; the warm-up now measures the wsglu tilings too; 0.436 in session 26,
 #     target >= 0.5), then its decode step batch 1 and 64 with session 33's kernels (batch 1
@@ -65,8 +65,8 @@ for row in json.load(open('$OUT/moe_gmm.json'))['rows']:
        > "$OUT/moe_kernels.log" 2>&1; echo "rc=$?"
      grep -E "^(floor|router|rope_write|gmm)" "$OUT/moe_kernels.log"
      grep -iE "wrong|failed|error" "$OUT/moe_kernels.log" | head -5 | cut -c1-400 ;;
-  d) for v in router xla; do  # the batch-1 step: session 33's kernels, then XLA's router / RoPE paths
-       [ $v = xla ] && export JAXLLM_MOE_ROUTER=xla JAXLLM_ROPE_WRITE=xla
+  d) for v in kernel xla; do  # the batch-1 step: session 33's kernels, then XLA's router / RoPE (default)
+       export JAXLLM_MOE_ROUTER=$v JAXLLM_ROPE_WRITE=$v
        XLA_PYTHON_CLIENT_MEM_FRACTION=${MEMF:-0.95} timeout -k 10 ${T_D:-200} python3 scripts/bench_moe.py decode \
          --random-shape qwen3-30b-a3b --batch-size ${MOE_B:-1} --input-len 2048 --num-iters 20 --profile-steps 3 \
          --output-json "$OUT/moe_decode_$v.json" > "$OUT/moe_decode_$v.log" 2>&1; echo "rc=$? ($v)"

@@ -107,6 +107,9 @@ def test_rms_norm_before_the_router(dtype):
 
 
 def test_switch(monkeypatch):
+    monkeypatch.delenv("JAXLLM_MOE_ROUTER", raising=False)
+    assert not moe_router.enabled()  # XLA's router unless asked (slower alone on an H100)
+    monkeypatch.setenv("JAXLLM_MOE_ROUTER", "kernel")
     assert moe_router.enabled()
     monkeypatch.setenv("JAXLLM_MOE_ROUTER", "xla")
     assert not moe_router.enabled()

@@ -176,10 +176,11 @@ def route_tokens(h: jax.Array, w: jax.Array, valid: jax.Array | None, top_k: int
 
 
 def enabled() -> bool:
-    """JAXLLM_MOE_ROUTER: "kernel" (default) routes decode-sized steps on one GPU here, "xla"
-    keeps XLA's router throughout."""
+    """JAXLLM_MOE_ROUTER: "kernel" routes decode-sized steps on one GPU here, "xla" (default)
+    keeps XLA's router throughout: on an H100 (session 34, `check_moe_kernels.py`) the kernel
+    took 10-31 us more than XLA's router a call, which its saved launches do not repay."""
     from jaxllm.envs import env_choice
-    return env_choice("JAXLLM_MOE_ROUTER", "kernel", ("kernel", "xla")) == "kernel"
+    return env_choice("JAXLLM_MOE_ROUTER", "xla", ("kernel", "xla")) == "kernel"
 
 
 def route_small(x: jax.Array, w, valid: jax.Array, top_k: int, routing: str,
