@@ -48,6 +48,7 @@ GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 DECODE_MAX_ROWS = 1024  # the decode kernel re-reads an expert per 16-row block: decode only
 REF_TOKENS = 64  # tokens the warm-up's ragged_dot reference computes (`Chooser.measure`)
+PREFILL_CHAIN = 4  # dependent calls an execution when timing prefill-sized row counts (`measure`)
 DIRECT_MAX_ROWS = 64  # unsorted rows (one slot a row) for batches up to 64 / top_k tokens
 # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n)
 MGPU_TILINGS = ((64, 128, 64, 4, 1), (128, 128, 64, 4, 2), (128, 256, 64, 3, 1))
@@ -261,8 +262,11 @@ class Chooser:
         expert shape at each row count: rows / top_k tokens, each routed to top_k distinct
         random experts. Each is checked first against ragged_dot on the first REF_TOKENS
         tokens; the fastest is kept.
-        Decode-sized row counts are timed as loops of dependent calls (`timing.chained`): one
-        such call takes tens of microseconds, less than its dispatch."""
+        Every row count is timed as loops of dependent calls (`timing.chained`): a decode-sized
+        call takes tens of microseconds, less than its dispatch; a prefill-sized one runs
+        PREFILL_CHAIN times an execution, as a step runs it once a layer (timed one call an
+        execution, the warm-up read the warp-specialized kernels at ~2x the bench's loop, which
+        read them as fast as the others: sessions 25-26 against session 34)."""
         from jaxllm.kernels.timing import UNROLL, time_checked
         from jaxllm.models.moe import experts
 
@@ -296,7 +300,7 @@ class Chooser:
                 ref = ref_fn(x[:n], wts[:n], ids[:n], w_g, w_u, w_d)
                 return time_checked(fns, (x, wts, ids, w_g, w_u, w_d), reps, "MoE grouped matmul",
                                     f" at {M} rows{what}", tol=3e-2, catch=True, ref=ref,
-                                    chain=20 if M <= DECODE_MAX_ROWS else 0, unroll=UNROLL)
+                                    chain=20 if M <= DECODE_MAX_ROWS else PREFILL_CHAIN, unroll=UNROLL)
             times = timed(ids, "")
             if M <= DIRECT_MAX_ROWS and T > 1 and times:
                 # A small decode bucket also serves a batch of one: time that too (the other
