@@ -7,6 +7,10 @@
 #     in one launch, weights apart), Triton tiles128, and torch `_grouped_mm` (+ CUDA graph) in
 #     the same process (target >= 1.2x torch); then scripts/check_moe_kernels.py (session 33's
 #     router and rope_write kernels against XLA's paths, never run on a GPU before).
+#   c (~6 min, any Hopper card): scripts/check_moe_choice.py --one-call (the engine warm-up's
+#     grouped-matmul choice at 65,536 rows, timed chained and one call an execution), then the
+#     8,192-token bench of ws128_256x64s3 and the wsglu128_128x64s4 tilings (chained one too)
+#     against torch, whose loop now pays the same [M, H] pass.
 #   d (~6 min, fits an H100 at batch 1): the MoE batch-1 decode step (Qwen3-30B-A3B, ctx 2,048)
 #     with session 33's router / rope_write kernels (JAXLLM_MOE_ROUTER=kernel JAXLLM_ROPE_WRITE=kernel),
 #     then with XLA's paths (the default since the `g` call found both kernels slower than XLA's
@@ -48,6 +52,13 @@ case "${1:-}" in
      else
        PAIRS="" IMPLS="ws128_256x64s3 wsglu128_128x64s4" T_G=170 run_g; T_D=170 bash "$0" d
      fi ;;
+  c) # (any Hopper card, ~6 min) the warm-up's grouped-matmul choice at 65,536 rows, chained and one
+     # call an execution; then the bench against torch with the same loop on both sides
+     echo "== the engine's choice at 8,192 tokens (scripts/check_moe_choice.py)"
+     timeout -k 10 ${T_C:-280} python3 scripts/check_moe_choice.py --one-call > "$OUT/moe_choice.log" 2>&1
+     echo "rc=$?"; grep '^{' "$OUT/moe_choice.log" | cut -c1-1500
+     grep -iE "wrong|failed" "$OUT/moe_choice.log" | head -5 | cut -c1-300
+     PAIRS="" IMPLS="ws128_256x64s3 wsglu128_128x64s4" T_G=${T_G:-170} run_g ;;
   g) echo "== grouped matmul, 8,192 tokens, one Qwen3-30B-A3B layer"
      timeout -k 10 ${T_G:-300} python3 scripts/bench_moe.py gmm --random-shape qwen3-30b-a3b --tokens 8192 \
        --impls ws128_256x64s3 wsglu tiles128 --pairs --output-json "$OUT/moe_gmm.json" \
@@ -75,5 +86,5 @@ for row in json.load(open('$OUT/moe_gmm.json'))['rows']:
   p) MOE_PARTS="3 2" T3=${T3:-260} T2=${T2:-260} bash scripts/gpu_moe.sh
      grep -E "grouped matmul by measurement|grouped matmul timings" "$OUT/moe_prefill.log" | cut -c1-1200 ;;
   t) MOE_PARTS="4 5" T4=${T4:-270} T5=${T5:-270} bash scripts/gpu_moe.sh ;;
-  *) echo "usage: $0 g|d|p|t" >&2; exit 2 ;;
+  *) echo "usage: $0 c|g|d|p|t|x" >&2; exit 2 ;;
 esac
