@@ -142,8 +142,8 @@ def test_glu_candidate_runs_gate_up_and_down_through_expert_mlp(monkeypatch):
         assert np.linalg.norm(got[:n] - want[:n]) / np.linalg.norm(want[:n]) < 1e-2
 
 
-@pytest.mark.parametrize("bm", [128, 64])
-def test_mlp_in_slot_space_with_the_unsort_in_its_gather(bm):
+@pytest.mark.parametrize("bm, down_n, H", [(128, 0, 128), (64, 0, 128), (128, 256, 256)])
+def test_mlp_in_slot_space_with_the_unsort_in_its_gather(bm, down_n, H):
     """`mlp`: glu into slot-major [S, bm, F], down reading each slot's rows from there (rows of
     other experts in a block computed and never gathered), one gather by `rows` (a permutation,
     as `moe.experts`' unsort); groups across row blocks, empty experts, padding rows."""
@@ -151,9 +151,10 @@ def test_mlp_in_slot_space_with_the_unsort_in_its_gather(bm):
 
     sizes = np.array([70, 0, 50, 20, 0, 9], np.int32)
     M = 160  # 11 padding rows
-    x, w1, w2 = _inputs(M, 6, 128, 256, seed=7)
-    wd = _inputs(M, 6, 256, 128, seed=8)[1]
-    t = ws.WsTiling(block_m=bm, block_n=128, block_k=64, stages=2, glu=True)
+    x, w1, w2 = _inputs(M, 6, H, 256, seed=7)
+    wd = _inputs(M, 6, 256, H, seed=8)[1]
+    t = ws.WsTiling(block_m=bm, block_n=128, block_k=64, stages=2, glu=True, down_n=down_n)
+    assert t.down.block_n == (down_n or 128) and t.down.block_m == bm and not t.down.glu
     rows = jnp.asarray(np.random.default_rng(0).permutation(M), jnp.int32)
     got = jax.jit(lambda *a: ws.mlp(*a, t, rows=rows, interpret=True, num_sms=3))(
         x, w1, w2, wd, jnp.asarray(sizes))
@@ -163,7 +164,7 @@ def test_mlp_in_slot_space_with_the_unsort_in_its_gather(bm):
     want = np.asarray(moe.expert_mlp(*(a.astype(f32) for a in (x, w1, w2, wd)), jnp.asarray(sizes)))
     covered = np.asarray(rows) < int(sizes.sum())
     got, want = np.asarray(got, np.float32)[covered], want[np.asarray(rows)][covered]
-    assert got.shape == (149, 128) and np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+    assert got.shape == (149, H) and np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
 
 
 def test_experts_takes_the_whole_mlp_of_a_sorted_mlp_impl(monkeypatch):
@@ -197,8 +198,8 @@ def test_experts_takes_the_whole_mlp_of_a_sorted_mlp_impl(monkeypatch):
 def test_glu_tilings_fit_shared_memory_and_are_engine_candidates():
     E, H, F, M = 128, 2048, 768, 65536
     for t in ws.GLU:
-        assert t.fits(H, F) and t.fits(F, H)
-        assert t.smem_bytes(weights=2) <= 227 * 1024 and t.smem_bytes() <= 227 * 1024
+        assert t.fits(H, F) and t.down.fits(F, H)
+        assert t.smem_bytes(weights=2) <= ws.SMEM and t.down.smem_bytes() <= ws.SMEM
         assert t.name in gmm_impls.candidates(M, E, H, F, "gpu", engine=True)
         assert t.name not in gmm_impls.candidates(64, E, H, F, "gpu")
 
@@ -207,11 +208,15 @@ def test_glu_tilings_fit_shared_memory_and_are_engine_candidates():
 def test_glu_lowers_for_cuda_at_qwen3_moe_shapes(tiling):
     E, H, F, M = 128, 2048, 768, 65536
     sds = jax.ShapeDtypeStruct
-    f = jax.jit(lambda x, a, b, s: ws.swiglu(x, a, b, s, tiling))
-    w = sds((E, H, F), jnp.bfloat16)
-    text = f.trace(sds((M, H), jnp.bfloat16), w, w, sds((E,), jnp.int32)).lower(
+    w, wd = sds((E, H, F), jnp.bfloat16), sds((E, F, H), jnp.bfloat16)
+    glu = jax.jit(lambda x, a, b, s: ws.swiglu(x, a, b, s, tiling))
+    text = glu.trace(sds((M, H), jnp.bfloat16), w, w, sds((E,), jnp.int32)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text.lower()
+    mlp = jax.jit(lambda x, a, b, c, s: ws.mlp(x, a, b, c, s, tiling))  # down: x_slotted
+    text = mlp.trace(sds((M, H), jnp.bfloat16), w, w, wd, sds((E,), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.lower().count("mosaic_gpu") >= 2
 
 
 @pytest.mark.parametrize("tiling", ws.TILINGS + ws.CHAINED, ids=lambda t: t.name)

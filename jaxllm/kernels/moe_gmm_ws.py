@@ -30,7 +30,8 @@ rows with the gate's and the up's [bk, bn] strips of the same columns, each comp
 keeps both accumulators, and the epilogue stores silu(gate) * up [bm, bn] (float32 to bf16 once):
 x is read once for both projections, and neither the [M, 2F] gate/up output nor XLA's
 silu-multiply over it (a write and a read of 2 x 65,536 x 768 bf16 a layer at 8,192 tokens)
-exists. Same schedule otherwise; the down projection runs the one-weight kernel of that tiling.
+exists. Same schedule otherwise; the down projection runs the one-weight kernel of the same rows a
+slot (`WsTiling.down`: that tiling, or a wider strip, `down_n`).
 
 `mlp` runs the whole expert MLP in slot space: the glu kernel writes silu(gate) * up slot-major
 [S, bm, F], and the down kernel reads each slot's x rows from there (`x_slotted`: the slot's own
@@ -57,6 +58,7 @@ from jaxllm.kernels.mgpu_compat import chain_state, swizzled
 from jaxllm.kernels.moe_gmm_mosaic import launch, pad_rows, slot_kernel, slots
 
 WG_ROWS = 64  # wgmma M
+SMEM = 227 * 1024  # shared memory a CTA may take on Hopper
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,11 +69,25 @@ class WsTiling:
     stages: int = 4
     chained: bool = False  # a CTA's tiles as one pipeline of pipelines (module docstring)
     glu: bool = False  # gate and up strips in one tile, silu(gate) * up stored (module docstring)
+    down_n: int = 0  # glu: the down projection's strip (0: block_n), a ring as deep as fits
 
     @property
     def name(self) -> str:
         return (f"ws{'glu' if self.glu else ''}{self.block_m}_{self.block_n}x{self.block_k}s{self.stages}"
-                + ("c" if self.chained else ""))
+                + (f"d{self.down_n}" if self.down_n else "") + ("c" if self.chained else ""))
+
+    @property
+    def down(self) -> WsTiling:
+        """The one-weight tiling of the down projection after this one's gate/up: the same rows
+        a slot (`mlp` reads the glu kernel's slots as they are), its own strip. A 256-column strip
+        at K = F carries half the tiles of a 128-column one (each refilling its ring: 12 K steps
+        for Qwen3-30B-A3B's F = 768) and reads a weight byte for twice the rows."""
+        if not self.down_n or self.down_n == self.block_n:
+            return dataclasses.replace(self, glu=False, down_n=0)
+        stages = self.stages
+        while stages > 2 and dataclasses.replace(self, block_n=self.down_n, stages=stages).smem_bytes() > SMEM:
+            stages -= 1
+        return WsTiling(self.block_m, self.down_n, self.block_k, stages, self.chained)
 
     @property
     def wg_cols(self) -> int:  # columns a compute warpgroup multiplies and stores
@@ -91,8 +107,9 @@ TILINGS = (WsTiling(64, 256, 64, 4), WsTiling(64, 128, 64, 6), WsTiling(128, 256
            WsTiling(128, 128, 64, 5))
 CHAINED = (WsTiling(64, 256, 64, 4, True), WsTiling(128, 256, 64, 2, True),
            WsTiling(128, 128, 64, 4, True),  # K steps of gate/up (32) and down (12): multiples of 2 and 4
-           WsTiling(128, 128, 64, 4, True, glu=True))
+           WsTiling(128, 128, 64, 4, True, glu=True), WsTiling(128, 128, 64, 4, True, glu=True, down_n=256))
 GLU = (WsTiling(128, 128, 64, 3, glu=True), WsTiling(128, 128, 64, 4, glu=True),
+       WsTiling(128, 128, 64, 4, glu=True, down_n=256),  # down as ws128_256x64s3
        WsTiling(64, 128, 64, 4, glu=True))  # ring of x + two strips: 144-192 KiB at 128 rows
 
 
@@ -221,8 +238,8 @@ def mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, gro
     (`y[rows]`, one gather). Rows no group covers: undefined."""
     M, H = x.shape
     F = w_gate.shape[2]
-    for K, N, ws_ in ((H, F, (w_gate, w_up)), (F, H, (w_down,))):
-        if not tiling.fits(K, N) or any(w.shape[1:] != (K, N) for w in ws_):
+    for t, K, N, ws_ in ((tiling, H, F, (w_gate, w_up)), (tiling.down, F, H, (w_down,))):
+        if not t.fits(K, N) or any(w.shape[1:] != (K, N) for w in ws_):
             raise ValueError(f"tiling {tiling.name} does not fit the expert weights "
                              f"{[w.shape for w in (w_gate, w_up, w_down)]}")
     bm = tiling.block_m
@@ -230,7 +247,7 @@ def mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, gro
     kw = dict(num_threads=3, thread_name="wg")
     h = slot_kernel(functools.partial(_body, t=tiling, K=H, N=F, glu=True), sched, pad_rows(x, bm),
                     (w_gate, w_up), bm, F, interpret, num_sms, **kw)  # [S, bm, F]
-    y = slot_kernel(functools.partial(_body, t=tiling, K=F, N=H, glu=False, x_slotted=True), sched, h,
+    y = slot_kernel(functools.partial(_body, t=tiling.down, K=F, N=H, glu=False, x_slotted=True), sched, h,
                     (w_down,), bm, H, interpret, num_sms, **kw)  # [S, bm, H]
     r = jnp.arange(M, dtype=jnp.int32) if rows is None else rows
     return y[row_slot[r], r % bm]

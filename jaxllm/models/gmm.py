@@ -127,6 +127,10 @@ class WsGluGmm(WsGmm):
     """A `glu` tiling: gate, up and silu(gate) * up in one launch (`moe.swiglu` takes it), and
     the whole MLP in slot space (`moe_gmm_ws.mlp`: `moe.experts` takes it, unsort included)."""
 
+    def __call__(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:  # down
+        from jaxllm.kernels import moe_gmm_ws
+        return moe_gmm_ws.grouped_matmul(x, w, group_sizes, self.tiling.down, interpret=self.interpret)
+
     def swiglu(self, x, w_gate, w_up, group_sizes):
         from jaxllm.kernels import moe_gmm_ws
         return moe_gmm_ws.swiglu(x, w_gate, w_up, group_sizes, self.tiling, interpret=self.interpret)
@@ -196,7 +200,7 @@ def candidates(M: int, E: int, H: int, F: int, platform: str | None = None,
             from jaxllm.kernels import moe_gmm_ws
 
             for t in moe_gmm_ws.TILINGS + moe_gmm_ws.GLU + (() if engine else moe_gmm_ws.CHAINED):
-                if t.fits(H, F) and t.fits(F, H):  # chained: the bench's only (untimed on a GPU)
+                if t.fits(H, F) and t.down.fits(F, H):  # chained: the bench's only (untimed on a GPU)
                     out[t.name] = WsGluGmm(t) if t.glu else WsGmm(t)
                     if engine and t.block_m == 2 * moe_gmm_ws.WG_ROWS:  # the bench times `_split` itself
                         out[t.name + "_split"] = WsSplitGmm(t)
