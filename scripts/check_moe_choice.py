@@ -2,10 +2,10 @@
 
 `gmm.Chooser.measure` on one Qwen3-30B-A3B layer's expert shape (128 experts, top-8, H 2,048,
 F 768, bf16) at the rows of a prefill step (default 8,192 tokens = 65,536 rows): every engine
-candidate timed as `moe.experts` runs it (sort, MLP, unsort, combine), chained PREFILL_CHAIN
-calls an execution (the default since session 34) and, with --one-call, one call an execution
-as the warm-up timed it before: the warp-specialized kernels read ~2x slower there than in
-`bench_moe.py gmm`'s loop (sessions 25-26), which this shows or refutes. One JSON line each.
+candidate timed as `moe.experts` runs it (sort, MLP, unsort, combine), by its marginal cost
+between loops of PREFILL_CALLS calls (the default since session 34) and, with --one-call, one
+call an execution as the warm-up timed it before (the warp-specialized kernels read ~2x slower
+there than in `bench_moe.py gmm`'s loop, sessions 25-26). One JSON line each.
 
     python scripts/check_moe_choice.py [--tokens 8192] [--one-call]
 """
@@ -36,11 +36,11 @@ def main() -> None:
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO)
     rows = [t * args.top_k for t in args.tokens]
-    for chain in ([gmm.PREFILL_CHAIN, 0] if args.one_call else [gmm.PREFILL_CHAIN]):
-        gmm.PREFILL_CHAIN = chain
+    for calls in ([gmm.PREFILL_CALLS, None] if args.one_call else [gmm.PREFILL_CALLS]):
+        gmm.PREFILL_CALLS = calls  # None: one call an execution
         c = gmm.Chooser()
         c.measure(rows, args.experts, args.hidden, args.inter, jnp.bfloat16, top_k=args.top_k)
-        print(json.dumps({"chain": chain, "choice": c.choice,
+        print(json.dumps({"marginal_calls": calls, "choice": c.choice,
                           "us": {M: {n: round(t * 1e6, 1) for n, t in sorted(v.items(), key=lambda kv: kv[1])}
                                  for M, v in c.timings.items()}}), flush=True)
 

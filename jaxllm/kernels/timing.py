@@ -44,6 +44,21 @@ def chained(fn: Callable, n: int, unroll: int = 1) -> Callable:
     return loop
 
 
+def counted(fn: Callable) -> Callable:
+    """`chained` with the call count an argument: (n, x, *rest) -> (x, the last call's output),
+    one compile for every n (XLA's while loop, no unrolling), so two counts time the marginal
+    cost of a call without what each execution costs once (`time_checked(marginal=...)`)."""
+    def loop(n, x, *rest):
+        def body(_, carry):
+            x, _ = carry
+            x, args = jax.lax.optimization_barrier((x, rest))
+            out = fn(x, *args)
+            return x + (out.reshape(-1)[0] * 0).astype(x.dtype), out
+        first = jax.eval_shape(fn, x, *rest)
+        return jax.lax.fori_loop(0, n, body, (x, jax.numpy.zeros(first.shape, first.dtype)))
+    return loop
+
+
 def loop_floor(x: jax.Array, reps: int = 5, chain: int = 20, unroll: int = 1) -> float:
     """Seconds per call that `time_checked(..., chain=chain)` reports for a call that does almost
     nothing (x[..., :1]): the loop's and the dispatch's share of every chained timing, logged
@@ -55,24 +70,31 @@ def loop_floor(x: jax.Array, reps: int = 5, chain: int = 20, unroll: int = 1) ->
 
 def time_checked(fns: dict[str, Callable], args: tuple, reps: int, what: str, where: str = "",
                  tol: float = 2e-2, catch: bool = False, ref=None, chain: int = 0,
-                 compiler_options: dict | None = None, unroll: int = 1) -> dict[str, float]:
+                 compiler_options: dict | None = None, unroll: int = 1,
+                 marginal: tuple[int, int] | None = None) -> dict[str, float]:
     """Median seconds per call of each jitted fn(*args) after one checked run: its output must be
     finite and within `tol` (relative) of `ref` (default: the first fn's output; a `ref` with
     fewer leading rows than the outputs is compared with their first rows), else it is
     logged and left out. `catch`: a fn that raises is logged and left out too (else the error
     propagates). `chain` > 0: each of the `reps` timings runs `chained(fn, chain)` and counts
     one call as its time / chain (kernels shorter than a dispatch; `unroll` calls an iteration
-    of its loop). `compiler_options`: XLA's,
-    for every fn's compile (e.g. no GEMM autotuning)."""
+    of its loop). `marginal` (a, b): each timing runs `counted(fn)` with a and with b calls and
+    counts (t_b - t_a) / (b - a), a call's cost without what an execution costs once (one compile;
+    the check runs one call). `compiler_options`: XLA's, for every fn's compile (e.g. no GEMM
+    autotuning)."""
     first = None if ref is None else np.asarray(ref, np.float32)
     times = {}
     for name, fn in fns.items():
         try:
-            timed, per = (jax.jit(chained(fn, chain, unroll)), chain) if chain else (jax.jit(fn), 1)
+            if marginal:
+                timed = jax.jit(counted(fn))
+                f = lambda *a: timed(1, *a)[1]  # noqa: E731
+            else:
+                timed, per = (jax.jit(chained(fn, chain, unroll)), chain) if chain else (jax.jit(fn), 1)
             if compiler_options:
                 timed = timed.lower(*args).compile(compiler_options)
-            # chained: one program, checked on its last call's output, then timed
-            f = (lambda *a: timed(*a)[1]) if chain else timed  # noqa: E731
+            if not marginal:  # chained: one program, checked on its last call's output, then timed
+                f = (lambda *a: timed(*a)[1]) if chain else timed  # noqa: E731
             out = np.asarray(jax.block_until_ready(f(*args)), np.float32)
             if first is None:
                 first = out
@@ -83,6 +105,14 @@ def time_checked(fns: dict[str, Callable], args: tuple, reps: int, what: str, wh
                 continue
             ts = []
             for _ in range(reps):
+                if marginal:  # the difference of two call counts: a call's cost alone
+                    (a, b), dt = marginal, []
+                    for n in marginal:
+                        t0 = time.perf_counter()
+                        jax.block_until_ready(timed(n, *args))
+                        dt.append(time.perf_counter() - t0)
+                    ts.append((dt[1] - dt[0]) / (b - a))
+                    continue
                 t0 = time.perf_counter()
                 jax.block_until_ready(timed(*args))
                 ts.append((time.perf_counter() - t0) / per)

@@ -48,7 +48,7 @@ GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 DECODE_MAX_ROWS = 1024  # the decode kernel re-reads an expert per 16-row block: decode only
 REF_TOKENS = 64  # tokens the warm-up's ragged_dot reference computes (`Chooser.measure`)
-PREFILL_CHAIN = 4  # dependent calls an execution when timing prefill-sized row counts (`measure`)
+PREFILL_CALLS = (1, 5)  # prefill-sized row counts: the marginal cost of a call between these counts
 DIRECT_MAX_ROWS = 64  # unsorted rows (one slot a row) for batches up to 64 / top_k tokens
 # (block_m, block_n, block_k, max_concurrent_steps, grid_block_n)
 MGPU_TILINGS = ((64, 128, 64, 4, 1), (128, 128, 64, 4, 2), (128, 256, 64, 3, 1))
@@ -267,10 +267,12 @@ class Chooser:
         random experts. Each is checked first against ragged_dot on the first REF_TOKENS
         tokens; the fastest is kept.
         Every row count is timed as loops of dependent calls (`timing.chained`): a decode-sized
-        call takes tens of microseconds, less than its dispatch; a prefill-sized one runs
-        PREFILL_CHAIN times an execution, as a step runs it once a layer (timed one call an
-        execution, the warm-up read the warp-specialized kernels at ~2x the bench's loop, which
-        read them as fast as the others: sessions 25-26 against session 34)."""
+        call takes tens of microseconds, less than its dispatch. A prefill-sized one is timed by
+        its marginal cost, the difference between loops of PREFILL_CALLS calls: a step runs the
+        block once a layer, and what an execution costs once goes with it. On an H100 (session
+        34, `check_moe_choice.py`) the warp-specialized kernels cost ~3.8 ms an execution beside
+        ~1.5-1.6 ms a call: timed one call an execution they read 5.3 ms against Triton's 2.0
+        and never won, though a call of them is the faster (`bench_moe.py gmm`)."""
         from jaxllm.kernels.timing import UNROLL, time_checked
         from jaxllm.models.moe import experts
 
@@ -304,7 +306,8 @@ class Chooser:
                 ref = ref_fn(x[:n], wts[:n], ids[:n], w_g, w_u, w_d)
                 return time_checked(fns, (x, wts, ids, w_g, w_u, w_d), reps, "MoE grouped matmul",
                                     f" at {M} rows{what}", tol=3e-2, catch=True, ref=ref,
-                                    chain=20 if M <= DECODE_MAX_ROWS else PREFILL_CHAIN, unroll=UNROLL)
+                                    chain=20 if M <= DECODE_MAX_ROWS else 0, unroll=UNROLL,
+                                    marginal=None if M <= DECODE_MAX_ROWS else PREFILL_CALLS)
             times = timed(ids, "")
             if M <= DIRECT_MAX_ROWS and T > 1 and times:
                 # A small decode bucket also serves a batch of one: time that too (the other
