@@ -1,0 +1,33 @@
+"""kernels/timing.py: the checked timings behind the warm-up's choices by measurement."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.kernels import timing
+
+
+def test_counted_runs_the_call_count_it_is_given_one_compile():
+    traces = []
+
+    def fn(x, w):
+        traces.append(1)
+        return x @ w
+
+    loop = jax.jit(timing.counted(fn))
+    x, w = jnp.ones((4, 8)), jnp.full((8, 8), 0.5)
+    for n in (1, 3):
+        x_out, out = loop(n, x, w)
+        np.testing.assert_allclose(out, x @ w)  # x unchanged (x + 0 * out): every call the same
+        np.testing.assert_allclose(x_out, x)
+    assert len(traces) == 1  # the count is an argument: one trace, one compile
+
+
+def test_marginal_timing_checks_then_times_each_candidate():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((128, 128)), jnp.float32)
+    fns = {"mm": lambda x: x @ x, "mm_t": lambda x: (x.T @ x.T).T, "wrong": lambda x: x @ x + 1.0}
+    times = timing.time_checked(fns, (x,), 3, "matmul", marginal=(1, 5), tol=1e-4)
+    assert set(times) == {"mm", "mm_t"}  # the wrong one is checked out before any timing
+    assert all(np.isfinite(t) for t in times.values())
