@@ -142,7 +142,17 @@ def launch(body, x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array
     sched, row_slot = slots(group_sizes, M, block_m)
     out = slot_kernel(body, sched, pad_rows(x, block_m), ws, block_m,
                       out_cols or len(ws) * ws[0].shape[2], interpret, num_sms, **kernel_kw)
-    return out[row_slot, jnp.arange(M) % block_m]
+    return gather_rows(out, row_slot, jnp.arange(M, dtype=jnp.int32))
+
+
+def gather_rows(out: jax.Array, row_slot: jax.Array, rows: jax.Array) -> jax.Array:
+    """Rows `rows` [R] (sorted-row indices) of a slot-major output [S, bm, N] -> [R, N]. The flat
+    row indices are materialized first (an optimization barrier): fused into a consumer, their
+    `searchsorted` over the groups ran once an output element (a 3.1 ms reduction at 65,536 rows
+    on an H100 in session 34, where the gather alone takes 0.2 ms)."""
+    S, bm, N = out.shape
+    idx = jax.lax.optimization_barrier(row_slot[rows] * bm + rows % bm)
+    return out.reshape(S * bm, N)[idx]
 
 
 def _call(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array, t: MosaicTiling,

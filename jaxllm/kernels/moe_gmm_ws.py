@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxllm.kernels.mgpu_compat import chain_state, swizzled
-from jaxllm.kernels.moe_gmm_mosaic import launch, pad_rows, slot_kernel, slots
+from jaxllm.kernels.moe_gmm_mosaic import gather_rows, launch, pad_rows, slot_kernel, slots
 
 WG_ROWS = 64  # wgmma M
 SMEM = 227 * 1024  # shared memory a CTA may take on Hopper
@@ -249,5 +249,4 @@ def mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, gro
                     (w_gate, w_up), bm, F, interpret, num_sms, **kw)  # [S, bm, F]
     y = slot_kernel(functools.partial(_body, t=tiling.down, K=F, N=H, glu=False, x_slotted=True), sched, h,
                     (w_down,), bm, H, interpret, num_sms, **kw)  # [S, bm, H]
-    r = jnp.arange(M, dtype=jnp.int32) if rows is None else rows
-    return y[row_slot[r], r % bm]
+    return gather_rows(y, row_slot, jnp.arange(M, dtype=jnp.int32) if rows is None else rows)

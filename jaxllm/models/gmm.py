@@ -266,13 +266,10 @@ class Chooser:
         expert shape at each row count: rows / top_k tokens, each routed to top_k distinct
         random experts. Each is checked first against ragged_dot on the first REF_TOKENS
         tokens; the fastest is kept.
-        Every row count is timed as loops of dependent calls (`timing.chained`): a decode-sized
-        call takes tens of microseconds, less than its dispatch. A prefill-sized one is timed by
-        its marginal cost, the difference between loops of PREFILL_CALLS calls: a step runs the
-        block once a layer, and what an execution costs once goes with it. On an H100 (session
-        34, `check_moe_choice.py`) the warp-specialized kernels cost ~3.8 ms an execution beside
-        ~1.5-1.6 ms a call: timed one call an execution they read 5.3 ms against Triton's 2.0
-        and never won, though a call of them is the faster (`bench_moe.py gmm`)."""
+        Every row count is timed as loops of dependent calls: a decode-sized call takes tens of
+        microseconds, less than its dispatch (`timing.chained`); a prefill-sized one by its
+        marginal cost, the difference between loops of PREFILL_CALLS calls (`timing.counted`),
+        as a step runs the block once a layer, without the dispatch of an execution."""
         from jaxllm.kernels.timing import UNROLL, time_checked
         from jaxllm.models.moe import experts
 
