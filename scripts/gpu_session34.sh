@@ -15,6 +15,8 @@
 #     with session 33's router / rope_write kernels (JAXLLM_MOE_ROUTER=kernel JAXLLM_ROPE_WRITE=kernel),
 #     then with XLA's paths (the default since the `g` call found both kernels slower than XLA's
 #     alone: router 10-31 us over the loop's cost against ~0), fewer kernels a step aside.
+#   x (~9 min): on an H200, check_moe_choice.py (the warm-up's prefill choice after the gather fix),
+#     the prefill MFU and the decode step batch 1 / 64; on a smaller card, `c`.
 #   p (~9 min, an H200 best; needs_h200): MOE_PARTS="3 2" scripts/gpu_moe.sh: the engine's prefill
 #     8 x 2,048 (MFU; the warm-up now measures the wsglu tilings too; 0.436 in session 26,
 #     target >= 0.5), then its decode step batch 1 and 64 with session 33's kernels (batch 1
@@ -43,14 +45,17 @@ for row in json.load(open('$OUT/moe_gmm.json'))['rows']:
 }
 PAIRS=--pairs
 case "${1:-}" in
-  x) # one call: on an H200 the MoE batch-1 step both ways and the prefill; else the 8,192-token
-     # grouped matmul's kernels profiled and the batch-1 step both ways
+  x) # one call: on an H200 the warm-up's prefill choice alone (after the gather fix), the prefill
+     # MFU and the decode step (batch 1 and 64, XLA's router: the default); else `c`
      mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
      if [ "${mem:-0}" -gt 100000 ]; then
-       T_D=150 bash "$0" d; MOE_PARTS="3" T3=230 bash scripts/gpu_moe.sh
-       grep -E "grouped matmul by measurement|grouped matmul timings" "$OUT/moe_prefill.log" | cut -c1-1200
+       echo "== the engine's choice at 8,192 tokens (scripts/check_moe_choice.py)"
+       timeout -k 10 ${T_C:-120} python3 scripts/check_moe_choice.py > "$OUT/moe_choice.log" 2>&1
+       echo "rc=$?"; grep '^{' "$OUT/moe_choice.log" | cut -c1-1500
+       MOE_PARTS="3 2" T3=${T3:-200} T2=${T2:-200} bash scripts/gpu_moe.sh
+       grep -E "grouped matmul by measurement|grouped matmul timings" "$OUT/moe_prefill.log" | cut -c1-1500
      else
-       PAIRS="" IMPLS="ws128_256x64s3 wsglu128_128x64s4" T_G=170 run_g; T_D=170 bash "$0" d
+       bash "$0" c
      fi ;;
   c) # (any Hopper card, ~6 min) the warm-up's grouped-matmul choice at 65,536 rows, chained and one
      # call an execution; then the bench against torch with the same loop on both sides
