@@ -64,18 +64,7 @@ case "${1:-}" in
      echo "rc=$?"; grep '^{' "$OUT/moe_choice.log" | cut -c1-1500
      grep -iE "wrong|failed" "$OUT/moe_choice.log" | head -5 | cut -c1-300
      PAIRS="" IMPLS="ws128_256x64s3 wsglu128_128x64s4" T_G=${T_G:-170} run_g ;;
-  g) echo "== grouped matmul, 8,192 tokens, one Qwen3-30B-A3B layer"
-     timeout -k 10 ${T_G:-300} python3 scripts/bench_moe.py gmm --random-shape qwen3-30b-a3b --tokens 8192 \
-       --impls ws128_256x64s3 wsglu tiles128 --pairs --output-json "$OUT/moe_gmm.json" \
-       > "$OUT/moe_gmm.log" 2>&1; echo "rc=$?"
-     grep "^T=" "$OUT/moe_gmm.log" | cut -c1-1500
-     python3 -c "
-import json, sys
-for row in json.load(open('$OUT/moe_gmm.json'))['rows']:
-    for name, r in row.items():
-        if isinstance(r, dict) and 'kernels_us' in r:
-            print(name, 'GPU busy', round(r.get('gpu_busy_s', 0) * 1e6), 'us:', r['kernels_us'])
-" | cut -c1-700
+  g) T_G=${T_G:-300} run_g
      echo "== session 33's kernels against XLA's paths (scripts/check_moe_kernels.py)"
      timeout -k 10 ${T_K:-150} python3 scripts/check_moe_kernels.py --json "$OUT/moe_kernels.json" \
        > "$OUT/moe_kernels.log" 2>&1; echo "rc=$?"

@@ -32,31 +32,24 @@ def chained(fn: Callable, n: int, unroll: int = 1) -> Callable:
     time (block_until_ready around each), the H100 warm-up of session 21 read 150-300 us for
     every fp8 layout, the dispatch's time, and chose among the paths by noise. `unroll`: calls
     per iteration of the loop (still n in all), so its fixed cost an iteration is shared."""
-    def loop(x, *rest):
-        def body(_, carry):
-            x, _ = carry
-            x, args = jax.lax.optimization_barrier((x, rest))
-            out = fn(x, *args)
-            return x + (out.reshape(-1)[0] * 0).astype(x.dtype), out
-        first = jax.eval_shape(fn, x, *rest)
-        return jax.lax.fori_loop(0, n, body, (x, jax.numpy.zeros(first.shape, first.dtype)),
-                                 unroll=max(1, min(unroll, n)))
-    return loop
+    return lambda x, *rest: _loop(fn, n, x, rest, unroll=max(1, min(unroll, n)))
 
 
 def counted(fn: Callable) -> Callable:
     """`chained` with the call count an argument: (n, x, *rest) -> (x, the last call's output),
     one compile for every n (XLA's while loop, no unrolling), so two counts time the marginal
     cost of a call without what each execution costs once (`time_checked(marginal=...)`)."""
-    def loop(n, x, *rest):
-        def body(_, carry):
-            x, _ = carry
-            x, args = jax.lax.optimization_barrier((x, rest))
-            out = fn(x, *args)
-            return x + (out.reshape(-1)[0] * 0).astype(x.dtype), out
-        first = jax.eval_shape(fn, x, *rest)
-        return jax.lax.fori_loop(0, n, body, (x, jax.numpy.zeros(first.shape, first.dtype)))
-    return loop
+    return lambda n, x, *rest: _loop(fn, n, x, rest)
+
+
+def _loop(fn: Callable, n, x, rest: tuple, unroll: int = 1):
+    def body(_, carry):
+        x, _ = carry
+        x, args = jax.lax.optimization_barrier((x, rest))
+        out = fn(x, *args)
+        return x + (out.reshape(-1)[0] * 0).astype(x.dtype), out
+    first = jax.eval_shape(fn, x, *rest)
+    return jax.lax.fori_loop(0, n, body, (x, jax.numpy.zeros(first.shape, first.dtype)), unroll=unroll)
 
 
 def loop_floor(x: jax.Array, reps: int = 5, chain: int = 20, unroll: int = 1) -> float:
