@@ -21,7 +21,8 @@
   also as two ("..._split", `WsSplitGmm`).
 - "wsglu<bm>_<bn>x<bk>s<stages>": the same kernel reading gate's and up's strips of the same
   columns in one tile and storing silu(gate) * up (`moe_gmm_ws.swiglu`, `WsGluGmm`); down
-  through the one-weight kernel of that tiling, reading the slot-major gate/up output as it is
+  through the one-weight kernel of the same slots (`WsTiling.down`; "d256": a 256-column strip;
+  "c": chained tiles), reading the slot-major gate/up output as it is
   (`moe_gmm_ws.mlp`: the whole MLP and the unsort, one gather in row order).
 - "mgpu_<bm>x<bn>": JAX's bundled Mosaic GPU kernel
   (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`) at one tiling. It needs the
@@ -200,7 +201,7 @@ def candidates(M: int, E: int, H: int, F: int, platform: str | None = None,
             from jaxllm.kernels import moe_gmm_ws
 
             for t in moe_gmm_ws.TILINGS + moe_gmm_ws.GLU + (() if engine else moe_gmm_ws.CHAINED):
-                if t.fits(H, F) and t.down.fits(F, H):  # chained: the bench's only (untimed on a GPU)
+                if t.fits(H, F) and t.down.fits(F, H):  # CHAINED: the bench's only
                     out[t.name] = WsGluGmm(t) if t.glu else WsGmm(t)
                     if engine and t.block_m == 2 * moe_gmm_ws.WG_ROWS:  # the bench times `_split` itself
                         out[t.name + "_split"] = WsSplitGmm(t)
