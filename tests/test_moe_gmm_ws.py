@@ -142,8 +142,9 @@ def test_glu_candidate_runs_gate_up_and_down_through_expert_mlp(monkeypatch):
         assert np.linalg.norm(got[:n] - want[:n]) / np.linalg.norm(want[:n]) < 1e-2
 
 
-@pytest.mark.parametrize("bm, down_n, H", [(128, 0, 128), (64, 0, 128), (128, 256, 256)])
-def test_mlp_in_slot_space_with_the_unsort_in_its_gather(bm, down_n, H):
+@pytest.mark.parametrize("bm, down_n, H, chained", [(128, 0, 128, False), (64, 0, 128, False),
+                                                     (128, 256, 256, False), (128, 256, 256, True)])
+def test_mlp_in_slot_space_with_the_unsort_in_its_gather(bm, down_n, H, chained):
     """`mlp`: glu into slot-major [S, bm, F], down reading each slot's rows from there (rows of
     other experts in a block computed and never gathered), one gather by `rows` (a permutation,
     as `moe.experts`' unsort); groups across row blocks, empty experts, padding rows."""
@@ -153,8 +154,10 @@ def test_mlp_in_slot_space_with_the_unsort_in_its_gather(bm, down_n, H):
     M = 160  # 11 padding rows
     x, w1, w2 = _inputs(M, 6, H, 256, seed=7)
     wd = _inputs(M, 6, 256, H, seed=8)[1]
-    t = ws.WsTiling(block_m=bm, block_n=128, block_k=64, stages=2, glu=True, down_n=down_n)
+    t = ws.WsTiling(block_m=bm, block_n=128, block_k=64, stages=2, chained=chained, glu=True,
+                    down_n=down_n)
     assert t.down.block_n == (down_n or 128) and t.down.block_m == bm and not t.down.glu
+    assert t.down.chained == chained  # chained: both kernels' tiles as pipelines of pipelines
     rows = jnp.asarray(np.random.default_rng(0).permutation(M), jnp.int32)
     got = jax.jit(lambda *a: ws.mlp(*a, t, rows=rows, interpret=True, num_sms=3))(
         x, w1, w2, wd, jnp.asarray(sizes))

@@ -23,8 +23,9 @@ rows (the tile CUTLASS's Hopper GEMMs use), for up to 127 rows of padding an exp
 blocks while the compute warpgroups finish the current one, instead of each tile draining its
 ring and refilling it (a ~1-2 us bubble a tile: a tenth of a 128 x 256 tile at K = 2,048, a
 quarter at the down projection's K = 768). JAX requires the K steps to be a multiple of the
-ring's depth for it. The chained glu tiling with a 256-column down strip was timed on an H100
-(session 34) and is an engine candidate; the other chained tilings are the benchmark's.
+ring's depth for it. A CTA whose only live tile it is runs the whole (unchained) pipeline. The
+chained tilings are the benchmark's (the chained glu one with a 256-column down strip was the
+fastest on an H100 in session 34, before the lone-tile path).
 
 `glu` tilings ("wsglu...") compute the SwiGLU of gate and up in one tile: the ring streams the x
 rows with the gate's and the up's [bk, bn] strips of the same columns, each compute warpgroup
@@ -108,12 +109,13 @@ TILINGS = (WsTiling(64, 256, 64, 4), WsTiling(64, 128, 64, 6), WsTiling(128, 256
            WsTiling(128, 128, 64, 5))
 CHAINED = (WsTiling(64, 256, 64, 4, True), WsTiling(128, 256, 64, 2, True),
            WsTiling(128, 128, 64, 4, True),  # K steps of gate/up (32) and down (12): multiples of 2 and 4
-           WsTiling(128, 128, 64, 4, True, glu=True))
+           WsTiling(128, 128, 64, 4, True, glu=True),
+           # the best at 8,192 tokens on an H100 (session 34: 1.28x torch); the engine's once the
+           # lone-tile path below (found after that run) has run on a GPU
+           WsTiling(128, 128, 64, 4, True, glu=True, down_n=256))
 GLU = (WsTiling(128, 128, 64, 3, glu=True), WsTiling(128, 128, 64, 4, glu=True),
        WsTiling(128, 128, 64, 4, glu=True, down_n=256),  # down as ws128_256x64s3
-       WsTiling(64, 128, 64, 4, glu=True),  # ring of x + two strips: 144-192 KiB at 128 rows
-       # chained, down 128 x 256: the best at 8,192 tokens on an H100 (session 34: 1.28x torch)
-       WsTiling(128, 128, 64, 4, True, glu=True, down_n=256))
+       WsTiling(64, 128, 64, 4, glu=True))  # ring of x + two strips: 144-192 KiB at 128 rows
 
 
 def _body(sched_gmem, x_gmem, *refs, t: WsTiling, num_slots_: int, K: int, N: int, glu: bool,
@@ -153,12 +155,16 @@ def _body(sched_gmem, x_gmem, *refs, t: WsTiling, num_slots_: int, K: int, N: in
             idx = info.index[0]
             s, c = lax.div(idx, cols), lax.rem(idx, cols)
             expert, block, live = sched_gmem[0, s], sched_gmem[1, s], sched_gmem[2, s]
-            state = None
+            state = lone = None
             if t.chained:  # live slots come first: this CTA's last live tile is followed by a dead one
                 nxt = idx + lax.axis_size("sm")
                 last = (nxt >= num_slots_ * cols) | (
                     sched_gmem[2, lax.min(lax.div(nxt, cols), num_slots_ - 1)] == 0)
                 state = chain_state(info.local_index == 0, last)
+                # A CTA's only live tile runs a whole pipeline: as START its memory thread would
+                # leave the ring's last releases unawaited (the interpreter: "did not observe all
+                # phases"); there is no state that both fills and drains the ring.
+                lone = (info.local_index == 0) & last
             for i, ws_gmem in enumerate(groups):
                 @pl.when((live > 0) & (lax.div(c, strips) == i))
                 def _(ws_gmem=ws_gmem, i=i):
@@ -193,9 +199,18 @@ def _body(sched_gmem, x_gmem, *refs, t: WsTiling, num_slots_: int, K: int, N: in
                         return accs
 
                     x_rows = x_gmem.at[s] if x_slotted else x_gmem.at[pl.ds(block * bm, bm)]
-                    pipeline(mma, ctx, state)(x_rows,
-                                              *(w.at[expert, :, pl.ds(j * strip, strip)] for w in ws_gmem),
-                                              allocations=allocs)
+                    operands = (x_rows, *(w.at[expert, :, pl.ds(j * strip, strip)] for w in ws_gmem))
+                    if not t.chained:
+                        pipeline(mma, ctx)(*operands, allocations=allocs)
+                        return
+
+                    @pl.when(lone)
+                    def _():
+                        pipeline(mma, ctx)(*operands, allocations=allocs)
+
+                    @pl.when(~lone)
+                    def _():
+                        pipeline(mma, ctx, state)(*operands, allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
