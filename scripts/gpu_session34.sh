@@ -63,7 +63,9 @@ case "${1:-}" in
      timeout -k 10 ${T_C:-280} python3 scripts/check_moe_choice.py --one-call > "$OUT/moe_choice.log" 2>&1
      echo "rc=$?"; grep '^{' "$OUT/moe_choice.log" | cut -c1-1500
      grep -iE "wrong|failed" "$OUT/moe_choice.log" | head -5 | cut -c1-300
-     PAIRS="" IMPLS="ws128_256x64s3 wsglu128_128x64s4" T_G=${T_G:-170} run_g ;;
+     PAIRS="" IMPLS="ws128_256x64s3 wsglu128_128x64s4" T_G=${T_G:-170} run_g
+     echo "== one moe.experts call profiled (scripts/profile_moe_experts.py)"
+     timeout -k 10 ${T_P:-120} python3 scripts/profile_moe_experts.py 2>&1 | grep "wall/call" ;;
   g) T_G=${T_G:-300} run_g
      echo "== session 33's kernels against XLA's paths (scripts/check_moe_kernels.py)"
      timeout -k 10 ${T_K:-150} python3 scripts/check_moe_kernels.py --json "$OUT/moe_kernels.json" \
