@@ -150,23 +150,13 @@ def _body(x_gmem, w_gmem, sx_gmem, sw_gmem, o_gmem, *scratch, t: GemmTiling, int
                 plgpu.wgmma_wait(0)
                 return acc_ref
 
-            operands = (x_gmem.at[pl.ds(mi * bm, bm)], w_gmem.at[cols])
-            if not t.chained:
-                pipeline(mma, ctx)(*operands, allocations=allocs)
-            else:  # START on a CTA's first tile, STOP on its last (every tile is live); a CTA's
-                # only tile runs a whole pipeline (as `moe_gmm_ws`: START would leave the ring's
-                # last releases unawaited)
-                first = info.local_index == 0
+            def run(state=None):
+                pipeline(mma, ctx, state)(x_gmem.at[pl.ds(mi * bm, bm)], w_gmem.at[cols], allocations=allocs)
+            if t.chained:  # every tile is live: a CTA's last is the one with no next
                 last = info.index[0] + lax.axis_size("sm") >= m_iters * n_iters
-                state = mgpu_compat.chain_state(first, last)
-
-                @pl.when(first & last)
-                def _():
-                    pipeline(mma, ctx)(*operands, allocations=allocs)
-
-                @pl.when(~(first & last))
-                def _():
-                    pipeline(mma, ctx, state)(*operands, allocations=allocs)
+                mgpu_compat.run_chained(run, info.local_index == 0, last)
+            else:
+                run()
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -1,7 +1,7 @@
 """Mosaic GPU helpers the kernels share: calls whose signature differs between the JAX versions
 jaxllm runs on, 0.10 (the CPU machines and CI) and 0.11 (the GPU machine), each the one spelling
 both accept without a deprecation warning; the swizzled tile layout of TMA'd operands; the
-`pipeline_state` of chained warp-specialized pipelines."""
+chained warp-specialized pipelines' states (`run_chained`)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import inspect
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 # 0.11 made `load`'s index optional and deprecated passing it ("index the reference via
@@ -34,9 +35,13 @@ def swizzled(cols: int, itemsize: int = 2):
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def chain_state(first, last) -> jax.Array:
-    """`pipeline_state` of one tile when a CTA runs its tiles as one chain of warp-specialized
-    pipelines: START on its first tile (a lone tile too: its memory thread just skips the final
-    wait), STOP on its last, STEADY between."""
+def run_chained(run, first, last) -> None:
+    """One tile of a CTA that runs its tiles as one chain of warp-specialized pipelines:
+    `run(pipeline_state)`, START on the CTA's first tile, STOP on its last, STEADY between. A
+    CTA's only tile runs a whole pipeline, `run(None)`: as START its memory thread would leave
+    the ring's last releases unawaited (the interpreter: "did not observe all phases"), and no
+    state both fills and drains the ring."""
     P = plgpu.PipelinePipeline
-    return jnp.where(first, int(P.START), jnp.where(last, int(P.STOP), int(P.STEADY))).astype(jnp.int32)
+    state = jnp.where(first, int(P.START), jnp.where(last, int(P.STOP), int(P.STEADY))).astype(jnp.int32)
+    pl.when(first & last)(lambda: run(None))
+    pl.when(~(first & last))(lambda: run(state))

@@ -56,7 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxllm.kernels.mgpu_compat import chain_state, swizzled
+from jaxllm.kernels.mgpu_compat import run_chained, swizzled
 from jaxllm.kernels.moe_gmm_mosaic import gather_rows, launch, pad_rows, slot_kernel, slots
 
 WG_ROWS = 64  # wgmma M
@@ -155,16 +155,10 @@ def _body(sched_gmem, x_gmem, *refs, t: WsTiling, num_slots_: int, K: int, N: in
             idx = info.index[0]
             s, c = lax.div(idx, cols), lax.rem(idx, cols)
             expert, block, live = sched_gmem[0, s], sched_gmem[1, s], sched_gmem[2, s]
-            state = lone = None
             if t.chained:  # live slots come first: this CTA's last live tile is followed by a dead one
                 nxt = idx + lax.axis_size("sm")
                 last = (nxt >= num_slots_ * cols) | (
                     sched_gmem[2, lax.min(lax.div(nxt, cols), num_slots_ - 1)] == 0)
-                state = chain_state(info.local_index == 0, last)
-                # A CTA's only live tile runs a whole pipeline: as START its memory thread would
-                # leave the ring's last releases unawaited (the interpreter: "did not observe all
-                # phases"); there is no state that both fills and drains the ring.
-                lone = (info.local_index == 0) & last
             for i, ws_gmem in enumerate(groups):
                 @pl.when((live > 0) & (lax.div(c, strips) == i))
                 def _(ws_gmem=ws_gmem, i=i):
@@ -200,17 +194,13 @@ def _body(sched_gmem, x_gmem, *refs, t: WsTiling, num_slots_: int, K: int, N: in
 
                     x_rows = x_gmem.at[s] if x_slotted else x_gmem.at[pl.ds(block * bm, bm)]
                     operands = (x_rows, *(w.at[expert, :, pl.ds(j * strip, strip)] for w in ws_gmem))
-                    if not t.chained:
-                        pipeline(mma, ctx)(*operands, allocations=allocs)
-                        return
 
-                    @pl.when(lone)
-                    def _():
-                        pipeline(mma, ctx)(*operands, allocations=allocs)
-
-                    @pl.when(~lone)
-                    def _():
+                    def run(state=None):
                         pipeline(mma, ctx, state)(*operands, allocations=allocs)
+                    if t.chained:
+                        run_chained(run, info.local_index == 0, last)
+                    else:
+                        run()
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
