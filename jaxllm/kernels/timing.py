@@ -79,16 +79,16 @@ def time_checked(fns: dict[str, Callable], args: tuple, reps: int, what: str, wh
     times = {}
     for name, fn in fns.items():
         try:
+            # chained / counted: one program, checked on its (last) call's output, then timed
             if marginal:
-                timed = jax.jit(counted(fn))
-                f = lambda *a: timed(1, *a)[1]  # noqa: E731
+                timed, lead, per = jax.jit(counted(fn)), (marginal[0],), 1
             else:
-                timed, per = (jax.jit(chained(fn, chain, unroll)), chain) if chain else (jax.jit(fn), 1)
+                timed, lead, per = (jax.jit(chained(fn, chain, unroll)), (), chain) if chain else \
+                    (jax.jit(fn), (), 1)
             if compiler_options:
-                timed = timed.lower(*args).compile(compiler_options)
-            if not marginal:  # chained: one program, checked on its last call's output, then timed
-                f = (lambda *a: timed(*a)[1]) if chain else timed  # noqa: E731
-            out = np.asarray(jax.block_until_ready(f(*args)), np.float32)
+                timed = timed.lower(*lead, *args).compile(compiler_options)
+            out = timed(*lead, *args)
+            out = np.asarray(jax.block_until_ready(out[1] if marginal or chain else out), np.float32)
             if first is None:
                 first = out
             head = out[:first.shape[0]] if out.ndim and first.ndim and first.shape[0] < out.shape[0] else out
@@ -96,19 +96,18 @@ def time_checked(fns: dict[str, Callable], args: tuple, reps: int, what: str, wh
             if not np.isfinite(out).all() or err > tol:
                 log.warning("%s %s: wrong result%s (rel err %.3g), not timed", what, name, where, err)
                 continue
+            def clock(*lead, timed=timed) -> float:
+                t0 = time.perf_counter()
+                jax.block_until_ready(timed(*lead, *args))
+                return time.perf_counter() - t0
             ts = []
             for _ in range(reps):
                 if marginal:  # the difference of two call counts: a call's cost alone
-                    (a, b), dt = marginal, []
-                    for n in marginal:
-                        t0 = time.perf_counter()
-                        jax.block_until_ready(timed(n, *args))
-                        dt.append(time.perf_counter() - t0)
-                    ts.append((dt[1] - dt[0]) / (b - a))
-                    continue
-                t0 = time.perf_counter()
-                jax.block_until_ready(timed(*args))
-                ts.append((time.perf_counter() - t0) / per)
+                    a, b = marginal
+                    t_a = clock(a)
+                    ts.append((clock(b) - t_a) / (b - a))
+                else:
+                    ts.append(clock() / per)
             times[name] = statistics.median(ts)
         except Exception as e:  # noqa: BLE001 - only with `catch`: that candidate is never chosen
             if not catch:
