@@ -4,8 +4,9 @@
 F 768, bf16) at the rows of a prefill step (default 8,192 tokens = 65,536 rows): every engine
 candidate timed as `moe.experts` runs it (sort, MLP, unsort, combine), by its marginal cost
 between loops of PREFILL_CALLS calls (the default since session 34) and, with --one-call, one
-call an execution as the warm-up timed it before (the warp-specialized kernels read ~2x slower
-there than in `bench_moe.py gmm`'s loop, sessions 25-26). One JSON line each.
+call an execution as the warm-up timed it before. One JSON line each. (Sessions 25-26 read the
+warp-specialized kernels ~2x slower here than in `bench_moe.py gmm`'s loop; session 34 found why,
+a fused index computation, `moe_gmm_mosaic.gather_rows`.)
 
     python scripts/check_moe_choice.py [--tokens 8192] [--one-call]
 """
