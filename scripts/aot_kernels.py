@@ -165,8 +165,9 @@ def compile_step(args, topo) -> dict:
     layer_params = None
     if not args.scan:  # the engine's unrolled layout; the stacks left as empty placeholders
         layer_params = jax.eval_shape(lambda p: entry.split_layers(p, cfg, shards=1), params)
-        for var in params["layers"].values():
-            set_value(var, jax.ShapeDtypeStruct((0,), value(var).dtype))
+        for group in ("layers", "experts"):  # as the splits leave them (MoE: "experts" too)
+            for var in params.get(group, {}).values():
+                set_value(var, jax.ShapeDtypeStruct((0,), value(var).dtype))
     T, R = args.tokens, args.rows or args.tokens
     if args.quantization:
         pick_paths(choice, (params, layer_params), [T], args.path)
@@ -188,7 +189,9 @@ def compile_step(args, topo) -> dict:
     batch = Batch(i32(5, T), i32(R, max_blocks + 3), 0)
     lowered = jax.jit(r._step_flat, donate_argnums=(1,)).lower(
         [put(a) for a in flat], pages, batch, i32(R))
-    hlo = lowered.compile(dict(args.option or [])).as_text()
+    compiled = lowered.compile(dict(args.option or []))
+    hlo = compiled.as_text()
+    mem = compiled.memory_analysis()
     if args.dump:
         with open(args.dump, "w") as f:
             f.write(hlo)
@@ -206,7 +209,10 @@ def compile_step(args, topo) -> dict:
             "families": dict(kernels.most_common(args.top)),
             # MB each family's results hold a step (in-place cache updates left out)
             "written_mb": {k: round(v / 2**20, 1) for k, v in written.most_common(args.top)},
-            "weight_bytes": int(sum(np.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in flat))}
+            "weight_bytes": int(sum(np.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in flat)),
+            # XLA's own accounting of the step (what the pool sizing reads on the card)
+            "temp_mb": round(mem.temp_size_in_bytes / 2**20, 1) if mem else None,
+            "output_mb": round(mem.output_size_in_bytes / 2**20, 1) if mem else None}
 
 
 def pick_paths(choice, trees, rows: list[int], prefix: str) -> None:

@@ -54,7 +54,9 @@ def fill_random(runner) -> None:
     # Keep the pages' sharding (tensor parallel; one device: uncommitted, as the runner's):
     # the step would recompile for another.
     keep = {"out_shardings": runner.kv_pages.sharding} if runner.tp else {}
-    fill = jax.jit(rnd, donate_argnums=0, **keep)
+    # keep_unused: the pages are donated but never read; pruned, they could not be aliased and the
+    # random pages would be a second pool (an H100 ran out of memory so, session 35).
+    fill = jax.jit(rnd, donate_argnums=0, keep_unused=True, **keep)
     runner.kv_pages = fill(runner.kv_pages)
     runner.kv_pages.block_until_ready()
 

@@ -124,3 +124,27 @@ def test_engine_starts_when_the_pool_is_sized_from_the_compiled_step(monkeypatch
     out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=3, temperature=0),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_given_pool_still_gets_xla_real_limit(monkeypatch):
+    """A pool of given size (`num_gpu_blocks_override`, `kv_cache_memory_bytes`) on a GPU: the
+    step's compile still gets the slop factor that gives XLA the real limit (without it XLA logged
+    "Can't reduce memory use below ..." for the MoE decode bench on an H100, session 35)."""
+    import dataclasses
+
+    from jaxllm import LLM
+    from jaxllm.engine.runner import ModelRunner
+    from jaxllm.models.shapes import TINY
+
+    llm = LLM(hf_config=dict(TINY, max_position_embeddings=256), max_model_len=256, max_num_seqs=4,
+              max_num_batched_tokens=64, skip_warmup=True)
+    r = llm.engine.runner
+    assert r.compiler_options == {}  # the CPU: none
+    monkeypatch.setattr(ModelRunner, "_memory_stats", lambda self: (4 << 30, 8 << 20, None))
+    r.platform = "gpu"
+    for given in (dict(num_gpu_blocks_override=100), dict(kv_cache_memory_bytes=100 * r._bytes_per_block())):
+        r.compiler_options = {}
+        r.cfg = dataclasses.replace(r.cfg, **given)
+        assert r._num_blocks(256) == 100
+        io, out = r._step_io(100)
+        assert r.compiler_options == xla_limit_options("gpu", 4 << 30, io, out) != {}

@@ -149,9 +149,14 @@ def test_greedy_parity_with_hf(arch):
 
 
 @pytest.mark.slow
-def test_unrolled_layers_match_scan():
-    """The accelerator layout (per-layer arrays, dense and MoE layers mixed) = the scan."""
+def test_unrolled_layers_match_scan(monkeypatch):
+    """The accelerator layout (per-layer arrays, dense and MoE layers mixed) = the scan; each
+    stack split through host memory, as on a card without room for a second copy of it."""
     from jaxllm.engine.runner import ModelRunner
+    from jaxllm.models import llama_state
+
+    staged = []
+    monkeypatch.setattr(llama_state, "_short_of", lambda arr: staged.append(arr) or True)
 
     _, cfg, sd = make("qwen3_moe_mixed")
     prompts = random_prompts(2, cfg["vocab_size"], 3, 40, seed=2)
@@ -165,6 +170,7 @@ def test_unrolled_layers_match_scan():
     finally:
         ModelRunner.__init__ = init
     layers = llm.engine.runner.layer_params
+    assert staged and all(a.is_deleted() for a in staged)  # the stacks released
     # dense layers' gate/up and every layer's q/k/v fused (llama_state.fuse_layer), as the dense models'
     assert "router" in layers[1] and "w_gu" in layers[0] and "router" not in layers[3]
     assert all("wqkv" in w and "wq" not in w for w in layers)

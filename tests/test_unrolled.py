@@ -1,11 +1,16 @@
 """The unrolled-layers step (the accelerator layout) equals the scanned one (the CPU layout)."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from hf_tiny import make, random_prompts
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.runner import ModelRunner
+from jaxllm.models import llama_state
+from jaxllm.models.params import value
 
 
 def test_unrolled_layers_match_scan(monkeypatch):
@@ -28,3 +33,18 @@ def test_unrolled_layers_match_scan(monkeypatch):
     b = [o.outputs[0].token_ids for o in unrolled.generate(prompts, params, use_tqdm=False)]
     assert a == b
     assert unrolled.stats()["compiles_after_warmup"] == 0
+
+
+def test_unstack_through_host_releases_the_stack(monkeypatch):
+    """A stack split through host memory (a card short of room for a second copy of it) gives the
+    same layers as slicing on the device, and is released before they are put back."""
+    stack = jnp.arange(4 * 2 * 3, dtype=jnp.float32).reshape(4, 2, 3).astype(jnp.bfloat16)
+    expect = [np.asarray(stack[j]) for j in (0, 2, 3)]
+    assert not llama_state._short_of(stack)  # the CPU: never short
+    monkeypatch.setattr(llama_state, "_short_of", lambda arr: True)
+    var = nnx.Param(stack)
+    layers = llama_state.unstack(var, [0, 2, 3])
+    assert stack.is_deleted() and value(var).shape == (0,)
+    assert all(isinstance(x, jax.Array) and x.dtype == jnp.bfloat16 for x in layers)
+    for got, want in zip(layers, expect):
+        np.testing.assert_array_equal(np.asarray(got), want)

@@ -75,6 +75,18 @@ class PoolSizing:
         return m.num_layers * 2 * heads * self.block_size * row + self.extra_block_bytes
 
     def _num_blocks(self, max_model_len: int) -> int:
+        blocks = self._given_blocks(max_model_len)
+        if blocks is None:  # sized from the compiled step (sets its XLA options)
+            blocks = self._profiled_blocks(*self._memory_stats(), min_blocks=self.max_blocks)
+            return self.tp.agree(blocks) if self.tp is not None else blocks
+        if self.platform == "gpu":  # a pool of given size: XLA still gets the real limit
+            self.compiler_options = xla_limit_options(self.platform, self._memory_stats()[0],
+                                                      *self._step_io(blocks))
+        return blocks
+
+    def _given_blocks(self, max_model_len: int) -> int | None:
+        """The pool's blocks when given (`num_gpu_blocks_override`, `kv_cache_memory_bytes`, the
+        CPU's budget); None on an accelerator that sizes it from the step."""
         cfg = self.cfg
         if cfg.num_gpu_blocks_override:
             return cfg.num_gpu_blocks_override
@@ -86,8 +98,7 @@ class PoolSizing:
             need = cfg.max_num_seqs * self.max_blocks * per_block
             budget = min(need, 1 << 30)
         else:
-            blocks = self._profiled_blocks(*self._memory_stats(), min_blocks=self.max_blocks)
-            return self.tp.agree(blocks) if self.tp is not None else blocks
+            return None
         blocks = budget // per_block
         if self.tp is not None:
             blocks = self.tp.agree(blocks)

@@ -5,6 +5,8 @@ q/k/v and gate/up fused per layer by `fuse_layer`). `models/moe_model.py` builds
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,8 @@ from jaxllm.models.config import ModelConfig
 from jaxllm.models.params import set_value, value
 from jaxllm.quantization import act
 from jaxllm.quantization.qarray import concat_out
+
+log = logging.getLogger("jaxllm")
 
 
 def fuse_layer(w: dict[str, jax.Array], shards: int = 1) -> dict[str, jax.Array]:
@@ -65,12 +69,51 @@ def split_layers(params, num_layers: int, shards: int = 1, fuse: bool = True) ->
     names = list(stacked.keys())
     out = [{} for _ in range(num_layers)]
     for name in names:
-        var = stacked[name]
-        arr = value(var)
-        for i in range(num_layers):
-            out[i][name] = arr[i]
-        set_value(var, jnp.zeros((0,), arr.dtype))
+        for i, layer in zip(range(num_layers), unstack(stacked[name], range(num_layers))):
+            out[i][name] = layer
     return [fuse_layer(w, shards) for w in out] if fuse else out
+
+
+HEADROOM = 1 << 30  # bytes kept free beside a stacked array's per-layer copies
+
+
+def unstack(var: nnx.Variable, rows) -> list:
+    """`value(var)[j]` for j in `rows`; the variable is left an empty placeholder and its
+    stacked array released.
+
+    Slicing on the device holds the stack and its slices at once: with the other weights already
+    resident, a model whose largest stack is a large share of the card's memory does not fit
+    (Qwen3-30B-A3B: 57 GiB of weights, `e_gate` alone [48, 128, 2048, 768] 18 GiB, on an 80 GB
+    H100). Where the device lacks room for a second copy (`memory_stats`; one device), the stack
+    goes through host memory instead: copied out, released, and each layer put back alone.
+    """
+    arr = value(var)
+    dtype = arr.dtype
+    rows = list(rows)
+    if isinstance(arr, jax.Array) and _short_of(arr):
+        device = next(iter(arr.devices()))
+        log.info("unrolled layout: a %s %s stack (%.2f GiB) split through host memory (no room for a "
+                 "second copy on %s)", arr.dtype, arr.shape, arr.nbytes / 2**30, device)
+        host = np.asarray(jax.device_get(arr))
+        set_value(var, jnp.zeros((0,), dtype))
+        arr.delete()
+        return [jax.device_put(host[j], device) for j in rows]
+    layers = [arr[j] for j in rows]
+    set_value(var, jnp.zeros((0,), dtype))
+    return layers
+
+
+def _short_of(arr: jax.Array) -> bool:
+    """Whether `arr`'s one accelerator device lacks room for a second copy of it."""
+    devices = arr.devices()
+    if len(devices) != 1:
+        return False
+    device = next(iter(devices))
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return False
+    jax.block_until_ready(arr)  # what was dispatched before is counted as in use
+    return stats["bytes_limit"] - device.memory_stats()["bytes_in_use"] < arr.nbytes + HEADROOM
 
 
 def stack_layers(weights: dict[str, np.ndarray], layers, name: str, dtype, transpose: bool = True,

@@ -206,16 +206,14 @@ def split_model_layers(params, cfg: ModelConfig, shards: int = 1) -> list[dict[s
     index = {True: [i for i, k in enumerate(kinds) if k], False: [i for i, k in enumerate(kinds) if not k]}
     for group in ("layers", "experts"):
         for name, var in params[group].items():
-            arr = value(var)
             if group == "experts":
                 rows = index[True]
             elif name in ("w_gate", "w_up", "w_down"):
                 rows = index[False]
             else:
                 rows = range(cfg.num_layers)
-            for j, i in enumerate(rows):
-                out[i][name] = arr[j]
-            set_value(var, jnp.zeros((0,), arr.dtype))
+            for i, layer in zip(rows, llama_state.unstack(var, range(len(rows)))):
+                out[i][name] = layer
     return [llama_state.fuse_layer(w, shards) for w in out]
 
 

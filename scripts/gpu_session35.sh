@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Session 35's GPU calls (the device's 10-minute limit each; whole logs in $OUT):
+#   a (~8 min, any Hopper card; fits an H100 since the per-layer split goes through host memory
+#     when the card lacks room for a second copy of a stack, and the bench's random pages are
+#     aliased to the pool): issue 15's MoE decode step (Qwen3-30B-A3B, context 2,048, batch 1
+#     and 64) against its touched-bytes floor, then the grouped matmul's chained slot-space
+#     tiling checked on a GPU at 512 tokens (CTAs with a lone tile: the case fixed in session 34)
+#     and timed at 8,192 against its unchained twin and torch.
+#   p: `gpu_session34.sh p` (the prefill MFU and the decode step; 0.498 MFU on an H100 here).
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export OUT
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+case "${1:-}" in
+  a) MOE_PARTS="2" T2=${T2:-280} bash scripts/gpu_moe.sh
+     grep -iE "can't reduce|out of memory|RESOURCE_EXHAUSTED|through host" "$OUT/moe_decode.log" | head -5 | cut -c1-300
+     echo "== grouped matmul: chained slot-space tiling where CTAs hold one tile (4 experts, top-1,"
+     echo "   1,100 tokens: 144 glu and 96 down tiles on 132 CTAs), then at 8,192 tokens"
+     timeout -k 10 ${T_L:-120} python3 scripts/bench_moe.py gmm --random-shape qwen3-30b-a3b --experts 4 --top-k 1 \
+       --tokens 1100 --impls wsglu128_128x64s4 --output-json "$OUT/moe_gmm_lone.json" \
+       > "$OUT/moe_gmm_lone.log" 2>&1; echo "rc=$?"
+     grep -E "^T=|wrong" "$OUT/moe_gmm_lone.log" | cut -c1-1500
+     timeout -k 10 ${T_G:-170} python3 scripts/bench_moe.py gmm --random-shape qwen3-30b-a3b --tokens 8192 \
+       --impls wsglu128_128x64s4d256 --output-json "$OUT/moe_gmm.json" \
+       > "$OUT/moe_gmm.log" 2>&1; echo "rc=$?"
+     grep -E "^T=|wrong" "$OUT/moe_gmm.log" | cut -c1-1500 ;;
+  p) bash scripts/gpu_session34.sh p ;;
+  *) echo "usage: $0 a|p" >&2; exit 2 ;;
+esac
