@@ -6,6 +6,9 @@
 #     and 64) against its touched-bytes floor, then the grouped matmul's chained slot-space
 #     tiling checked on a GPU at 512 tokens (CTAs with a lone tile: the case fixed in session 34)
 #     and timed at 8,192 against its unchained twin and torch.
+#   b (~6 min, on the machine `a` left warm): the lone-tile check again (cached compiles), then the
+#     MoE prefill 8 x 2,048 (MFU) with the chained tiling among the warm-up's candidates
+#     (JAXLLM_GMM_CHAINED=1) where the check found it right, else without.
 #   p: `gpu_session34.sh p` (the prefill MFU and the decode step; 0.498 MFU on an H100 here).
 set -u
 cd "$(dirname "$0")/.."
@@ -13,19 +16,32 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
 OUT=${OUT:-out}; mkdir -p "$OUT"
 export OUT
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+lone() {  # the chained slot-space tilings where CTAs hold one tile: 4 experts, top-1, 1,100 tokens
+  # (~275 rows an expert: 144 glu and 96 down tiles on 132 CTAs); checked against ragged_dot
+  echo "== grouped matmul where CTAs hold a lone tile (chained tilings and their unchained twins)"
+  timeout -k 10 ${T_L:-120} python3 scripts/bench_moe.py gmm --random-shape qwen3-30b-a3b --experts 4 --top-k 1 \
+    --tokens 1100 --impls wsglu128_128x64s4 --output-json "$OUT/moe_gmm_lone.json" \
+    > "$OUT/moe_gmm_lone.log" 2>&1; echo "rc=$?"
+  grep -E "^T=|wrong" "$OUT/moe_gmm_lone.log" | cut -c1-1500
+}
 case "${1:-}" in
   a) MOE_PARTS="2" T2=${T2:-280} bash scripts/gpu_moe.sh
      grep -iE "can't reduce|out of memory|RESOURCE_EXHAUSTED|through host" "$OUT/moe_decode.log" | head -5 | cut -c1-300
-     echo "== grouped matmul: chained slot-space tiling where CTAs hold one tile (4 experts, top-1,"
-     echo "   1,100 tokens: 144 glu and 96 down tiles on 132 CTAs), then at 8,192 tokens"
-     timeout -k 10 ${T_L:-120} python3 scripts/bench_moe.py gmm --random-shape qwen3-30b-a3b --experts 4 --top-k 1 \
-       --tokens 1100 --impls wsglu128_128x64s4 --output-json "$OUT/moe_gmm_lone.json" \
-       > "$OUT/moe_gmm_lone.log" 2>&1; echo "rc=$?"
-     grep -E "^T=|wrong" "$OUT/moe_gmm_lone.log" | cut -c1-1500
+     lone
      timeout -k 10 ${T_G:-170} python3 scripts/bench_moe.py gmm --random-shape qwen3-30b-a3b --tokens 8192 \
        --impls wsglu128_128x64s4d256 --output-json "$OUT/moe_gmm.json" \
        > "$OUT/moe_gmm.log" 2>&1; echo "rc=$?"
      grep -E "^T=|wrong" "$OUT/moe_gmm.log" | cut -c1-1500 ;;
+  b) lone
+     if python3 -c "
+import json, sys
+rows = json.load(open('$OUT/moe_gmm_lone.json'))['rows']
+bad = [n for r in rows for n, v in r.items() if n.startswith('ws') and isinstance(v, dict) and 'error' in v]
+ok = any(n.endswith('c') for r in rows for n in r)
+print('wrong:', bad or 'none'); sys.exit(0 if ok and not bad else 1)"; then export JAXLLM_GMM_CHAINED=1; fi
+     echo "JAXLLM_GMM_CHAINED=${JAXLLM_GMM_CHAINED:-0}"
+     MOE_PARTS="3" T3=${T3:-260} bash scripts/gpu_moe.sh
+     grep -E "grouped matmul by measurement|grouped matmul timings" "$OUT/moe_prefill.log" | cut -c1-1500 ;;
   p) bash scripts/gpu_session34.sh p ;;
-  *) echo "usage: $0 a|p" >&2; exit 2 ;;
+  *) echo "usage: $0 a|b|p" >&2; exit 2 ;;
 esac

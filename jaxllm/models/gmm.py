@@ -38,6 +38,7 @@ the choice is static per compiled bucket, so it never costs a recompile.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Callable
 
 import jax
@@ -200,8 +201,12 @@ def candidates(M: int, E: int, H: int, F: int, platform: str | None = None,
         try:
             from jaxllm.kernels import moe_gmm_ws
 
-            for t in moe_gmm_ws.TILINGS + moe_gmm_ws.GLU + (() if engine else moe_gmm_ws.CHAINED):
-                if t.fits(H, F) and t.down.fits(F, H):  # CHAINED: the bench's only
+            chained = moe_gmm_ws.CHAINED if not engine else (
+                moe_gmm_ws.CHAINED[-1:] if os.environ.get("JAXLLM_GMM_CHAINED") == "1" else ())
+            for t in moe_gmm_ws.TILINGS + moe_gmm_ws.GLU + chained:
+                # CHAINED: the bench's; its best also the engine's with JAXLLM_GMM_CHAINED=1, until
+                # its lone-tile path (moe_gmm_ws) has run on a GPU
+                if t.fits(H, F) and t.down.fits(F, H):
                     out[t.name] = WsGluGmm(t) if t.glu else WsGmm(t)
                     if engine and t.block_m == 2 * moe_gmm_ws.WG_ROWS:  # the bench times `_split` itself
                         out[t.name + "_split"] = WsSplitGmm(t)
