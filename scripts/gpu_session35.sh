@@ -9,6 +9,8 @@
 #   b (~6 min, on the machine `a` left warm): the lone-tile check again (cached compiles), then the
 #     MoE prefill 8 x 2,048 (MFU) with the chained tiling among the warm-up's candidates
 #     (JAXLLM_GMM_CHAINED=1) where the check found it right, else without.
+#   ab (~9 min, one call): a's decode step, then b (the lone-tile check and the prefill), without
+#     a's 8,192-token bench.
 #   p: `gpu_session34.sh p` (the prefill MFU and the decode step; 0.498 MFU on an H100 here).
 set -u
 cd "$(dirname "$0")/.."
@@ -32,6 +34,9 @@ case "${1:-}" in
        --impls wsglu128_128x64s4d256 --output-json "$OUT/moe_gmm.json" \
        > "$OUT/moe_gmm.log" 2>&1; echo "rc=$?"
      grep -E "^T=|wrong" "$OUT/moe_gmm.log" | cut -c1-1500 ;;
+  ab) MOE_PARTS="2" T2=${T2:-230} bash scripts/gpu_moe.sh
+     grep -iE "can't reduce|out of memory|RESOURCE_EXHAUSTED|through host" "$OUT/moe_decode.log" | head -5 | cut -c1-300
+     T_L=${T_L:-100} T3=${T3:-220} bash "$0" b ;;
   b) lone
      if python3 -c "
 import json, sys
@@ -43,5 +48,5 @@ print('wrong:', bad or 'none'); sys.exit(0 if ok and not bad else 1)"; then expo
      MOE_PARTS="3" T3=${T3:-260} bash scripts/gpu_moe.sh
      grep -E "grouped matmul by measurement|grouped matmul timings" "$OUT/moe_prefill.log" | cut -c1-1500 ;;
   p) bash scripts/gpu_session34.sh p ;;
-  *) echo "usage: $0 a|b|p" >&2; exit 2 ;;
+  *) echo "usage: $0 a|b|ab|p" >&2; exit 2 ;;
 esac
