@@ -291,7 +291,7 @@ def decode_bench(args) -> dict:
     C = copy_bandwidth(args.copy_gib)
     max_b = max(args.batch_size)
     max_len = args.input_len + args.num_iters + 8
-    seqs = tuple(sorted({max(b, 8) for b in args.batch_size}))
+    seqs = tuple(sorted({max(b, args.min_bucket) for b in args.batch_size}))
     llm = LLM(random_shape=args.random_shape, dtype="bfloat16", max_model_len=max_len, max_num_seqs=max_b,
               num_gpu_blocks_override=max_b * -(-max_len // 16) + 16, max_num_batched_tokens=max(seqs),
               token_buckets=seqs, seq_buckets=seqs)  # decode buckets only: fewer start-up compiles
@@ -403,6 +403,9 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 64])
     p.add_argument("--input-len", type=int, default=2048)
     p.add_argument("--num-iters", type=int, default=20)
+    p.add_argument("--min-bucket", type=int, default=8,
+                   help="decode: the smallest token bucket (8: a batch of 1 runs padded to 8 tokens, "
+                        "as the engine's default buckets run it; 1: a bucket of its own)")
     p.add_argument("--prefill-batch", type=int, default=8)
     p.add_argument("--prefill-len", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,

@@ -11,6 +11,9 @@
 #     (JAXLLM_GMM_CHAINED=1) where the check found it right, else without.
 #   ab (~9 min, one call): a's decode step, then b (the lone-tile check and the prefill), without
 #     a's 8,192-token bench.
+#   d (~7 min): the MoE batch-1 decode step profiled in the bucket of 8 tokens (as the engine's
+#     default buckets run it: the warm-up's grouped-matmul choice weighs 64 real rows and 8) and
+#     in a bucket of its own (8 rows: the direct kernels, no sort), then the lone-tile check.
 #   p: `gpu_session34.sh p` (the prefill MFU and the decode step; 0.498 MFU on an H100 here).
 set -u
 cd "$(dirname "$0")/.."
@@ -37,6 +40,15 @@ case "${1:-}" in
   ab) MOE_PARTS="2" T2=${T2:-230} bash scripts/gpu_moe.sh
      grep -iE "can't reduce|out of memory|RESOURCE_EXHAUSTED|through host" "$OUT/moe_decode.log" | head -5 | cut -c1-300
      T_L=${T_L:-100} T3=${T3:-220} bash "$0" b ;;
+  d) for mb in 8 1; do
+       XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 timeout -k 10 ${T_D:-160} python3 scripts/bench_moe.py decode \
+         --random-shape qwen3-30b-a3b --batch-size 1 --min-bucket $mb --input-len 2048 --num-iters 20 \
+         --profile-steps 3 --output-json "$OUT/moe_decode_b$mb.json" > "$OUT/moe_decode_b$mb.log" 2>&1
+       echo "rc=$? (bucket $mb)"
+       grep -E "^decode|^engine grouped|^  /device|^    |kernels a step" "$OUT/moe_decode_b$mb.log" | cut -c1-400
+       grep -iE "can't reduce|RESOURCE_EXHAUSTED|through host" "$OUT/moe_decode_b$mb.log" | head -3 | cut -c1-300
+     done
+     T_L=${T_L:-100} lone ;;
   b) lone
      if python3 -c "
 import json, sys
@@ -48,5 +60,5 @@ print('wrong:', bad or 'none'); sys.exit(0 if ok and not bad else 1)"; then expo
      MOE_PARTS="3" T3=${T3:-260} bash scripts/gpu_moe.sh
      grep -E "grouped matmul by measurement|grouped matmul timings" "$OUT/moe_prefill.log" | cut -c1-1500 ;;
   p) bash scripts/gpu_session34.sh p ;;
-  *) echo "usage: $0 a|b|ab|p" >&2; exit 2 ;;
+  *) echo "usage: $0 a|b|ab|d|p" >&2; exit 2 ;;
 esac
