@@ -7,13 +7,16 @@
 #     tiling checked on a GPU at 512 tokens (CTAs with a lone tile: the case fixed in session 34)
 #     and timed at 8,192 against its unchained twin and torch.
 #   b (~6 min, on the machine `a` left warm): the lone-tile check again (cached compiles), then the
-#     MoE prefill 8 x 2,048 (MFU) with the chained tiling among the warm-up's candidates
-#     (JAXLLM_GMM_CHAINED=1) where the check found it right, else without.
+#     MoE prefill 8 x 2,048 (MFU) with the chained tiling among the warm-up's candidates where
+#     the check found it right, else without (JAXLLM_GMM_CHAINED=0). Since session 35's calls
+#     the engine measures it by default; call 4's run without it: JAXLLM_GMM_CHAINED=0
+#     MOE_PARTS=3 bash scripts/gpu_moe.sh.
 #   ab (~9 min, one call): a's decode step, then b (the lone-tile check and the prefill), without
 #     a's 8,192-token bench.
 #   d (~7 min): the MoE batch-1 decode step profiled in the bucket of 8 tokens (as the engine's
-#     default buckets run it: the warm-up's grouped-matmul choice weighs 64 real rows and 8) and
-#     in a bucket of its own (8 rows: the direct kernels, no sort), then the lone-tile check.
+#     default buckets ran it then: the warm-up's grouped-matmul choice weighs 64 real rows and 8)
+#     and in a bucket of its own (8 rows: the direct kernels, no sort; the engine's default for
+#     MoE models on a GPU since), then the lone-tile check.
 #   p: `gpu_session34.sh p` (the prefill MFU and the decode step; 0.498 MFU on an H100 here).
 set -u
 cd "$(dirname "$0")/.."
@@ -55,8 +58,9 @@ import json, sys
 rows = json.load(open('$OUT/moe_gmm_lone.json'))['rows']
 bad = [n for r in rows for n, v in r.items() if n.startswith('ws') and isinstance(v, dict) and 'error' in v]
 ok = any(n.endswith('c') for r in rows for n in r)
-print('wrong:', bad or 'none'); sys.exit(0 if ok and not bad else 1)"; then export JAXLLM_GMM_CHAINED=1; fi
-     echo "JAXLLM_GMM_CHAINED=${JAXLLM_GMM_CHAINED:-0}"
+print('wrong:', bad or 'none'); sys.exit(0 if ok and not bad else 1)"; then export JAXLLM_GMM_CHAINED=1
+     else export JAXLLM_GMM_CHAINED=0; fi
+     echo "JAXLLM_GMM_CHAINED=$JAXLLM_GMM_CHAINED"
      MOE_PARTS="3" T3=${T3:-260} bash scripts/gpu_moe.sh
      grep -E "grouped matmul by measurement|grouped matmul timings" "$OUT/moe_prefill.log" | cut -c1-1500 ;;
   p) bash scripts/gpu_session34.sh p ;;

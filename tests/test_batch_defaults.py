@@ -60,3 +60,26 @@ def test_llm_and_server_pass_their_context(monkeypatch):
     with pytest.raises(RuntimeError):
         build_server_app(p.parse_args(["--random-shape", "tiny"]))
     assert seen == ["llm", "serve"]
+
+
+def test_moe_models_get_a_one_token_bucket_on_gpus():
+    """A batch of one runs in a bucket of its own for MoE models on a GPU (its routed rows take the
+    unsorted-row grouped matmul, no sort); dense models, CPUs and given buckets are unchanged."""
+    import dataclasses
+
+    from jaxllm.engine.startup import step_shapes
+    from jaxllm.models import registry
+    from jaxllm.models.shapes import get_shape
+
+    moe = registry.config_from_hf(get_shape("tiny-moe"))
+    dense = registry.config_from_hf(get_shape("tiny"))
+    assert moe.moe is not None and dense.moe is None
+    cfg = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048)
+    s = step_shapes(cfg, moe, "gpu")
+    assert s.seq_buckets[:2] == (1, 8) and s.token_buckets[0] == 1
+    for model, platform in ((moe, "cpu"), (dense, "gpu")):
+        s = step_shapes(cfg, model, platform)
+        assert s.seq_buckets[0] == 8 and 1 not in s.token_buckets
+    given = step_shapes(dataclasses.replace(cfg, seq_buckets=(8, 64)), moe, "gpu")
+    assert given.seq_buckets == (8, 64)
+    assert step_shapes(dataclasses.replace(cfg, max_num_seqs=1), moe, "gpu").seq_buckets == (1,)

@@ -110,8 +110,8 @@ TILINGS = (WsTiling(64, 256, 64, 4), WsTiling(64, 128, 64, 6), WsTiling(128, 256
 CHAINED = (WsTiling(64, 256, 64, 4, True), WsTiling(128, 256, 64, 2, True),
            WsTiling(128, 128, 64, 4, True),  # K steps of gate/up (32) and down (12): multiples of 2 and 4
            WsTiling(128, 128, 64, 4, True, glu=True),
-           # the best at 8,192 tokens on an H100 (session 34: 1.28x torch); the engine's once the
-           # lone-tile path below (found after that run) has run on a GPU
+           # the best at 8,192 tokens on an H100 (session 34: 1.28x torch); an engine candidate
+           # since its lone-tile path ran correct on an H100 (session 35)
            WsTiling(128, 128, 64, 4, True, glu=True, down_n=256))
 GLU = (WsTiling(128, 128, 64, 3, glu=True), WsTiling(128, 128, 64, 4, glu=True),
        WsTiling(128, 128, 64, 4, glu=True, down_n=256),  # down as ws128_256x64s3

@@ -201,11 +201,12 @@ def candidates(M: int, E: int, H: int, F: int, platform: str | None = None,
         try:
             from jaxllm.kernels import moe_gmm_ws
 
+            # CHAINED: the bench's; the engine measures their best (an H100: 1,538 against
+            # 1,639 us for the unchained twin at 65,536 rows, its lone-tile path correct there),
+            # unless JAXLLM_GMM_CHAINED=0 (session 35's comparison)
             chained = moe_gmm_ws.CHAINED if not engine else (
-                moe_gmm_ws.CHAINED[-1:] if os.environ.get("JAXLLM_GMM_CHAINED") == "1" else ())
+                () if os.environ.get("JAXLLM_GMM_CHAINED") == "0" else moe_gmm_ws.CHAINED[-1:])
             for t in moe_gmm_ws.TILINGS + moe_gmm_ws.GLU + chained:
-                # CHAINED: the bench's; its best also the engine's with JAXLLM_GMM_CHAINED=1, until
-                # its lone-tile path (moe_gmm_ws) has run on a GPU
                 if t.fits(H, F) and t.down.fits(F, H):
                     out[t.name] = WsGluGmm(t) if t.glu else WsGmm(t)
                     if engine and t.block_m == 2 * moe_gmm_ws.WG_ROWS:  # the bench times `_split` itself
