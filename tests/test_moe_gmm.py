@@ -378,8 +378,11 @@ def test_direct_kernel_lowers_to_triton():
             jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16), jax.ShapeDtypeStruct((8,), jnp.int32))
     assert "jaxllm_moe_decode_gmm" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     persistent = next(t for t in moe_gmm.TILINGS if t.ctas)
-    for t in (moe_gmm.TILINGS[0], moe_gmm.TILINGS[2], persistent):  # K splits 1 and 4; persistent
-        mlp = jax.jit(lambda x, a, b, c, g, t=t: moe_gmm.direct_swiglu(x, a, b, c, g, t, interpret=False))
+    # K splits 1 and 4; persistent; gate/up split 4 ways with down unsplit (`down_variants`)
+    for t, d in ((moe_gmm.TILINGS[0], None), (moe_gmm.TILINGS[2], None), (persistent, None),
+                 (moe_gmm.TILINGS[2], moe_gmm.TILINGS[1])):
+        mlp = jax.jit(lambda x, a, b, c, g, t=t, d=d: moe_gmm.direct_swiglu(x, a, b, c, g, t, interpret=False,
+                                                                          down_tiling=d))
         text = mlp.trace(jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16), args[1], args[2],
                          jax.ShapeDtypeStruct((128, 768, 2048), jnp.bfloat16),
                          jax.ShapeDtypeStruct((8,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
@@ -393,3 +396,48 @@ def test_persistent_tilings_take_the_direct_path_only():
     with pytest.raises(ValueError, match="persistent"):
         jax.eval_shape(lambda x, w: moe_gmm.grouped_matmul(x, w, jnp.full((128,), 0, jnp.int32), t,
                                                            interpret=False), x, w)
+
+
+@pytest.mark.parametrize("gate_up,down", [
+    (moe_gmm.Tiling(block_m=16, block_n=32, block_k=16, k_splits=2), moe_gmm.Tiling(block_m=16, block_n=16, block_k=32)),
+    (moe_gmm.Tiling(block_m=16, block_n=16, block_k=32), moe_gmm.Tiling(block_m=16, block_n=32, block_k=8, k_splits=2))],
+    ids=["split-then-whole", "whole-then-split"])
+def test_direct_swiglu_with_its_own_down_tiling(gate_up, down):
+    """The down launch under a tiling of its own (`down_tiling`) reads the gate/up launch's raw
+    output as the shared tiling does: the same expert MLP."""
+    rng = np.random.default_rng(5)
+    T, k, E, H, F = 3, 2, 4, 64, 32
+    x = jnp.asarray(rng.standard_normal((T, H)), jnp.float32)
+    wg, wu = (jnp.asarray(rng.standard_normal((E, H, F)) / 8, jnp.float32) for _ in range(2))
+    wd = jnp.asarray(rng.standard_normal((E, F, H)) / 6, jnp.float32)
+    groups = jnp.asarray(np.stack([rng.choice(E, k, replace=False) for _ in range(T)]).reshape(-1), jnp.int32)
+    mlp = lambda t, d: jax.jit(lambda *a: moe_gmm.direct_swiglu(*a, t, interpret=True, down_tiling=d))  # noqa: E731
+    want = mlp(gate_up, None)(x, wg, wu, wd, groups)
+    got = mlp(gate_up, down)(x, wg, wu, wd, groups)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    impl = gmm_impls.DirectGmm(gate_up, interpret=True, down=down)
+    np.testing.assert_allclose(np.asarray(jax.jit(impl.direct_mlp(T * k))(x, wg, wu, wd, groups)),
+                               np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+def test_chooser_retiles_the_best_direct_down_launch(monkeypatch):
+    """After the whole-block timings, the best direct implementation is timed again with each
+    unsplit decode tiling for its down launch (`down_variants`), and the fastest kept."""
+    small = (moe_gmm.Tiling(block_m=16, block_n=32, block_k=16, k_splits=2),
+             moe_gmm.Tiling(block_m=16, block_n=16, block_k=32), moe_gmm.Tiling(block_m=16, block_n=32, block_k=32))
+    monkeypatch.setattr(moe_gmm, "TILINGS", small)
+    best = gmm_impls.DirectGmm(small[0], interpret=True)
+    variants = gmm_impls.down_variants("direct_a", best, H=64, F=32)
+    assert set(variants) == {f"direct_a+down_{t.name}" for t in small[1:]}
+    assert all(v.tiling is small[0] and v.down in small[1:] for v in variants.values())
+    assert gmm_impls.down_variants("x", gmm_impls.DecodeGmm(small[0]), 64, 32) == {}  # sorted rows: none
+    assert gmm_impls.down_variants("x", variants["direct_a+down_" + small[1].name], 64, 32) == {}
+    pair = {"direct_a": best, "direct_b": gmm_impls.DirectGmm(small[1], interpret=True)}
+    monkeypatch.setattr(gmm_impls, "candidates", lambda *a, **k: dict(pair))
+    chooser = gmm_impls.Chooser()
+    chooser.measure([8], E=4, H=64, F=32, dtype=jnp.float32, reps=1, top_k=2)
+    times = chooser.timings[8]
+    first = min(pair, key=times.get)  # the best of the first round, then its down launch retiled
+    assert set(times) == {*pair, *gmm_impls.down_variants(first, pair[first], H=64, F=32)}
+    assert any("+down_" in name for name in times)
+    assert chooser.choice[8] == min(times, key=times.get) and chooser.choice[8] in chooser.impls

@@ -272,17 +272,19 @@ def direct_matmul_pair(x: jax.Array, w1: jax.Array, w2: jax.Array, groups: jax.A
 
 
 def direct_swiglu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
-                  groups: jax.Array, tiling: Tiling = TILINGS[0], interpret: bool | None = None
-                  ) -> jax.Array:
+                  groups: jax.Array, tiling: Tiling = TILINGS[0], interpret: bool | None = None,
+                  down_tiling: Tiling | None = None) -> jax.Array:
     """The expert MLP of unsorted rows in two launches and nothing between them: x [T, H] (row r
     is token r // k's, k = rows / T), groups [T * k] -> [T * k, H] (rows of a group outside
     [0, E): undefined). The gate/up launch reads each row's token straight from x (no repeated copy of
     x); the down launch reads the pair's raw output (its K-split partials summed, then
-    silu(gate) * up, as it loads them)."""
+    silu(gate) * up, as it loads them), by `down_tiling` where given (down's K is gate/up's N:
+    a split of it that suits gate/up's K can leave down's CTAs a few kilobytes each)."""
     T, rows = x.shape[0], groups.shape[0]
     sched = groups.astype(jnp.int32)  # the kernel's slot s: row s of group groups[s]
     gu = _call(x, (w_gate, w_up), None, tiling, interpret, sched, rows=rows, row_div=rows // T, raw=True)
     if gu.ndim == 2:
         gu = gu[None]
     w_down = w_down.astype(x.dtype)
-    return _call(gu, (w_down,), None, tiling, interpret, sched, rows=rows, swiglu=gu.shape[0])
+    return _call(gu, (w_down,), None, down_tiling or tiling, interpret, sched, rows=rows,
+                 swiglu=gu.shape[0])

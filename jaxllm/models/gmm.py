@@ -12,7 +12,9 @@
   (`moe_gmm.direct_swiglu`), offered up to DIRECT_MAX_ROWS rows: `moe.experts` then skips
   sorting and unsorting the rows (an expert two rows share is read twice). With a suffix
   "c<n>": n persistent CTAs walking the rows up to the last live one, so a batch-1 step in a
-  bucket of 8 launches n CTAs, not one per item of all 8 tokens' rows.
+  bucket of 8 launches n CTAs, not one per item of all 8 tokens' rows. "+down_<tiling>": the
+  measured best of these with its down launch under an unsplit tiling of its own
+  (`down_variants`, timed after the others).
 - "mosaic_<bn>x<bk>s<stages>": its Hopper twin (`kernels/moe_gmm_mosaic.py`, Mosaic GPU:
   the bundled kernel's TMA/wgmma schedule over only the row blocks that hold rows).
 - "ws<bm>_<bn>x<bk>s<stages>": a warp-specialized Hopper kernel (`kernels/moe_gmm_ws.py`: the
@@ -39,14 +41,15 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.models.gmm_kernels import (DecodeGmm, DirectGmm, GroupedMatmul, MosaicGmm,  # noqa: F401
+                                       WsGluGmm, WsGmm, WsSplitGmm, _mgpu, down_variants)
+
 log = logging.getLogger("jaxllm")
-GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 DECODE_MAX_ROWS = 1024  # the decode kernel re-reads an expert per 16-row block: decode only
 REF_TOKENS = 64  # tokens the warm-up's ragged_dot reference computes (`Chooser.measure`)
@@ -58,104 +61,6 @@ MGPU_TILINGS = ((64, 128, 64, 4, 1), (128, 128, 64, 4, 2), (128, 256, 64, 3, 1))
 
 def ragged_dot_ref(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     return jax.lax.ragged_dot(x, w, group_sizes)
-
-
-def _mgpu(tiling: tuple[int, ...]) -> GroupedMatmul:
-    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-
-    bm, bn, bk, steps, gbn = tiling
-
-    def gmm(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        sizes = group_sizes.at[-1].add(x.shape[0] - jnp.sum(group_sizes))
-        return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=sizes, block_m=bm, block_n=bn, block_k=bk,
-                                          max_concurrent_steps=steps, grid_block_n=gbn)
-    return gmm
-
-
-class DecodeGmm:
-    """jaxllm's decode kernel at one tiling, with the one-launch gate/up `pair` (`interpret`:
-    Pallas' interpreter, for the CPU tests)."""
-
-    def __init__(self, tiling, interpret: bool = False):
-        self.tiling = tiling
-        self.interpret = interpret
-
-    def __call__(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        from jaxllm.kernels import moe_gmm
-        return moe_gmm.grouped_matmul(x, w, group_sizes, self.tiling, interpret=self.interpret)
-
-    def pair(self, x, w1, w2, group_sizes):
-        from jaxllm.kernels import moe_gmm
-        return moe_gmm.grouped_matmul_pair(x, w1, w2, group_sizes, self.tiling, interpret=self.interpret)
-
-
-class DirectGmm(DecodeGmm):
-    """The decode kernel over unsorted rows, one slot a row (`moe_gmm.direct_swiglu`: gate/up and
-    down, two launches and nothing between them): `moe.experts` then skips the sort, the group
-    sizes and the unsort (a dozen small XLA kernels a layer)."""
-
-    def direct_mlp(self, rows: int):
-        return self._mlp
-
-    def _mlp(self, x, w_gate, w_up, w_down, groups):
-        from jaxllm.kernels import moe_gmm
-        return moe_gmm.direct_swiglu(x, w_gate, w_up, w_down, groups, self.tiling, interpret=self.interpret)
-
-
-class WsGmm(DecodeGmm):
-    """The warp-specialized Hopper kernel for prefill-sized row counts (`kernels/moe_gmm_ws.py`)."""
-
-    def __call__(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        from jaxllm.kernels import moe_gmm_ws
-        return moe_gmm_ws.grouped_matmul(x, w, group_sizes, self.tiling, interpret=self.interpret)
-
-    def pair(self, x, w1, w2, group_sizes):
-        from jaxllm.kernels import moe_gmm_ws
-        return moe_gmm_ws.grouped_matmul_pair(x, w1, w2, group_sizes, self.tiling,
-                                              interpret=self.interpret)
-
-
-class WsSplitGmm(WsGmm):
-    """The warp-specialized kernel with gate and up as two launches of the one-weight call: in
-    session 25's warm-up on an H100 the one-launch `pair` over weights stored apart took ~3x the
-    one-weight kernel's time on the fused [E, H, 2F] weight (5.2 vs 1.8 ms, cause not found), so
-    the engine measures both."""
-
-    def pair(self, x, w1, w2, group_sizes):
-        return self(x, w1, group_sizes), self(x, w2, group_sizes)
-
-
-class WsGluGmm(WsGmm):
-    """A `glu` tiling: gate, up and silu(gate) * up in one launch (`moe.swiglu` takes it), and
-    the whole MLP in slot space (`moe_gmm_ws.mlp`: `moe.experts` takes it, unsort included)."""
-
-    def __call__(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:  # down
-        from jaxllm.kernels import moe_gmm_ws
-        return moe_gmm_ws.grouped_matmul(x, w, group_sizes, self.tiling.down, interpret=self.interpret)
-
-    def swiglu(self, x, w_gate, w_up, group_sizes):
-        from jaxllm.kernels import moe_gmm_ws
-        return moe_gmm_ws.swiglu(x, w_gate, w_up, group_sizes, self.tiling, interpret=self.interpret)
-
-    def sorted_mlp(self, rows: int):
-        return self._mlp
-
-    def _mlp(self, x, w_gate, w_up, w_down, group_sizes, rows=None):
-        from jaxllm.kernels import moe_gmm_ws
-        return moe_gmm_ws.mlp(x, w_gate, w_up, w_down, group_sizes, self.tiling, rows=rows,
-                              interpret=self.interpret)
-
-
-class MosaicGmm(DecodeGmm):
-    """The Hopper (Mosaic GPU) twin of the decode kernel (`kernels/moe_gmm_mosaic.py`)."""
-
-    def __call__(self, x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        from jaxllm.kernels import moe_gmm_mosaic
-        return moe_gmm_mosaic.grouped_matmul(x, w, group_sizes, self.tiling)
-
-    def pair(self, x, w1, w2, group_sizes):
-        from jaxllm.kernels import moe_gmm_mosaic
-        return moe_gmm_mosaic.grouped_matmul_pair(x, w1, w2, group_sizes, self.tiling)
 
 
 # The decode tilings the engine measures at warm-up (each costs a compile per row count);
@@ -306,18 +211,28 @@ class Chooser:
             n = min(T, REF_TOKENS)
             ref_fn = jax.jit(lambda *a: experts(*a, gmm=ragged_dot_ref))
 
-            def timed(ids, what):
+            def timed(fns, ids, what):
                 ref = ref_fn(x[:n], wts[:n], ids[:n], w_g, w_u, w_d)
                 return time_checked(fns, (x, wts, ids, w_g, w_u, w_d), reps, "MoE grouped matmul",
                                     f" at {M} rows{what}", tol=3e-2, catch=True, ref=ref,
                                     chain=20 if M <= DECODE_MAX_ROWS else 0, unroll=UNROLL,
                                     marginal=None if M <= DECODE_MAX_ROWS else PREFILL_CALLS)
-            times = timed(ids, "")
-            if M <= DIRECT_MAX_ROWS and T > 1 and times:
-                # A small decode bucket also serves a batch of one: time that too (the other
-                # tokens padding, id E as the router kernel gives them) and rank by the sum.
-                one = timed(ids.at[1:].set(E), ", one real token")
-                times = {name: t + one[name] for name, t in times.items() if name in one}
+
+            def ranked(fns):
+                times = timed(fns, ids, "")
+                if M <= DIRECT_MAX_ROWS and T > 1 and times:
+                    # A small decode bucket also serves a batch of one: time that too (the other
+                    # tokens padding, id E as the router kernel gives them) and rank by the sum.
+                    one = timed(fns, ids.at[1:].set(E), ", one real token")
+                    times = {name: t + one[name] for name, t in times.items() if name in one}
+                return times
+            times = ranked(fns)
+            if times:  # then the best direct one with its down launch retiled
+                best = min(times, key=times.get)
+                more = down_variants(best, cands[best], H, F)
+                self.impls.update(more)
+                times.update(ranked({name: (lambda x, p, i, a, u, b, impl=impl: experts(
+                    x, p, i, a, u, b, gmm=impl)) for name, impl in more.items()}) if more else {})
             if times:
                 self.choice[M] = min(times, key=times.get)
                 self.timings[M] = times

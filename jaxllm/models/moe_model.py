@@ -31,7 +31,7 @@ from jaxllm.kernels.metadata import AttentionMetadata
 from jaxllm.models import llama, llama_state
 from jaxllm.models.config import ModelConfig
 from jaxllm.models.llama import Llama, LayerStack, _param
-from jaxllm.models.params import set_value, value
+from jaxllm.models.params import value
 from jaxllm.models.moe import expert_loads, experts as moe_experts, route, split_experts
 from jaxllm.models.moe_config import MoEConfig
 from jaxllm.quantization import act
