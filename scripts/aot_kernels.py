@@ -138,8 +138,10 @@ def compile_step(args, topo) -> dict:
         chooser = gmm_mod.Chooser()
         if args.gmm is not None:
             M = args.tokens * cfg.moe.top_k
-            chooser.impls.update(gmm_mod.candidates(M, cfg.moe.num_experts, cfg.hidden_size,
-                                                    cfg.moe.moe_intermediate_size, platform="gpu"))
+            H, F = cfg.hidden_size, cfg.moe.moe_intermediate_size
+            chooser.impls.update(gmm_mod.candidates(M, cfg.moe.num_experts, H, F, platform="gpu"))
+            base = args.gmm.split("+")[0]  # "<direct>+down_<tiling>": its down launch retiled
+            chooser.impls.update(gmm_mod.down_variants(base, chooser.impls[base], H, F))
             chooser.choice[M] = args.gmm
         hooks["experts_fn"] = functools.partial(experts, gmm=chooser)
         from jaxllm.kernels import moe_router

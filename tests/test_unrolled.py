@@ -41,6 +41,7 @@ def test_unstack_through_host_releases_the_stack(monkeypatch):
     stack = jnp.arange(4 * 2 * 3, dtype=jnp.float32).reshape(4, 2, 3).astype(jnp.bfloat16)
     expect = [np.asarray(stack[j]) for j in (0, 2, 3)]
     assert not llama_state._short_of(stack)  # the CPU: never short
+    jax.eval_shape(lambda a: llama_state._short_of(a) and a, stack)  # traced: never asks a device
     monkeypatch.setattr(llama_state, "_short_of", lambda arr: True)
     var = nnx.Param(stack)
     layers = llama_state.unstack(var, [0, 2, 3])
