@@ -106,9 +106,10 @@ def unstack(var: nnx.Variable, rows) -> list:
 def _short_of(arr: jax.Array) -> bool:
     """Whether `arr`'s one accelerator device lacks room for a second copy of it (never while
     traced: `jax.eval_shape` of a split, scripts/aot_kernels.py)."""
-    if isinstance(arr, jax.core.Tracer):
+    try:
+        devices = arr.devices()
+    except jax.errors.ConcretizationTypeError:  # a tracer
         return False
-    devices = arr.devices()
     if len(devices) != 1:
         return False
     device = next(iter(devices))
