@@ -40,12 +40,12 @@ the choice is static per compiled bucket, so it never costs a recompile.
 from __future__ import annotations
 
 import logging
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.envs import env_choice
 from jaxllm.models.gmm_kernels import (DecodeGmm, DirectGmm, GroupedMatmul, MosaicGmm,  # noqa: F401
                                        WsGluGmm, WsGmm, WsSplitGmm, _mgpu, down_variants)
 
@@ -110,7 +110,7 @@ def candidates(M: int, E: int, H: int, F: int, platform: str | None = None,
             # 1,639 us for the unchained twin at 65,536 rows, its lone-tile path correct there),
             # unless JAXLLM_GMM_CHAINED=0 (session 35's comparison)
             chained = moe_gmm_ws.CHAINED if not engine else (
-                () if os.environ.get("JAXLLM_GMM_CHAINED") == "0" else moe_gmm_ws.CHAINED[-1:])
+                moe_gmm_ws.CHAINED[-1:] if env_choice("JAXLLM_GMM_CHAINED", "1", ("0", "1")) == "1" else ())
             for t in moe_gmm_ws.TILINGS + moe_gmm_ws.GLU + chained:
                 if t.fits(H, F) and t.down.fits(F, H):
                     out[t.name] = WsGluGmm(t) if t.glu else WsGmm(t)
@@ -200,10 +200,9 @@ class Chooser:
             ids = jnp.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :k], jnp.int32)
             wts = jnp.asarray(rng.random((T, k)), jnp.float32)
             x = jax.random.normal(key, (T, H), jnp.float32).astype(dtype)
-            fns = {name: (lambda x, p, i, a, u, b, impl=impl: experts(x, p, i, a, u, b, gmm=impl))
-                   for name, impl in cands.items()}
-            if M > DECODE_MAX_ROWS and len(fns) > 1:  # XLA's ragged_dot expands every row against
-                del fns["ragged_dot"]  # every expert (H200: 117 ms, 32 GiB at 65,536 rows): never
+            first = dict(cands)
+            if M > DECODE_MAX_ROWS and len(first) > 1:  # XLA's ragged_dot expands every row against
+                del first["ragged_dot"]  # every expert (H200: 117 ms, 32 GiB at 65,536 rows): never
                 # chosen there, and still what an unmeasured row count falls back to
             # The reference: ragged_dot on the first REF_TOKENS tokens alone (a token's output
             # depends on no other token), against which each candidate's first rows are checked;
@@ -218,7 +217,9 @@ class Chooser:
                                     chain=20 if M <= DECODE_MAX_ROWS else 0, unroll=UNROLL,
                                     marginal=None if M <= DECODE_MAX_ROWS else PREFILL_CALLS)
 
-            def ranked(fns):
+            def ranked(impls):  # seconds a whole expert block of each implementation
+                fns = {name: (lambda x, p, i, a, u, b, impl=impl: experts(x, p, i, a, u, b, gmm=impl))
+                       for name, impl in impls.items()}
                 times = timed(fns, ids, "")
                 if M <= DIRECT_MAX_ROWS and T > 1 and times:
                     # A small decode bucket also serves a batch of one: time that too (the other
@@ -226,13 +227,12 @@ class Chooser:
                     one = timed(fns, ids.at[1:].set(E), ", one real token")
                     times = {name: t + one[name] for name, t in times.items() if name in one}
                 return times
-            times = ranked(fns)
-            if times:  # then the best direct one with its down launch retiled
-                best = min(times, key=times.get)
-                more = down_variants(best, cands[best], H, F)
+            times = ranked(first)
+            best = min(times, key=times.get) if times else None
+            more = down_variants(best, cands[best], H, F) if best else {}
+            if more:  # the best direct one again, its down launch retiled
                 self.impls.update(more)
-                times.update(ranked({name: (lambda x, p, i, a, u, b, impl=impl: experts(
-                    x, p, i, a, u, b, gmm=impl)) for name, impl in more.items()}) if more else {})
+                times.update(ranked(more))
             if times:
                 self.choice[M] = min(times, key=times.get)
                 self.timings[M] = times

@@ -69,7 +69,7 @@ def split_layers(params, num_layers: int, shards: int = 1, fuse: bool = True) ->
     names = list(stacked.keys())
     out = [{} for _ in range(num_layers)]
     for name in names:
-        for i, layer in zip(range(num_layers), unstack(stacked[name], range(num_layers))):
+        for i, layer in enumerate(unstack(stacked[name], range(num_layers))):
             out[i][name] = layer
     return [fuse_layer(w, shards) for w in out] if fuse else out
 
@@ -113,11 +113,13 @@ def _short_of(arr: jax.Array) -> bool:
     if len(devices) != 1:
         return False
     device = next(iter(devices))
-    stats = device.memory_stats() if device.platform != "cpu" else None
-    if not stats or "bytes_limit" not in stats:
+    if device.platform == "cpu":
         return False
     jax.block_until_ready(arr)  # what was dispatched before is counted as in use
-    return stats["bytes_limit"] - device.memory_stats()["bytes_in_use"] < arr.nbytes + HEADROOM
+    stats = device.memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return False
+    return stats["bytes_limit"] - stats["bytes_in_use"] < arr.nbytes + HEADROOM
 
 
 def stack_layers(weights: dict[str, np.ndarray], layers, name: str, dtype, transpose: bool = True,
