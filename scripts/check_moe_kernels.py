@@ -3,13 +3,14 @@ each checked against the XLA path it replaces, then both timed as chained loops
 (`kernels/timing.py`, the engine warm-up's method; the loop's own cost per call printed as
 `floor`):
 
-- router: `moe_router.route_tokens` with the RMSNorm (one kernel) vs XLA's RMSNorm, router GEMM,
-  softmax / top-k and masking;
+- router: `moe_router.route_tokens` with the RMSNorm (one kernel; and `split`: H cut over
+  `default_splits` programs, then a routing launch) vs XLA's RMSNorm, router GEMM, softmax / top-k
+  and masking;
 - rope_write: `rope_write.rope_write` (head norms, RoPE, K/V write) vs XLA's;
 - direct grouped matmul (`moe_gmm.direct_swiglu`, gate/up + down of 8 tokens x top-8) with one
   CTA an item vs persistent CTAs (`ctas`), with 1 and with 8 real tokens.
 
-    python3 scripts/check_moe_kernels.py [--json out.json]
+    python3 scripts/check_moe_kernels.py [--json out.json] [--tokens 8] [--cases router rope_write gmm]
 
 One line per case: ok (within tolerance of the XLA path), us per call. Exit status 1 if any
 case is wrong.
@@ -49,15 +50,18 @@ def router_case(rng, real: int) -> tuple[dict, tuple]:
     ln = jnp.asarray(rng.standard_normal(H) * 0.1 + 1, BF)
     valid = jnp.arange(T) < real
 
-    def kernel(x, w, ln, valid):
+    def kernel(x, w, ln, valid, splits=1):
         return flat(*moe_router.route_tokens(x, w, valid, K_TOP, "softmax", True, interpret=INTERPRET,
-                                             rms_norm=(ln, 1e-6)))
+                                             rms_norm=(ln, 1e-6), splits=splits))
+
+    def split(x, w, ln, valid):
+        return kernel(x, w, ln, valid, moe_router.default_splits(H, E))
 
     def xla(x, w, ln, valid):
         h = rms_norm(x, ln, 1e-6)
         wts, ids = moe_router.route_tokens_ref(h, w, valid, K_TOP, "softmax", True)
         return flat(wts, ids, h)
-    return {"xla": xla, "kernel": kernel}, (x, w, ln, valid)
+    return {"xla": xla, "kernel": kernel, "split": split}, (x, w, ln, valid)
 
 
 def rope_case(rng, real: int) -> tuple[dict, tuple]:
@@ -96,17 +100,22 @@ def gmm_case(rng, real: int) -> tuple[dict, tuple]:
 
 
 def main() -> None:
+    global T
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--tokens", type=int, default=T, help="the step's token bucket")
+    ap.add_argument("--cases", nargs="+", default=["router", "rope_write", "gmm"])
     args = ap.parse_args()
+    T = args.tokens
     rng = np.random.default_rng(0)
     floor = loop_floor(jnp.zeros((T, H), BF), reps=args.reps)
     print(f"floor {floor * 1e6:.1f} us per chained call (the loop's own cost)", flush=True)
     rows, bad = [], 0
-    cases = (("router", router_case), ("rope_write", rope_case), ("gmm", gmm_case))
-    for name, make in cases[:2] if INTERPRET else cases:
-        for real in (1, T):
+    cases = [c for c in (("router", router_case), ("rope_write", rope_case), ("gmm", gmm_case))
+             if c[0] in args.cases]
+    for name, make in [c for c in cases if c[0] != "gmm"] if INTERPRET else cases:
+        for real in sorted({1, T}):
             fns, a = make(rng, real)
             ref = np.asarray(jax.jit(next(iter(fns.values())))(*a))
             tol = 1e-2 if name != "gmm" else 2e-2

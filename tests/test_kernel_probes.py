@@ -22,9 +22,16 @@ def _cfg(moe: bool):
     return registry.config_from_hf(hf)
 
 
-def test_probes_pass_on_the_kernels():
+def test_probes_pass_on_the_kernels(monkeypatch):
     assert kernel_probes.rope_write_ok(_cfg(False), jnp.float32, page_size=16)
     assert kernel_probes.router_ok(_cfg(True), jnp.bfloat16)
+    calls = []
+    real = moe_router.route_tokens
+    monkeypatch.setattr(moe_router, "route_tokens", lambda *a, **kw: calls.append(kw["splits"]) or real(*a, **kw))
+    monkeypatch.setenv("JAXLLM_MOE_ROUTER", "split")  # the split form is what the probe runs
+    monkeypatch.setattr(moe_router, "default_splits", lambda H, E: 2)  # hidden 64: two shares of 32
+    assert kernel_probes.router_ok(_cfg(True), jnp.bfloat16)
+    assert calls == [2]
 
 
 def test_probes_fail_on_wrong_or_raising_kernels(monkeypatch, caplog):

@@ -190,14 +190,15 @@ def test_kernel_lowers_to_triton(tiling):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("direct,router", [(False, False), (True, False), (True, True)],
-                         ids=["sorted", "direct_decode", "direct_router"])
+@pytest.mark.parametrize("direct,router", [(False, None), (True, None), (True, "kernel"), (True, "split")],
+                         ids=["sorted", "direct_decode", "direct_router", "direct_router_split"])
 def test_model_with_the_kernel_keeps_greedy_ids(monkeypatch, direct, router):
     """The whole engine (layer scan, padding tokens, prefill and decode rows) with the kernel's
     gate/up pair and down as the expert matmuls gives HF's greedy ids; `direct`: steps of up to
     16 rows take the unsorted-rows path (`DirectGmm`), larger ones the sorted one; `router`:
     steps of up to 64 tokens routed by kernels/moe_router.py (padding tokens given id E, so the
-    experts get no `valid`: the direct kernel and the sorted path skip those ids themselves)."""
+    experts get no `valid`: the direct kernel and the sorted path skip those ids themselves);
+    "split": its weight read by two programs of 32 rows each, a second launch routing."""
     import functools
 
     from hf_tiny import hf_greedy, make, make_llm, random_prompts
@@ -226,6 +227,9 @@ def test_model_with_the_kernel_keeps_greedy_ids(monkeypatch, direct, router):
             return gmm_impls.DirectGmm(tiling, interpret=True).direct_mlp(rows)
 
     routed = []
+    if router:
+        monkeypatch.setenv("JAXLLM_MOE_ROUTER", router)
+        monkeypatch.setattr(moe_router, "default_splits", lambda H, E: 2)
 
     def route_small(h, *a):
         out = moe_router.route_small(h, *a)

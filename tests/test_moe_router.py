@@ -20,22 +20,27 @@ def _case(T: int, H: int, E: int, seed: int, dtype=jnp.float32):
     return h, w
 
 
-def _route(h, w, valid, k, routing, norm):
-    return jax.jit(lambda h, w, v: moe_router.route_tokens(h, w, v, k, routing, norm, interpret=True))(
-        h, w, valid)
+def _route(h, w, valid, k, routing, norm, splits=1):
+    return jax.jit(lambda h, w, v: moe_router.route_tokens(h, w, v, k, routing, norm, interpret=True,
+                                                           splits=splits))(h, w, valid)
 
 
-@pytest.mark.parametrize("T,H,E,k,routing,norm", [
-    (8, 256, 128, 8, "softmax", True),  # Qwen3-MoE's routing at a batch-1 decode bucket
-    (20, 128, 64, 4, "softmax", False),  # two programs, the second partial; Qwen2-MoE's
-    (5, 128, 8, 2, "softmax_topk", False),  # Mixtral's: 8 experts padded to 16 columns
-    (3, 64, 60, 4, "softmax", True),  # 60 experts (Qwen1.5/2-MoE-A2.7B) padded to 64
-    (1, 64, 16, 1, "softmax_topk", False),  # top-1
+@pytest.mark.parametrize("T,H,E,k,routing,norm,splits", [
+    (8, 256, 128, 8, "softmax", True, 1),  # Qwen3-MoE's routing at a batch-1 decode bucket
+    (8, 256, 128, 8, "softmax", True, 4),  # the same, H cut into 4 shares of 64 rows
+    (1, 256, 128, 8, "softmax", True, 16),  # one token, shares of 16 rows
+    (20, 128, 64, 4, "softmax", False, 1),  # two programs, the second partial; Qwen2-MoE's
+    (20, 128, 64, 4, "softmax", False, 2),  # two row blocks x two shares
+    (5, 128, 8, 2, "softmax_topk", False, 1),  # Mixtral's: 8 experts padded to 16 columns
+    (5, 128, 8, 2, "softmax_topk", False, 4),
+    (3, 64, 60, 4, "softmax", True, 1),  # 60 experts (Qwen1.5/2-MoE-A2.7B) padded to 64
+    (3, 64, 60, 4, "softmax", True, 2),
+    (1, 64, 16, 1, "softmax_topk", False, 1),  # top-1
 ])
-def test_router_kernel_matches_route(T, H, E, k, routing, norm):
+def test_router_kernel_matches_route(T, H, E, k, routing, norm, splits):
     h, w = _case(T, H, E, seed=T + E)
     valid = jnp.arange(T) < max(T - 2, 1)
-    weights, ids = _route(h, w, valid, k, routing, norm)
+    weights, ids = _route(h, w, valid, k, routing, norm, splits)
     logits = jnp.einsum("th,he->te", h, w, preferred_element_type=jnp.float32)
     want_w, want_ids = moe.route(logits, k, routing, norm)
     v = np.asarray(valid)
@@ -80,12 +85,25 @@ def test_where_the_kernel_declines():
     assert got is not None and got[1].shape == (8, 4) and got[2].shape == (8, 64)
     with pytest.raises(ValueError, match="top_k=6"):
         moe_router.route_tokens(h, w, valid, 6, "softmax", True)
+    with pytest.raises(ValueError, match="splits=3"):  # 64 rows do not cut into 3 shares
+        moe_router.route_tokens(h, w, valid, 4, "softmax", True, splits=3)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_rms_norm_before_the_router(dtype):
+def test_default_splits():
+    """About 16 KB of router weight a program: Qwen3-30B-A3B's [2048, 128] in 32 shares of 64
+    rows; shares stay multiples of 16 rows; a small weight is not split."""
+    assert moe_router.default_splits(2048, 128) == 32 and moe_router.split_rows(2048, 128, 32) == 64
+    assert moe_router.default_splits(4096, 8) == 8  # Mixtral: 8 experts padded to 16 columns
+    assert moe_router.split_rows(4096, 8, 8) == 512
+    assert moe_router.default_splits(64, 16) == 1
+    assert moe_router.split_rows(2048, 60, 32) == 64 and moe_router.split_rows(2048, 128, 3) == 0
+
+
+@pytest.mark.parametrize("dtype,splits", [(jnp.float32, 1), (jnp.bfloat16, 1), (jnp.bfloat16, 4)])
+def test_rms_norm_before_the_router(dtype, splits):
     """`rms_norm`: the kernel normalises the residual stream itself (two programs, padding rows)
-    and returns the normed rows, as `llama.rms_norm` computes them, beside the routing of them."""
+    and returns the normed rows, as `llama.rms_norm` computes them, beside the routing of them;
+    split, each share's program stores its columns of the normed rows."""
     from jaxllm.models.llama import rms_norm
 
     T, H, E, k = 20, 256, 64, 4
@@ -94,7 +112,7 @@ def test_rms_norm_before_the_router(dtype):
     ln = jnp.asarray(np.random.default_rng(2).standard_normal(H) * 0.2 + 1, dtype)
     valid = jnp.arange(T) < 17
     weights, ids, h = jax.jit(lambda x, w, v, ln: moe_router.route_tokens(
-        x, w, v, k, "softmax", True, interpret=True, rms_norm=(ln, 1e-6)))(x, w, valid, ln)
+        x, w, v, k, "softmax", True, interpret=True, rms_norm=(ln, 1e-6), splits=splits))(x, w, valid, ln)
     want_h = rms_norm(x, ln, 1e-6)
     if dtype == jnp.float32:
         np.testing.assert_allclose(np.asarray(h), np.asarray(want_h), rtol=1e-5, atol=1e-6)
@@ -111,6 +129,8 @@ def test_switch(monkeypatch):
     assert not moe_router.enabled()  # XLA's router unless asked (slower alone on an H100)
     monkeypatch.setenv("JAXLLM_MOE_ROUTER", "kernel")
     assert moe_router.enabled()
+    monkeypatch.setenv("JAXLLM_MOE_ROUTER", "split")
+    assert moe_router.enabled() and moe_router.mode() == "split"
     monkeypatch.setenv("JAXLLM_MOE_ROUTER", "xla")
     assert not moe_router.enabled()
     monkeypatch.setenv("JAXLLM_MOE_ROUTER", "triton")
@@ -118,8 +138,8 @@ def test_switch(monkeypatch):
         moe_router.enabled()
 
 
-@pytest.mark.parametrize("E", [128, 60])
-def test_lowers_for_cuda(E):
+@pytest.mark.parametrize("E,splits", [(128, 1), (60, 1), (128, 32)])
+def test_lowers_for_cuda(E, splits):
     """The Triton kernel at Qwen3-30B-A3B's router (H 2048, 128 experts, top-8, the RMSNorm
     before it) and with padded columns, lowered for a GPU on this CPU."""
     h = jax.ShapeDtypeStruct((8, 2048), jnp.bfloat16)
@@ -127,6 +147,7 @@ def test_lowers_for_cuda(E):
     valid = jax.ShapeDtypeStruct((8,), jnp.bool_)
     ln = jax.ShapeDtypeStruct((2048,), jnp.bfloat16)
     f = jax.jit(lambda h, w, v, ln: moe_router.route_tokens(h, w, v, 8, "softmax", True, interpret=False,
-                                                            rms_norm=(ln, 1e-6) if E == 128 else None))
+                                                            rms_norm=(ln, 1e-6) if E == 128 else None,
+                                                            splits=splits))
     text = f.trace(h, w, valid, ln).lower(lowering_platforms=("cuda",)).as_text()
-    assert "jaxllm_moe_router" in text
+    assert ("jaxllm_moe_router_split" in text) == (splits > 1) and "jaxllm_moe_router" in text

@@ -39,8 +39,10 @@ def router_ok(cfg: ModelConfig, dtype) -> bool:
     ln = jnp.asarray(rng.standard_normal(H) * 0.1 + 1, dtype)
     valid = jnp.arange(TOKENS) < REAL
     try:
+        splits = moe_router.default_splits(H, m.num_experts) if moe_router.mode() == "split" else 1
         wts, ids, h = jax.jit(lambda x, w, ln, v: moe_router.route_tokens(
-            x, w, v, m.top_k, m.routing, m.norm_topk_prob, rms_norm=(ln, cfg.rms_norm_eps)))(x, w, ln, valid)
+            x, w, v, m.top_k, m.routing, m.norm_topk_prob, rms_norm=(ln, cfg.rms_norm_eps),
+            splits=splits))(x, w, ln, valid)
         want_h = rms_norm(x, ln, cfg.rms_norm_eps)
         # the routing of the kernel's own normed rows: the logits' sum order is all that differs
         want_w, want_ids = moe_router.route_tokens_ref(h, w, valid, m.top_k, m.routing, m.norm_topk_prob)

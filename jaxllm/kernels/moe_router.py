@@ -17,7 +17,11 @@ offered for small batches only (`fits`). With `rms_norm` it also takes the RMSNo
 router: it reads the residual stream, normalises each tile of rows as it streams (statistics in
 a first pass over the rows) and writes the normed rows out for the experts, so that XLA's
 RMSNorm kernel goes too (Qwen3-30B-A3B batch-1 step: 924 kernels, 731 with the router here,
-587 with the RMSNorm here and `rope_write.py`; docs/moe.md).
+587 with the RMSNorm here and `rope_write.py`; docs/moe.md). On an H100 that one-program read
+took 10-31 us more than XLA's router (session 34), so `splits` cuts H over many programs, each
+storing float32 partial logits, and a second small launch sums them and routes (`mode()`
+"split"): two kernels where XLA's path has six (the norm's scale, the pad to two rows, the
+split-K GEMV, softmax, top-k, the padding mask).
 
 Routing as `moe.route`: "softmax" (Qwen2/3-MoE: softmax over all experts, top-k of the
 probabilities, renormalised when `norm_topk_prob`), "softmax_topk" (Mixtral: top-k of the
@@ -87,17 +91,13 @@ def _softmax(x: jax.Array) -> jax.Array:
     return e / jnp.sum(e, axis=1, keepdims=True)
 
 
-def _kernel(valid_ref, h_ref, w_ref, *refs, top_k: int, routing: str, norm: bool, bk: int,
-            Ep: int, eps: float | None):
-    """refs: (ln_ref,) when `eps` (h_ref is the residual stream, RMS-normalised here), then the
-    weights and ids outputs, then (the normalised rows, hn_ref) when `eps`."""
-    if eps is None:
-        wt_ref, id_ref = refs
-    else:
-        ln_ref, wt_ref, id_ref, hn_ref = refs
+def _logits(h_ref, w_ref, ln_ref, hn_ref, rows, lo, steps: int, *, bk: int, Ep: int,
+            eps: float | None) -> jax.Array:
+    """Float32 logits [BLOCK_T, Ep] of `rows` over the weight rows lo .. lo + steps * bk (all of
+    H, or one split's share); with `eps` the rows are RMS-normalised first (statistics over all
+    H columns) and the normed columns of that range stored to hn_ref."""
     T, H = h_ref.shape
     E = w_ref.shape[1]
-    rows = pl.program_id(0) * BLOCK_T + jnp.arange(BLOCK_T, dtype=jnp.int32)
     src = jnp.minimum(rows, T - 1)  # rows past T: clamped copies, their results not stored
     cols = jnp.arange(Ep, dtype=jnp.int32)
     if eps is not None:  # RMSNorm statistics of each row (float32, over all H columns)
@@ -109,7 +109,7 @@ def _kernel(valid_ref, h_ref, w_ref, *refs, top_k: int, routing: str, norm: bool
         r = jax.lax.rsqrt(ss / H + eps)[:, None]
 
     def step(i, acc):
-        kk = i * bk + jnp.arange(bk, dtype=jnp.int32)
+        kk = lo + i * bk + jnp.arange(bk, dtype=jnp.int32)
         x = h_ref[src[:, None], kk[None, :]]  # [bt, bk]
         if eps is not None:  # the model's rms_norm: cast back before the weight, as HF does
             dt = x.dtype
@@ -117,13 +117,70 @@ def _kernel(valid_ref, h_ref, w_ref, *refs, top_k: int, routing: str, norm: bool
             x = (ln_ref[kk].astype(jnp.float32)[None, :] * x.astype(jnp.float32)).astype(dt)
             plt.store(hn_ref.at[rows[:, None], kk[None, :]], x, mask=(rows < T)[:, None])
         if Ep == E:
-            w = w_ref[pl.ds(i * bk, bk), :]  # [bk, E]
+            w = w_ref[pl.ds(lo + i * bk, bk), :]  # [bk, E]
         else:  # padding columns read as 0
             w = plt.load(w_ref.at[kk[:, None], jnp.minimum(cols, E - 1)[None, :]],
                          mask=(cols < E)[None, :], other=0)
         return acc + plt.dot(x, w).astype(jnp.float32)
 
-    logits = jax.lax.fori_loop(0, H // bk, step, jnp.zeros((BLOCK_T, Ep), jnp.float32))
+    return jax.lax.fori_loop(0, steps, step, jnp.zeros((BLOCK_T, Ep), jnp.float32))
+
+
+def _refs(refs, eps: float | None) -> tuple:
+    """(ln_ref, the outputs..., hn_ref), the norm's refs None without `eps`."""
+    if eps is None:
+        return (None, *refs, None)
+    return refs
+
+
+def _kernel(valid_ref, h_ref, w_ref, *refs, top_k: int, routing: str, norm: bool, bk: int,
+            Ep: int, eps: float | None):
+    """One program: the whole of H, then the routing. refs: (ln_ref,) when `eps` (h_ref is the
+    residual stream, RMS-normalised here), then the weights and ids outputs, then (the
+    normalised rows, hn_ref) when `eps`."""
+    ln_ref, wt_ref, id_ref, hn_ref = _refs(refs, eps)
+    T, H = h_ref.shape
+    rows = pl.program_id(0) * BLOCK_T + jnp.arange(BLOCK_T, dtype=jnp.int32)
+    logits = _logits(h_ref, w_ref, ln_ref, hn_ref, rows, 0, H // bk, bk=bk, Ep=Ep, eps=eps)
+    _store_routing(logits, valid_ref, wt_ref, id_ref, rows, T, w_ref.shape[1], top_k=top_k,
+                   routing=routing, norm=norm)
+
+
+def _partial_kernel(h_ref, w_ref, *refs, bk: int, Ep: int, eps: float | None):
+    """Program (b, s): split s's share of H for rows block b, its float32 partial logits stored to
+    part_ref [S, T, Ep] (and its columns of the normed rows with `eps`)."""
+    ln_ref, part_ref, hn_ref = _refs(refs, eps)
+    T, H = h_ref.shape
+    S = part_ref.shape[0]
+    rows = pl.program_id(0) * BLOCK_T + jnp.arange(BLOCK_T, dtype=jnp.int32)
+    share = H // S
+    s = pl.program_id(1)
+    logits = _logits(h_ref, w_ref, ln_ref, hn_ref, rows, s * share, share // bk, bk=bk, Ep=Ep, eps=eps)
+    cols = jnp.arange(Ep, dtype=jnp.int32)
+    plt.store(part_ref.at[s, rows[:, None], cols[None, :]], logits, mask=(rows < T)[:, None])
+
+
+def _combine_kernel(valid_ref, part_ref, wt_ref, id_ref, *, E: int, top_k: int, routing: str,
+                    norm: bool):
+    """Program b: the S partial logits of rows block b summed, then the routing."""
+    S, T, Ep = part_ref.shape
+    rows = pl.program_id(0) * BLOCK_T + jnp.arange(BLOCK_T, dtype=jnp.int32)
+    cols = jnp.arange(Ep, dtype=jnp.int32)
+    mask = (rows < T)[:, None]
+
+    def add(s, acc):
+        return acc + plt.load(part_ref.at[s, rows[:, None], cols[None, :]], mask=mask, other=0.0)
+
+    logits = jax.lax.fori_loop(0, S, add, jnp.zeros((BLOCK_T, Ep), jnp.float32))
+    _store_routing(logits, valid_ref, wt_ref, id_ref, rows, T, E, top_k=top_k, routing=routing, norm=norm)
+
+
+def _store_routing(logits, valid_ref, wt_ref, id_ref, rows, T: int, E: int, *, top_k: int,
+                   routing: str, norm: bool) -> None:
+    """Route the float32 logits [bt, Ep] of `rows` and store their weights and ids (rows < T;
+    padding tokens: weight 0, id E)."""
+    Ep = logits.shape[1]
+    cols = jnp.arange(Ep, dtype=jnp.int32)
     if Ep != E:
         logits = jnp.where((cols < E)[None, :], logits, -jnp.inf)
     if routing == "softmax_topk":
@@ -133,7 +190,7 @@ def _kernel(valid_ref, h_ref, w_ref, *refs, top_k: int, routing: str, norm: bool
         weights, ids = _topk(_softmax(logits), top_k, Ep)
         if norm:
             weights = weights / jnp.sum(weights, axis=1, keepdims=True)
-    live = valid_ref[src] != 0
+    live = valid_ref[jnp.minimum(rows, T - 1)] != 0
     mask = (rows < T)[:, None]
     slots = jnp.arange(top_k, dtype=jnp.int32)
     plt.store(wt_ref.at[rows[:, None], slots[None, :]], jnp.where(live[:, None], weights, 0.0),
@@ -141,58 +198,109 @@ def _kernel(valid_ref, h_ref, w_ref, *refs, top_k: int, routing: str, norm: bool
     plt.store(id_ref.at[rows[:, None], slots[None, :]], jnp.where(live[:, None], ids, E), mask=mask)
 
 
+def split_rows(H: int, E: int, splits: int) -> int:
+    """Weight rows a pipeline stage of one split's share of H (`block_k`, at most the share);
+    0 where `splits` does not cut H into shares of a multiple of 16 rows."""
+    if splits < 1 or H % splits or (H // splits) % 16:
+        return 0
+    share, bk = H // splits, block_k(padded_experts(E), H)
+    while bk > share or (bk and share % bk):
+        bk //= 2
+    return bk if bk >= 16 else 0
+
+
+def default_splits(H: int, E: int) -> int:
+    """Splits of H for the router weight: about 16 KB of bf16 weight a program (Qwen3-30B-A3B's
+    [2048, 128]: 32 programs of 64 rows), so the weight is read by as many SMs as a split-K GEMV
+    uses, rather than by one program per 16 tokens (session 34: that one-program read took
+    10-31 us on an H100)."""
+    s = max(1, (H * padded_experts(E) * 2) // 16384)
+    while s > 1 and not split_rows(H, E, s):
+        s //= 2
+    return s
+
+
 def route_tokens(h: jax.Array, w: jax.Array, valid: jax.Array | None, top_k: int, routing: str,
                  norm_topk_prob: bool, interpret: bool | None = None,
                  num_warps: int = 4, num_stages: int = 4,
-                 rms_norm: tuple[jax.Array, float] | None = None) -> tuple[jax.Array, ...]:
+                 rms_norm: tuple[jax.Array, float] | None = None,
+                 splits: int = 1) -> tuple[jax.Array, ...]:
     """h [T, H], w [H, E] (h's dtype), valid [T] bool or None (all valid) -> (weights [T, k]
     float32, ids [T, k] int32; padding tokens: weight 0, id E). With `rms_norm` = (weight [H],
     eps), h is the residual stream: the router reads `llama.rms_norm(h, weight, eps)`, computed
-    here, and returns it as well (the experts' input): (weights, ids, normed h [T, H]). Raises
-    ValueError where `fits` does not hold."""
+    here, and returns it as well (the experts' input): (weights, ids, normed h [T, H]).
+    `splits` > 1 cuts H into that many shares, one program each (`_partial_kernel`: float32
+    partial logits [splits, T, E]), and a second launch sums them and routes. Raises ValueError
+    where `fits` does not hold or `splits` does not cut H (`split_rows`)."""
     T, H = h.shape
     E = w.shape[-1]
     if not fits(T, H, E, top_k, routing):
         raise ValueError(f"the router kernel does not take T={T} H={H} E={E} top_k={top_k} "
                          f"routing={routing!r} (`moe_router.fits`)")
+    if splits != 1 and not split_rows(H, E, splits):
+        raise ValueError(f"splits={splits} does not cut H={H} into shares of 16k rows")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     if valid is None:
         valid = jnp.ones((T,), bool)
-    out_shape = (jax.ShapeDtypeStruct((T, top_k), jnp.float32), jax.ShapeDtypeStruct((T, top_k), jnp.int32))
-    extra, eps = (), None
+    valid = valid.astype(jnp.int32)
+    Ep = padded_experts(E)
+    routed = (jax.ShapeDtypeStruct((T, top_k), jnp.float32), jax.ShapeDtypeStruct((T, top_k), jnp.int32))
+    extra, eps, normed = (), None, ()
     if rms_norm is not None:
         extra, eps = (rms_norm[0].astype(h.dtype),), float(rms_norm[1])
-        out_shape += (jax.ShapeDtypeStruct((T, H), h.dtype),)
-    return pl.pallas_call(
-        functools.partial(_kernel, top_k=top_k, routing=routing, norm=bool(norm_topk_prob),
-                          bk=block_k(padded_experts(E), H), Ep=padded_experts(E), eps=eps),
-        grid=(pl.cdiv(T, BLOCK_T),),
-        out_shape=out_shape,
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret,
-        name="jaxllm_moe_router",
-    )(valid.astype(jnp.int32), h, w.astype(h.dtype), *extra)
+        normed = (jax.ShapeDtypeStruct((T, H), h.dtype),)
+    params = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    route = dict(top_k=top_k, routing=routing, norm=bool(norm_topk_prob))
+    if splits == 1:
+        return pl.pallas_call(
+            functools.partial(_kernel, **route, bk=block_k(Ep, H), Ep=Ep, eps=eps),
+            grid=(pl.cdiv(T, BLOCK_T),), out_shape=routed + normed, compiler_params=params,
+            interpret=interpret, name="jaxllm_moe_router",
+        )(valid, h, w.astype(h.dtype), *extra)
+    part, *hn = pl.pallas_call(
+        functools.partial(_partial_kernel, bk=split_rows(H, E, splits), Ep=Ep, eps=eps),
+        grid=(pl.cdiv(T, BLOCK_T), splits),
+        out_shape=(jax.ShapeDtypeStruct((splits, T, Ep), jnp.float32),) + normed,
+        compiler_params=params, interpret=interpret, name="jaxllm_moe_router_split",
+    )(h, w.astype(h.dtype), *extra)
+    weights, ids = pl.pallas_call(
+        functools.partial(_combine_kernel, E=E, **route),
+        grid=(pl.cdiv(T, BLOCK_T),), out_shape=routed, compiler_params=params,
+        interpret=interpret, name="jaxllm_moe_router_combine",
+    )(valid, part)
+    return (weights, ids, *hn)
+
+
+MODES = ("split", "kernel", "xla")
+
+
+def mode() -> str:
+    """JAXLLM_MOE_ROUTER: "split" routes decode-sized steps on one GPU here with H cut over
+    `default_splits` programs and a second launch that routes; "kernel" with one program per 16
+    tokens; "xla" (default) keeps XLA's router throughout: on an H100 (session 34,
+    `check_moe_kernels.py`) the one-program kernel took 10-31 us more than XLA's router a call,
+    which its saved launches do not repay."""
+    from jaxllm.envs import env_choice
+    return env_choice("JAXLLM_MOE_ROUTER", "xla", MODES)
 
 
 def enabled() -> bool:
-    """JAXLLM_MOE_ROUTER: "kernel" routes decode-sized steps on one GPU here, "xla" (default)
-    keeps XLA's router throughout: on an H100 (session 34, `check_moe_kernels.py`) the kernel
-    took 10-31 us more than XLA's router a call, which its saved launches do not repay."""
-    from jaxllm.envs import env_choice
-    return env_choice("JAXLLM_MOE_ROUTER", "xla", ("kernel", "xla")) == "kernel"
+    return mode() != "xla"
 
 
 def route_small(x: jax.Array, w, valid: jax.Array, top_k: int, routing: str,
                 norm_topk_prob: bool, ln: jax.Array, eps: float) -> tuple[jax.Array, ...] | None:
     """`route_tokens` of the residual stream x with the RMSNorm (ln, eps) before the router
     done here, where it takes the batch (`fits`, plain weights of x's dtype): (weights, ids,
-    normed x); else None. The model's `router_fn` hook (models/moe_model.py)."""
+    normed x); else None. The model's `router_fn` hook (models/moe_model.py); split by `mode()`."""
     T, H = x.shape
     if not (isinstance(w, jax.Array) and w.dtype == x.dtype and w.ndim == 2
             and isinstance(ln, jax.Array) and fits(T, H, w.shape[1], top_k, routing)):
         return None
-    return route_tokens(x, w, valid, top_k, routing, norm_topk_prob, rms_norm=(ln, eps))
+    splits = default_splits(H, w.shape[1]) if mode() == "split" else 1
+    return route_tokens(x, w, valid, top_k, routing, norm_topk_prob, rms_norm=(ln, eps),
+                        splits=splits)
 
 
 def route_logits(logits: jax.Array, top_k: int, routing: str, norm_topk_prob: bool
