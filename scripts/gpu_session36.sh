@@ -3,9 +3,9 @@
 #   p (~9 min, any Hopper card; an H200 for issue 15's figures): MOE_PARTS="3 2" scripts/gpu_moe.sh
 #     (the prefill 8 x 2,048 MFU; the decode step at batch 1 and 64, where the warm-up now also
 #     times the direct decode kernel with its down launch under each unsplit tiling), then batch 1
-#     in a bucket of two tokens (`--min-bucket 2`: one padding row, whose routed rows the direct
-#     kernel skips, so no one-row product is padded to two in front of each GEMM: 3 kernels a
-#     layer fewer than the bucket of one).
+#     with the split router kernel (JAXLLM_MOE_ROUTER=split: the RMSNorm, router GEMV, softmax,
+#     top-k in two launches, 3 kernels a layer fewer; probed at start-up, XLA's router if wrong).
+#     `--min-bucket 2` (no one-row product padded to two) is the next to try.
 #   t (~9 min): MOE_PARTS="4 5" scripts/gpu_moe.sh: offline throughput 512 x (512 -> 256) against
 #     HF transformers (grouped_mm experts) in its own process (target >= 3x), never run yet.
 set -u
@@ -18,11 +18,12 @@ case "${1:-}" in
   p) MOE_PARTS="3 2" T3=${T3:-150} T2=${T2:-230} bash scripts/gpu_moe.sh
      grep -E "grouped matmul by measurement|grouped matmul timings" "$OUT/moe_prefill.log" | cut -c1-1200
      grep -E "by measurement|down_" "$OUT/moe_decode.log" | head -6 | cut -c1-1500
-     XLA_PYTHON_CLIENT_MEM_FRACTION=${MEMF:-0.95} timeout -k 10 ${T_B2:-150} python3 scripts/bench_moe.py decode \
-       --random-shape qwen3-30b-a3b --batch-size 1 --min-bucket 2 --input-len 2048 --num-iters 20 \
-       --profile-steps 3 --output-json "$OUT/moe_decode_b2.json" > "$OUT/moe_decode_b2.log" 2>&1
-     echo "rc=$? (bucket 2)"
-     grep -E "^decode|^engine grouped|^  /device|^    |kernels a step" "$OUT/moe_decode_b2.log" | cut -c1-400 ;;
+     JAXLLM_MOE_ROUTER=split XLA_PYTHON_CLIENT_MEM_FRACTION=${MEMF:-0.95} timeout -k 10 ${T_B2:-150} \
+       python3 scripts/bench_moe.py decode --random-shape qwen3-30b-a3b --batch-size 1 --input-len 2048 \
+       --num-iters 20 --profile-steps 3 --output-json "$OUT/moe_decode_split.json" > "$OUT/moe_decode_split.log" 2>&1
+     echo "rc=$? (split router)"
+     grep -E "^decode|^engine grouped|^  /device|^    |kernels a step" "$OUT/moe_decode_split.log" | cut -c1-400
+     grep -iE "router kernel" "$OUT/moe_decode_split.log" | head -3 | cut -c1-300 ;;
   t) MOE_PARTS="4 5" T4=${T4:-270} T5=${T5:-270} bash scripts/gpu_moe.sh ;;
   *) echo "usage: $0 p|t" >&2; exit 2 ;;
 esac
