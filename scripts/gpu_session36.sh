@@ -4,8 +4,10 @@
 #     (the prefill 8 x 2,048 MFU; the decode step at batch 1 and 64, where the warm-up now also
 #     times the direct decode kernel with its down launch under each unsplit tiling), then batch 1
 #     with the split router kernel (JAXLLM_MOE_ROUTER=split: the RMSNorm, router GEMV, softmax,
-#     top-k in two launches, 3 kernels a layer fewer; probed at start-up, XLA's router if wrong).
-#     `--min-bucket 2` (no one-row product padded to two) is the next to try.
+#     top-k in two launches, 3 kernels a layer fewer; probed at start-up, XLA's router if wrong)
+#     in a bucket of two tokens (`--min-bucket 2`: a padding row the direct kernel skips; compiled
+#     for an H100 on the CPU, 731 kernels a step against 875 in the bucket of one: no one-row
+#     product padded to two, each RMSNorm one kernel, the K/V write one scatter).
 #   t (~9 min): MOE_PARTS="4 5" scripts/gpu_moe.sh: offline throughput 512 x (512 -> 256) against
 #     HF transformers (grouped_mm experts) in its own process (target >= 3x), never run yet.
 set -u
@@ -19,7 +21,7 @@ case "${1:-}" in
      grep -E "grouped matmul by measurement|grouped matmul timings" "$OUT/moe_prefill.log" | cut -c1-1200
      grep -E "by measurement|down_" "$OUT/moe_decode.log" | head -6 | cut -c1-1500
      JAXLLM_MOE_ROUTER=split XLA_PYTHON_CLIENT_MEM_FRACTION=${MEMF:-0.95} timeout -k 10 ${T_B2:-150} \
-       python3 scripts/bench_moe.py decode --random-shape qwen3-30b-a3b --batch-size 1 --input-len 2048 \
+       python3 scripts/bench_moe.py decode --random-shape qwen3-30b-a3b --batch-size 1 --min-bucket 2 --input-len 2048 \
        --num-iters 20 --profile-steps 3 --output-json "$OUT/moe_decode_split.json" > "$OUT/moe_decode_split.log" 2>&1
      echo "rc=$? (split router)"
      grep -E "^decode|^engine grouped|^  /device|^    |kernels a step" "$OUT/moe_decode_split.log" | cut -c1-400
