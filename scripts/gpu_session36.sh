@@ -8,6 +8,11 @@
 #     in a bucket of two tokens (`--min-bucket 2`: a padding row the direct kernel skips; compiled
 #     for an H100 on the CPU, 731 kernels a step against 875 in the bucket of one: no one-row
 #     product padded to two, each RMSNorm one kernel, the K/V write one scatter).
+#   c (~5.5 min, the machine `t` left warm): the router alone at a 2-token bucket (xla, the one-program
+#     kernel, split: `check_moe_kernels.py --tokens 2 --cases router`), then batch 1 in a bucket of
+#     two tokens with the split router (rows of 1-2 tokens summed on the CUDA cores, the RMSNorm
+#     statistics in one load, the 32 partials in one load: `p`'s split kernels took 11.4 and
+#     10.5 us a layer) and with XLA's router.
 #   t (~9 min): MOE_PARTS="4 5" scripts/gpu_moe.sh: offline throughput 512 x (512 -> 256) against
 #     HF transformers (grouped_mm experts) in its own process (target >= 3x), never run yet.
 set -u
@@ -26,6 +31,16 @@ case "${1:-}" in
      echo "rc=$? (split router)"
      grep -E "^decode|^engine grouped|^  /device|^    |kernels a step" "$OUT/moe_decode_split.log" | cut -c1-400
      grep -iE "router kernel" "$OUT/moe_decode_split.log" | head -3 | cut -c1-300 ;;
+  c) timeout -k 5 ${T_K:-50} python3 scripts/check_moe_kernels.py --tokens 2 --cases router --json "$OUT/router.json" \
+       > "$OUT/router.log" 2>&1; echo "rc=$? (router alone)"; grep -E "^(floor|router)" "$OUT/router.log"
+     for r in split xla; do
+       JAXLLM_MOE_ROUTER=$r XLA_PYTHON_CLIENT_MEM_FRACTION=${MEMF:-0.95} timeout -k 5 ${T_B:-135} \
+         python3 scripts/bench_moe.py decode --random-shape qwen3-30b-a3b --batch-size 1 --min-bucket 2 --input-len 2048 \
+         --num-iters 20 --profile-steps 2 --output-json "$OUT/moe_decode_b2_$r.json" > "$OUT/moe_decode_b2_$r.log" 2>&1
+       echo "rc=$? ($r router, bucket 2)"
+       grep -E "^decode|^  /device|^    |kernels a step" "$OUT/moe_decode_b2_$r.log" | cut -c1-600
+       grep -iE "router kernel" "$OUT/moe_decode_b2_$r.log" | head -3 | cut -c1-300
+     done ;;
   t) MOE_PARTS="4 5" T4=${T4:-270} T5=${T5:-270} bash scripts/gpu_moe.sh ;;
-  *) echo "usage: $0 p|t" >&2; exit 2 ;;
+  *) echo "usage: $0 p|c|t" >&2; exit 2 ;;
 esac

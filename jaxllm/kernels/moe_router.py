@@ -98,15 +98,21 @@ def _logits(h_ref, w_ref, ln_ref, hn_ref, rows, lo, steps: int, *, bk: int, Ep: 
     H columns) and the normed columns of that range stored to hn_ref."""
     T, H = h_ref.shape
     E = w_ref.shape[1]
+    bt = rows.shape[0]
     src = jnp.minimum(rows, T - 1)  # rows past T: clamped copies, their results not stored
     cols = jnp.arange(Ep, dtype=jnp.int32)
     if eps is not None:  # RMSNorm statistics of each row (float32, over all H columns)
+        sk = _chunk(H, bt, 4096)  # up to 4,096 values a load (one load for one or two rows)
+
         def sq(i, acc):
-            x = h_ref[src[:, None], (i * bk + jnp.arange(bk, dtype=jnp.int32))[None, :]]
+            x = h_ref[src[:, None], (i * sk + jnp.arange(sk, dtype=jnp.int32))[None, :]]
             x = x.astype(jnp.float32)
             return acc + jnp.sum(x * x, axis=1)
-        ss = jax.lax.fori_loop(0, H // bk, sq, jnp.zeros((BLOCK_T,), jnp.float32))
+        ss = jax.lax.fori_loop(0, H // sk, sq, jnp.zeros((bt,), jnp.float32))
         r = jax.lax.rsqrt(ss / H + eps)[:, None]
+    if bt < BLOCK_T:  # no tensor cores below 16 rows: products summed on the CUDA cores, in
+        sub = _chunk(bk, bt * Ep, 4096)  # steps of up to 4,096 products
+        steps, bk = steps * (bk // sub), sub
 
     def step(i, acc):
         kk = lo + i * bk + jnp.arange(bk, dtype=jnp.int32)
@@ -121,9 +127,26 @@ def _logits(h_ref, w_ref, ln_ref, hn_ref, rows, lo, steps: int, *, bk: int, Ep: 
         else:  # padding columns read as 0
             w = plt.load(w_ref.at[kk[:, None], jnp.minimum(cols, E - 1)[None, :]],
                          mask=(cols < E)[None, :], other=0)
+        if bt < BLOCK_T:
+            prod = x.astype(jnp.float32)[:, :, None] * w.astype(jnp.float32)[None, :, :]
+            return acc + jnp.sum(prod, axis=1)
         return acc + plt.dot(x, w).astype(jnp.float32)
 
-    return jax.lax.fori_loop(0, steps, step, jnp.zeros((BLOCK_T, Ep), jnp.float32))
+    return jax.lax.fori_loop(0, steps, step, jnp.zeros((bt, Ep), jnp.float32))
+
+
+def _chunk(n: int, per: int, most: int) -> int:
+    """The largest power of two c dividing n with c * per <= most (at least 1)."""
+    c = 1
+    while n % (2 * c) == 0 and 2 * c * per <= most:
+        c *= 2
+    return c
+
+
+def block_rows(T: int) -> int:
+    """Rows a program of the split kernels: 16 (the tensor cores' minimum M) above 8 tokens, else
+    T rounded up to a power of two (a decode step of one or two tokens reads no padding rows)."""
+    return BLOCK_T if T > 8 else 1 << (T - 1).bit_length()
 
 
 def _refs(refs, eps: float | None) -> tuple:
@@ -152,7 +175,8 @@ def _partial_kernel(h_ref, w_ref, *refs, bk: int, Ep: int, eps: float | None):
     ln_ref, part_ref, hn_ref = _refs(refs, eps)
     T, H = h_ref.shape
     S = part_ref.shape[0]
-    rows = pl.program_id(0) * BLOCK_T + jnp.arange(BLOCK_T, dtype=jnp.int32)
+    bt = block_rows(T)
+    rows = pl.program_id(0) * bt + jnp.arange(bt, dtype=jnp.int32)
     share = H // S
     s = pl.program_id(1)
     logits = _logits(h_ref, w_ref, ln_ref, hn_ref, rows, s * share, share // bk, bk=bk, Ep=Ep, eps=eps)
@@ -164,14 +188,19 @@ def _combine_kernel(valid_ref, part_ref, wt_ref, id_ref, *, E: int, top_k: int, 
                     norm: bool):
     """Program b: the S partial logits of rows block b summed, then the routing."""
     S, T, Ep = part_ref.shape
-    rows = pl.program_id(0) * BLOCK_T + jnp.arange(BLOCK_T, dtype=jnp.int32)
+    bt = block_rows(T)
+    rows = pl.program_id(0) * bt + jnp.arange(bt, dtype=jnp.int32)
     cols = jnp.arange(Ep, dtype=jnp.int32)
-    mask = (rows < T)[:, None]
+    mask = (rows < T)[None, :, None]
+    sc = _chunk(S, bt * Ep, 8192)  # partials a load: all 32 of one or two tokens at once
 
-    def add(s, acc):
-        return acc + plt.load(part_ref.at[s, rows[:, None], cols[None, :]], mask=mask, other=0.0)
+    def add(i, acc):
+        ss = i * sc + jnp.arange(sc, dtype=jnp.int32)
+        part = plt.load(part_ref.at[ss[:, None, None], rows[None, :, None], cols[None, None, :]],
+                        mask=mask, other=0.0)
+        return acc + jnp.sum(part, axis=0)
 
-    logits = jax.lax.fori_loop(0, S, add, jnp.zeros((BLOCK_T, Ep), jnp.float32))
+    logits = jax.lax.fori_loop(0, S // sc, add, jnp.zeros((bt, Ep), jnp.float32))
     _store_routing(logits, valid_ref, wt_ref, id_ref, rows, T, E, top_k=top_k, routing=routing, norm=norm)
 
 
@@ -260,13 +289,13 @@ def route_tokens(h: jax.Array, w: jax.Array, valid: jax.Array | None, top_k: int
         )(valid, h, w.astype(h.dtype), *extra)
     part, *hn = pl.pallas_call(
         functools.partial(_partial_kernel, bk=split_rows(H, E, splits), Ep=Ep, eps=eps),
-        grid=(pl.cdiv(T, BLOCK_T), splits),
+        grid=(pl.cdiv(T, block_rows(T)), splits),
         out_shape=(jax.ShapeDtypeStruct((splits, T, Ep), jnp.float32),) + normed,
         compiler_params=params, interpret=interpret, name="jaxllm_moe_router_split",
     )(h, w.astype(h.dtype), *extra)
     weights, ids = pl.pallas_call(
         functools.partial(_combine_kernel, E=E, **route),
-        grid=(pl.cdiv(T, BLOCK_T),), out_shape=routed, compiler_params=params,
+        grid=(pl.cdiv(T, block_rows(T)),), out_shape=routed, compiler_params=params,
         interpret=interpret, name="jaxllm_moe_router_combine",
     )(valid, part)
     return (weights, ids, *hn)
