@@ -33,3 +33,19 @@ def test_marginal_timing_checks_then_times_each_candidate():
     times = timing.time_checked(fns, (x,), 3, "matmul", marginal=(1, 5), tol=1e-4)
     assert set(times) == {"mm", "mm_t"}  # the wrong one is checked out before any timing
     assert all(np.isfinite(t) for t in times.values())
+
+
+def test_a_failing_candidate_is_logged_on_one_line(caplog):
+    """`catch`: a candidate that raises is left out, its error's first line logged (XLA's statuses
+    carry a multi-line source trace after it)."""
+    import logging
+
+    def boom(x):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Shared memory size limit exceeded\n=== Source Location Trace: ===\nx.cc:1")
+
+    with caplog.at_level(logging.INFO, logger="jaxllm"):
+        times = timing.time_checked({"ok": lambda x: x * 2, "boom": boom}, (jnp.ones(4),), reps=1,
+                                    what="test", catch=True)
+    assert set(times) == {"ok"}
+    line = next(r.getMessage() for r in caplog.records if "boom" in r.getMessage())
+    assert line.endswith("failed: RESOURCE_EXHAUSTED: Shared memory size limit exceeded")

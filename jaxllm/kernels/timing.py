@@ -112,5 +112,7 @@ def time_checked(fns: dict[str, Callable], args: tuple, reps: int, what: str, wh
         except Exception as e:  # noqa: BLE001 - only with `catch`: that candidate is never chosen
             if not catch:
                 raise
-            log.info("%s %s%s failed: %s", what, name, where, str(e)[:200])
+            # the message's first line (XLA appends a multi-line source trace to its statuses)
+            msg = (str(e).strip() or type(e).__name__).splitlines()[0][:200]
+            log.info("%s %s%s failed: %s", what, name, where, msg)
     return times
