@@ -403,10 +403,10 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, nargs="+", default=[1, 64])
     p.add_argument("--input-len", type=int, default=2048)
     p.add_argument("--num-iters", type=int, default=20)
-    p.add_argument("--min-bucket", type=int, default=1,
-                   help="decode: the smallest token bucket (1: a batch of 1 in a bucket of its own, as "
-                        "the engine's default buckets run MoE models on a GPU since session 35; 8: "
-                        "padded to 8 tokens, as before)")
+    p.add_argument("--min-bucket", type=int, default=2,
+                   help="decode: the smallest token bucket (2: a batch of 1 padded to two tokens, as "
+                        "the engine's default buckets run MoE models on a GPU since session 36; 1: a "
+                        "bucket of its own, session 35's default; 8: padded to 8 tokens, as before)")
     p.add_argument("--prefill-batch", type=int, default=8)
     p.add_argument("--prefill-len", type=int, default=2048)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,

@@ -62,9 +62,10 @@ def test_llm_and_server_pass_their_context(monkeypatch):
     assert seen == ["llm", "serve"]
 
 
-def test_moe_models_get_a_one_token_bucket_on_gpus():
-    """A batch of one runs in a bucket of its own for MoE models on a GPU (its routed rows take the
-    unsorted-row grouped matmul, no sort); dense models, CPUs and given buckets are unchanged."""
+def test_moe_models_get_a_two_token_bucket_on_gpus():
+    """A batch of one runs in a bucket of two for MoE models on a GPU (its routed rows take the
+    unsorted-row grouped matmul, no sort, and XLA compiles no one-row step); dense models, CPUs
+    and given buckets are unchanged."""
     import dataclasses
 
     from jaxllm.engine.startup import step_shapes
@@ -76,10 +77,12 @@ def test_moe_models_get_a_one_token_bucket_on_gpus():
     assert moe.moe is not None and dense.moe is None
     cfg = EngineConfig(max_num_seqs=64, max_num_batched_tokens=2048)
     s = step_shapes(cfg, moe, "gpu")
-    assert s.seq_buckets[:2] == (1, 8) and s.token_buckets[0] == 1
+    assert s.seq_buckets[:2] == (2, 8) and s.token_buckets[0] == 2
     for model, platform in ((moe, "cpu"), (dense, "gpu")):
         s = step_shapes(cfg, model, platform)
-        assert s.seq_buckets[0] == 8 and 1 not in s.token_buckets
+        assert s.seq_buckets[0] == 8 and 2 not in s.token_buckets
     given = step_shapes(dataclasses.replace(cfg, seq_buckets=(8, 64)), moe, "gpu")
     assert given.seq_buckets == (8, 64)
-    assert step_shapes(dataclasses.replace(cfg, max_num_seqs=1), moe, "gpu").seq_buckets == (1,)
+    assert step_shapes(dataclasses.replace(cfg, max_num_seqs=1), moe, "gpu").seq_buckets == (2,)
+    assert step_shapes(dataclasses.replace(cfg, max_num_seqs=2), moe, "gpu").seq_buckets == (2,)
+    assert step_shapes(dataclasses.replace(cfg, max_num_seqs=1), dense, "gpu").seq_buckets == (1,)

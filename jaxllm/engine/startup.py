@@ -59,12 +59,16 @@ def step_shapes(cfg: EngineConfig, model_cfg, platform: str) -> StepShapes:
     max_tokens = cfg.max_num_batched_tokens or default_max_num_batched_tokens(
         platform, cfg.usage_context, cfg.max_num_seqs)
     seq_buckets = cfg.seq_buckets or default_buckets(cfg.max_num_seqs, 8)
-    if cfg.seq_buckets is None and platform == "gpu" and model_cfg.moe is not None and seq_buckets[0] > 1:
-        # A batch of one in a bucket of its own, as vLLM captures a graph for it: its top_k routed
-        # rows take the unsorted-row grouped matmul, without the sort, scatters and gathers a
-        # padded bucket's rows need (Qwen3-30B-A3B on an H100: 4.82 ms a step against 5.19 ms in
-        # the bucket of 8, 1,120 kernels against 1,552; docs/benchmarks.md, session 35).
-        seq_buckets = (1, *seq_buckets)
+    if cfg.seq_buckets is None and platform == "gpu" and model_cfg.moe is not None and seq_buckets[0] != 2:
+        # A batch of one in a small bucket of its own, as vLLM captures a graph for it: its top_k
+        # routed rows take the unsorted-row grouped matmul, without the sort, scatters and gathers
+        # a padded bucket's rows need (Qwen3-30B-A3B on an H100: 4.82 ms a step in a bucket of
+        # one against 5.19 ms in the bucket of 8; session 35). Two tokens rather than one: XLA
+        # compiles a one-row step into more kernels (each RMSNorm a reduce and a scale, each
+        # small one-row product padded to two rows, the K/V write a slice and an update), and
+        # the padding row costs no expert reads (the direct kernel skips its id E): 4.77 ms and
+        # 977 kernels against 5.46 ms and 1,451 on one H100 (docs/benchmarks.md, session 36).
+        seq_buckets = (2, *[b for b in seq_buckets if b > 2])
     spec_cfg = cfg.speculative_config
     if spec_cfg is not None:  # a logits row per draft position (jaxllm/spec/decoder.py)
         from jaxllm.spec.decoder import row_buckets
