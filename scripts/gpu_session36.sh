@@ -14,7 +14,13 @@
 #     statistics in one load, the 32 partials in one load: `p`'s split kernels took 11.4 and
 #     10.5 us a layer) and with XLA's router.
 #   t (~9 min): MOE_PARTS="4 5" scripts/gpu_moe.sh: offline throughput 512 x (512 -> 256) against
-#     HF transformers (grouped_mm experts) in its own process (target >= 3x), never run yet.
+#     HF transformers (grouped_mm experts) in its own process (target >= 3x). On session 36's H100
+#     both parts ran out of their 270 s: HF (torch.compile, batches of 96) printed no figure; the
+#     engine was ready after ~3.5 min (weights drawn, three expert stacks split through host
+#     memory, the grouped-matmul warm-up) and was 72 s into the 512 requests. So one part a call:
+#   t5 (~9 min): the engine's offline throughput alone (T5=560), no peer ratio;
+#   t4 (~9 min): the HF peer alone (T4=560) into $OUT/moe_tput_hf.json; `bench_throughput.py
+#     --hf-result` reads it back for the ratio (or compare the two JSONs by hand).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
@@ -42,5 +48,7 @@ case "${1:-}" in
        grep -iE "router kernel" "$OUT/moe_decode_b2_$r.log" | head -3 | cut -c1-300
      done ;;
   t) MOE_PARTS="4 5" T4=${T4:-270} T5=${T5:-270} bash scripts/gpu_moe.sh ;;
-  *) echo "usage: $0 p|c|t" >&2; exit 2 ;;
+  t5) MOE_PARTS="5" T5=${T5:-560} bash scripts/gpu_moe.sh ;;
+  t4) MOE_PARTS="4" T4=${T4:-560} bash scripts/gpu_moe.sh ;;
+  *) echo "usage: $0 p|c|t|t5|t4" >&2; exit 2 ;;
 esac
