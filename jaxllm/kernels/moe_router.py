@@ -93,7 +93,7 @@ def _softmax(x: jax.Array) -> jax.Array:
 
 def _logits(h_ref, w_ref, ln_ref, hn_ref, rows, lo, steps: int, *, bk: int, Ep: int,
             eps: float | None) -> jax.Array:
-    """Float32 logits [BLOCK_T, Ep] of `rows` over the weight rows lo .. lo + steps * bk (all of
+    """Float32 logits [len(rows), Ep] of `rows` over the weight rows lo .. lo + steps * bk (all of
     H, or one split's share); with `eps` the rows are RMS-normalised first (statistics over all
     H columns) and the normed columns of that range stored to hn_ref."""
     T, H = h_ref.shape
@@ -110,8 +110,8 @@ def _logits(h_ref, w_ref, ln_ref, hn_ref, rows, lo, steps: int, *, bk: int, Ep: 
             return acc + jnp.sum(x * x, axis=1)
         ss = jax.lax.fori_loop(0, H // sk, sq, jnp.zeros((bt,), jnp.float32))
         r = jax.lax.rsqrt(ss / H + eps)[:, None]
-    if bt < BLOCK_T:  # no tensor cores below 16 rows: products summed on the CUDA cores, in
-        sub = _chunk(bk, bt * Ep, 4096)  # steps of up to 4,096 products
+    if bt < BLOCK_T:  # below 16 rows no tensor cores: products summed on the CUDA cores,
+        sub = _chunk(bk, bt * Ep, 4096)  # up to 4,096 products a step
         steps, bk = steps * (bk // sub), sub
 
     def step(i, acc):
