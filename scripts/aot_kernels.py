@@ -145,7 +145,7 @@ def compile_step(args, topo) -> dict:
             chooser.choice[M] = args.gmm
         hooks["experts_fn"] = functools.partial(experts, gmm=chooser)
         from jaxllm.kernels import moe_router
-        if moe_router.enabled():  # as the engine's runner (JAXLLM_MOE_ROUTER=kernel or split)
+        if moe_router.enabled():  # as the engine's runner (JAXLLM_MOE_ROUTER: split unless set)
             hooks["router_fn"] = moe_router.route_small
     from jaxllm.kernels import rope_write
     if rope_write.enabled():  # as the engine's runner on one GPU (JAXLLM_ROPE_WRITE=kernel)

@@ -198,7 +198,8 @@ def test_model_with_the_kernel_keeps_greedy_ids(monkeypatch, direct, router):
     16 rows take the unsorted-rows path (`DirectGmm`), larger ones the sorted one; `router`:
     steps of up to 64 tokens routed by kernels/moe_router.py (padding tokens given id E, so the
     experts get no `valid`: the direct kernel and the sorted path skip those ids themselves);
-    "split": its weight read by two programs of 32 rows each, a second launch routing."""
+    "split": steps of up to 2 tokens, the weight read by two programs of 32 rows each and a
+    second launch routing; larger steps XLA's router."""
     import functools
 
     from hf_tiny import hf_greedy, make, make_llm, random_prompts
@@ -241,15 +242,20 @@ def test_model_with_the_kernel_keeps_greedy_ids(monkeypatch, direct, router):
         self, *a, **{**kw, "experts_fn": functools.partial(moe.experts, gmm=Kernel()),
                      **({"router_fn": route_small} if router else {})}))
     model, cfg, sd = make("qwen3_moe")
-    llm = make_llm((cfg, sd), token_buckets=(8, 64) if direct else (64,), max_model_len=128)
+    buckets = dict(token_buckets=(8, 64) if direct else (64,))
+    if router == "split":  # steps of up to SPLIT_TOKENS (2) tokens: a bucket of 2 for one request
+        buckets = dict(token_buckets=(2, 8, 64), seq_buckets=(2, 8))
+    llm = make_llm((cfg, sd), max_model_len=128, **buckets)
     prompts = random_prompts(2, cfg["vocab_size"], 3, 70, seed=4)
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for p, o in zip(prompts, llm.generate(prompts, greedy, use_tqdm=False)):
         assert o.outputs[0].token_ids == hf_greedy(model, p, 6)
     assert traced  # the step was traced through the kernel
     assert any(t[0] == "direct" for t in traced) == direct
-    if router:  # the 8-token bucket through the kernel, the 64-token one too (<= MAX_TOKENS)
+    if router == "kernel":  # the 8-token bucket through the kernel, the 64-token one too (<= MAX_TOKENS)
         assert (8, True) in routed and (64, True) in routed
+    if router == "split":  # the 2-token bucket through the split kernels, larger ones XLA's router
+        assert (2, True) in routed and (8, False) in routed and (64, False) in routed
 
 
 def test_chooser_offers_decode_kernels_per_row_count(monkeypatch):

@@ -29,6 +29,7 @@ def _route(h, w, valid, k, routing, norm, splits=1):
     (8, 256, 128, 8, "softmax", True, 1),  # Qwen3-MoE's routing at a batch-1 decode bucket
     (8, 256, 128, 8, "softmax", True, 4),  # the same, H cut into 4 shares of 64 rows
     (1, 256, 128, 8, "softmax", True, 16),  # one token, shares of 16 rows
+    (2, 256, 128, 8, "softmax", True, 8),  # two tokens (the second padding), no 16-row tiles
     (20, 128, 64, 4, "softmax", False, 1),  # two programs, the second partial; Qwen2-MoE's
     (20, 128, 64, 4, "softmax", False, 2),  # two row blocks x two shares
     (5, 128, 8, 2, "softmax_topk", False, 1),  # Mixtral's: 8 experts padded to 16 columns
@@ -67,9 +68,10 @@ def test_ties_pick_the_lower_expert(routing):
     assert list(np.asarray(ids)[0, :3]) == [3, 9, 12]
 
 
-def test_where_the_kernel_declines():
+def test_where_the_kernel_declines(monkeypatch):
     """`fits` / `route_small`: more than MAX_TOKENS tokens, a top-k that is no power of two, an
-    unknown routing, more than 256 experts, a weight of another dtype (or a quantized one)."""
+    unknown routing, more than 256 experts, a weight of another dtype (or a quantized one); the
+    split form (the default) above SPLIT_TOKENS tokens."""
     h, w = _case(8, 64, 16, seed=1)
     assert moe_router.fits(8, 64, 16, 4, "softmax")
     assert not moe_router.fits(moe_router.MAX_TOKENS + 1, 64, 16, 4, "softmax")
@@ -81,6 +83,11 @@ def test_where_the_kernel_declines():
     assert moe_router.route_small(h, w.astype(jnp.bfloat16), valid, 4, "softmax", True, ln, 1e-6) is None
     assert moe_router.route_small(h, {"values": w}, valid, 4, "softmax", True, ln, 1e-6) is None
     assert moe_router.route_small(h, w, valid, 6, "softmax", True, ln, 1e-6) is None
+    monkeypatch.delenv("JAXLLM_MOE_ROUTER", raising=False)
+    assert moe_router.route_small(h, w, valid, 4, "softmax", True, ln, 1e-6) is None  # 8 > 2 tokens
+    got = moe_router.route_small(h[:2], w, valid[:2], 4, "softmax", True, ln, 1e-6)
+    assert got is not None and got[1].shape == (2, 4) and got[2].shape == (2, 64)
+    monkeypatch.setenv("JAXLLM_MOE_ROUTER", "kernel")  # the one-program kernel: up to MAX_TOKENS
     got = moe_router.route_small(h, w, valid, 4, "softmax", True, ln, 1e-6)
     assert got is not None and got[1].shape == (8, 4) and got[2].shape == (8, 64)
     with pytest.raises(ValueError, match="top_k=6"):
@@ -126,7 +133,7 @@ def test_rms_norm_before_the_router(dtype, splits):
 
 def test_switch(monkeypatch):
     monkeypatch.delenv("JAXLLM_MOE_ROUTER", raising=False)
-    assert not moe_router.enabled()  # XLA's router unless asked (slower alone on an H100)
+    assert moe_router.mode() == "split"  # the split kernels unless asked (XLA's time, fewer kernels)
     monkeypatch.setenv("JAXLLM_MOE_ROUTER", "kernel")
     assert moe_router.enabled()
     monkeypatch.setenv("JAXLLM_MOE_ROUTER", "split")

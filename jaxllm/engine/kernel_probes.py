@@ -31,15 +31,18 @@ def router_ok(cfg: ModelConfig, dtype) -> bool:
     from jaxllm.models.llama import rms_norm
 
     m, H = cfg.moe, cfg.hidden_size
-    if not moe_router.fits(TOKENS, H, m.num_experts, m.top_k, m.routing):
+    split = moe_router.mode() == "split"
+    # the split form runs steps of up to SPLIT_TOKENS: a full block and a padding token there
+    tokens, real = (moe_router.SPLIT_TOKENS, 1) if split else (TOKENS, REAL)
+    if not moe_router.fits(tokens, H, m.num_experts, m.top_k, m.routing):
         return True  # never taken: nothing to check
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((TOKENS, H)), dtype)
+    x = jnp.asarray(rng.standard_normal((tokens, H)), dtype)
     w = jnp.asarray(rng.standard_normal((H, m.num_experts)) / np.sqrt(H), dtype)
     ln = jnp.asarray(rng.standard_normal(H) * 0.1 + 1, dtype)
-    valid = jnp.arange(TOKENS) < REAL
+    valid = jnp.arange(tokens) < real
     try:
-        splits = moe_router.default_splits(H, m.num_experts) if moe_router.mode() == "split" else 1
+        splits = moe_router.default_splits(H, m.num_experts) if split else 1
         wts, ids, h = jax.jit(lambda x, w, ln, v: moe_router.route_tokens(
             x, w, v, m.top_k, m.routing, m.norm_topk_prob, rms_norm=(ln, cfg.rms_norm_eps),
             splits=splits))(x, w, ln, valid)

@@ -42,6 +42,7 @@ from jax.experimental.pallas import triton as plt
 
 BLOCK_T = 16  # tokens a program (the tensor cores' minimum M)
 MAX_TOKENS = 64  # larger batches keep XLA's router (a split-K GEMM spreads the weight over SMs)
+SPLIT_TOKENS = 2  # the split kernels by default: steps of up to 2 tokens (measured there, session 36)
 ROUTINGS = ("softmax", "softmax_topk")
 
 
@@ -144,9 +145,9 @@ def _chunk(n: int, per: int, most: int) -> int:
 
 
 def block_rows(T: int) -> int:
-    """Rows a program of the split kernels: 16 (the tensor cores' minimum M) above 8 tokens, else
-    T rounded up to a power of two (a decode step of one or two tokens reads no padding rows)."""
-    return BLOCK_T if T > 8 else 1 << (T - 1).bit_length()
+    """Rows a program of the split kernels: one or two tokens as they are (no padding rows, the
+    products on the CUDA cores), else 16 (the tensor cores' minimum M)."""
+    return BLOCK_T if T > 2 else T
 
 
 def _refs(refs, eps: float | None) -> tuple:
@@ -305,13 +306,16 @@ MODES = ("split", "kernel", "xla")
 
 
 def mode() -> str:
-    """JAXLLM_MOE_ROUTER: "split" routes decode-sized steps on one GPU here with H cut over
-    `default_splits` programs and a second launch that routes; "kernel" with one program per 16
-    tokens; "xla" (default) keeps XLA's router throughout: on an H100 (session 34,
-    `check_moe_kernels.py`) the one-program kernel took 10-31 us more than XLA's router a call,
-    which its saved launches do not repay."""
+    """JAXLLM_MOE_ROUTER: "split" (default) routes decode-sized steps on one GPU here with H cut
+    over `default_splits` programs and a second launch that routes; "kernel" with one program per
+    16 tokens; "xla" keeps XLA's router throughout. On an H100 (session 36) the split kernels
+    time as XLA's router alone (17.7 against 17.6-18.4 us a call) and the batch-1 step the same
+    (4.76 against 4.77 ms, GPU-bound) with 193 fewer kernels (784), which counts where a step is
+    bound by its launches (session 26's H200); the one-program kernel took 10-31 us more than
+    XLA's router a call (session 34). The start-up probe falls back to XLA's router where the
+    kernel disagrees with it or fails (`engine/kernel_probes.py`)."""
     from jaxllm.envs import env_choice
-    return env_choice("JAXLLM_MOE_ROUTER", "xla", MODES)
+    return env_choice("JAXLLM_MOE_ROUTER", "split", MODES)  # "split": steps of <= SPLIT_TOKENS
 
 
 def enabled() -> bool:
@@ -327,7 +331,11 @@ def route_small(x: jax.Array, w, valid: jax.Array, top_k: int, routing: str,
     if not (isinstance(w, jax.Array) and w.dtype == x.dtype and w.ndim == 2
             and isinstance(ln, jax.Array) and fits(T, H, w.shape[1], top_k, routing)):
         return None
-    splits = default_splits(H, w.shape[1]) if mode() == "split" else 1
+    splits = 1
+    if mode() == "split":
+        if T > SPLIT_TOKENS:  # larger steps: XLA's router (the split form unmeasured there)
+            return None
+        splits = default_splits(H, w.shape[1])
     return route_tokens(x, w, valid, top_k, routing, norm_topk_prob, rms_norm=(ln, eps),
                         splits=splits)
 
