@@ -49,3 +49,37 @@ def test_a_failing_candidate_is_logged_on_one_line(caplog):
     assert set(times) == {"ok"}
     line = next(r.getMessage() for r in caplog.records if "boom" in r.getMessage())
     assert line.endswith("failed: RESOURCE_EXHAUSTED: Shared memory size limit exceeded")
+
+
+def test_candidates_compile_in_parallel_threads(monkeypatch):
+    """`compile_all`: every candidate lowered in turn and compiled on a pool of threads (the
+    warm-up's compiles side by side), each name to its executable or to what its lowering or
+    compile raised, in the order given."""
+    import threading
+
+    compiled_on = []
+    real = jax.stages.Lowered.compile
+
+    def compile_(self, *a, **kw):
+        compiled_on.append(threading.current_thread().name)
+        return real(self, *a, **kw)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_)
+
+    def make(k):
+        def fn(x):
+            if k == 2:
+                raise ValueError("no such tiling")
+            return x * k
+        return jax.jit(fn)
+
+    x = jnp.arange(4.0)
+    monkeypatch.setattr(timing, "compile_threads", lambda: 4)
+    out = timing.compile_all({f"c{k}": make(k) for k in range(4)}, (x,))
+    assert list(out) == ["c0", "c1", "c2", "c3"] and isinstance(out["c2"], ValueError)
+    for k in (0, 1, 3):
+        np.testing.assert_allclose(out[f"c{k}"](x), x * k)
+    assert len(compiled_on) == 3 and all(n.startswith("jaxllm-compile") for n in compiled_on)
+    monkeypatch.setattr(timing, "compile_threads", lambda: 1)  # one at a time: in this thread
+    compiled_on.clear()
+    timing.compile_all({"a": make(1), "b": make(3)}, (x,))
+    assert compiled_on == [threading.current_thread().name] * 2

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import jax
@@ -61,6 +63,41 @@ def loop_floor(x: jax.Array, reps: int = 5, chain: int = 20, unroll: int = 1) ->
                         chain=chain, unroll=unroll)["floor"]
 
 
+def compile_threads() -> int:
+    """Compiles at once: half the host's cores, at most 8 (as `engine/compile.py`)."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def compile_all(jitted: dict[str, Callable], args: tuple, compiler_options: dict | None = None
+                ) -> dict[str, Callable | Exception]:
+    """Each jitted fn lowered for `args` in turn (tracing holds the GIL) and compiled on a thread
+    pool (XLA's compiles do not): name -> its executable, or the exception its lowering or
+    compile raised. A warm-up's candidates (about 20 MoE grouped-matmul implementations at each
+    row count, most of them Mosaic or Triton kernels) then compile side by side rather than one
+    after another, and are timed one at a time."""
+    out: dict[str, Callable | Exception] = {}
+    lowered = {}
+    for name, fn in jitted.items():
+        try:
+            lowered[name] = fn.lower(*args)
+        except Exception as e:  # noqa: BLE001 - reported where that candidate is checked
+            out[name] = e
+
+    def build(low):
+        try:
+            return low.compile(*([compiler_options] if compiler_options else []))
+        except Exception as e:  # noqa: BLE001 - as above
+            return e
+    workers = min(len(lowered), compile_threads())
+    if workers <= 1:
+        out.update({name: build(low) for name, low in lowered.items()})
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="jaxllm-compile") as pool:
+            futures = {name: pool.submit(build, low) for name, low in lowered.items()}
+            out.update({name: f.result() for name, f in futures.items()})
+    return {name: out[name] for name in jitted}
+
+
 def time_checked(fns: dict[str, Callable], args: tuple, reps: int, what: str, where: str = "",
                  tol: float = 2e-2, catch: bool = False, ref=None, chain: int = 0,
                  compiler_options: dict | None = None, unroll: int = 1,
@@ -76,17 +113,21 @@ def time_checked(fns: dict[str, Callable], args: tuple, reps: int, what: str, wh
     the check runs one call). `compiler_options`: XLA's, for every fn's compile (e.g. no GEMM
     autotuning)."""
     first = None if ref is None else np.asarray(ref, np.float32)
+    # chained / counted: one program, checked on its (last) call's output, then timed
+    if marginal:
+        lead, per, wrap = (marginal[0],), 1, counted
+    elif chain:
+        lead, per, wrap = (), chain, lambda fn: chained(fn, chain, unroll)
+    else:
+        lead, per, wrap = (), 1, lambda fn: fn
+    compiled = compile_all({name: jax.jit(wrap(fn)) for name, fn in fns.items()}, (*lead, *args),
+                           compiler_options)
     times = {}
-    for name, fn in fns.items():
+    for name in fns:
         try:
-            # chained / counted: one program, checked on its (last) call's output, then timed
-            if marginal:
-                timed, lead, per = jax.jit(counted(fn)), (marginal[0],), 1
-            else:
-                timed, lead, per = (jax.jit(chained(fn, chain, unroll)), (), chain) if chain else \
-                    (jax.jit(fn), (), 1)
-            if compiler_options:
-                timed = timed.lower(*lead, *args).compile(compiler_options)
+            timed = compiled[name]
+            if isinstance(timed, Exception):
+                raise timed
             out = timed(*lead, *args)
             out = np.asarray(jax.block_until_ready(out[1] if marginal or chain else out), np.float32)
             if first is None:
