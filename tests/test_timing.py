@@ -83,3 +83,24 @@ def test_candidates_compile_in_parallel_threads(monkeypatch):
     compiled_on.clear()
     timing.compile_all({"a": make(1), "b": make(3)}, (x,))
     assert compiled_on == [threading.current_thread().name] * 2
+
+
+def test_a_compile_that_fails_beside_others_is_tried_again_alone(monkeypatch):
+    import threading
+
+    real = jax.stages.Lowered.compile
+    tries = []
+
+    def compile_(self, *a, **kw):  # fails on a pool thread, as a compile short of memory might
+        on_pool = threading.current_thread().name.startswith("jaxllm-compile")
+        tries.append(on_pool)
+        if on_pool and len(tries) == 1:
+            raise RuntimeError("RESOURCE_EXHAUSTED: out of memory while autotuning")
+        return real(self, *a, **kw)
+    monkeypatch.setattr(jax.stages.Lowered, "compile", compile_)
+    monkeypatch.setattr(timing, "compile_threads", lambda: 2)
+    x = jnp.arange(4.0)
+    out = timing.compile_all({"a": jax.jit(lambda x: x + 1), "b": jax.jit(lambda x: x * 2)}, (x,))
+    np.testing.assert_allclose(out["a"](x), x + 1)
+    np.testing.assert_allclose(out["b"](x), x * 2)
+    assert tries.count(True) == 2 and tries.count(False) == 1  # the failed one again, alone

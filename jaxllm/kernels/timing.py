@@ -74,7 +74,8 @@ def compile_all(jitted: dict[str, Callable], args: tuple, compiler_options: dict
     pool (XLA's compiles do not): name -> its executable, or the exception its lowering or
     compile raised. A warm-up's candidates (about 20 MoE grouped-matmul implementations at each
     row count, most of them Mosaic or Triton kernels) then compile side by side rather than one
-    after another, and are timed one at a time."""
+    after another, and are timed one at a time. A compile that fails on the pool is tried again
+    alone (one that cannot compile at all is thus tried twice)."""
     out: dict[str, Callable | Exception] = {}
     lowered = {}
     for name, fn in jitted.items():
@@ -95,6 +96,9 @@ def compile_all(jitted: dict[str, Callable], args: tuple, compiler_options: dict
         with ThreadPoolExecutor(workers, thread_name_prefix="jaxllm-compile") as pool:
             futures = {name: pool.submit(build, low) for name, low in lowered.items()}
             out.update({name: f.result() for name, f in futures.items()})
+        for name, low in lowered.items():  # a compile that failed beside others (device memory
+            if isinstance(out[name], Exception):  # for autotuning, say) is tried again alone
+                out[name] = build(low)
     return {name: out[name] for name in jitted}
 
 
