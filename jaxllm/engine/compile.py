@@ -20,14 +20,11 @@ from typing import Any, Callable
 
 import jax
 
+from jaxllm.kernels.timing import compile_threads
+
 log = logging.getLogger("jaxllm")
 
 Pair = tuple[int, int]  # (token bucket, request bucket)
-
-
-def compile_threads() -> int:
-    """Compiles at once: half the host's cores, at most 8 (each compile is multi-threaded too)."""
-    return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
 def cache_dir() -> str:

@@ -64,7 +64,8 @@ def loop_floor(x: jax.Array, reps: int = 5, chain: int = 20, unroll: int = 1) ->
 
 
 def compile_threads() -> int:
-    """Compiles at once: half the host's cores, at most 8 (as `engine/compile.py`)."""
+    """Compiles at once: half the host's cores, at most 8 (each compile is multi-threaded too);
+    the step's buckets (`engine/compile.py`) and the warm-up's candidates alike."""
     return max(1, min(8, (os.cpu_count() or 2) // 2))
 
 
