@@ -170,11 +170,14 @@ def run_hf(args, prompts):
                 cache = f"dynamic (static failed: {type(e).__name__}: {str(e)[:200]})"
             torch.cuda.synchronize()
             warm_s = time.perf_counter() - t0
+            print(f"hf warm-up (compile + one chunk of {len(chunks[0])}): {warm_s:.1f} s", flush=True)
         t0 = time.perf_counter()
-        for chunk in chunks:
+        for i, chunk in enumerate(chunks):
             out = model.generate(chunk, attention_mask=torch.ones_like(chunk), **kw)
-        if device == "cuda":
-            torch.cuda.synchronize()
+            if device == "cuda":  # progress, so that a run cut off by a time limit still tells its rate
+                torch.cuda.synchronize()
+                print(f"hf chunk {i + 1}/{len(chunks)} ({len(chunk)} prompts): {time.perf_counter() - t0:.1f} s",
+                      flush=True)
     dt = time.perf_counter() - t0
     n_out = len(prompts) * args.output_len
     assert out.shape[1] == args.input_len + args.output_len

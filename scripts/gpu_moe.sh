@@ -48,10 +48,11 @@ else
   SHAPE=${SHAPE:-qwen3-30b-a3b}; TOKENS="1 64 8192"; CTX=2048; ITERS=20; PB=8; PL=2048; NP=512; IN=512; ON=256
   # An 80 GB card (H100) holds the 61 GB of weights with little beside them: JAX takes 95% of it
   # (its 75% default is less than the weights; session 21 ran out of memory at 90%), and HF's
-  # batches of 256 ran out of memory (4 GiB more at 76 GiB in use): 96 there.
+  # batches of 256 ran out of memory (4 GiB more at 76 GiB in use): 128 there (512 prompts in four
+  # equal chunks: a last short chunk would recompile the static-cache generate).
   GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
   if [ "${GPU_MIB:-0}" -gt 0 ] && [ "${GPU_MIB}" -lt 100000 ]; then SMALL=1; else SMALL=""; fi
-  HFB=${HFB:-$([ -n "$SMALL" ] && echo 96 || echo 256)}
+  HFB=${HFB:-$([ -n "$SMALL" ] && echo 128 || echo 256)}
   export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-$([ -n "$SMALL" ] && echo 0.95 || echo 0.9)}
   # On an 80 GB card the pool at 0.9 of its memory held 3.16 GiB beside the weights (45 requests
   # of 768 tokens at once; session 36): 0.95 there, as JAX's own fraction above.
@@ -91,7 +92,7 @@ decode() {  # decode() SHAPE NAME LIMIT: the decode step at batch 1 and 64, prof
   echo "== 4. offline throughput $NP x ($IN -> $ON): HF transformers peer (own process, experts grouped_mm)"
   timeout -k 10 ${T4:-240} $PY scripts/bench_throughput.py $WORK --hf-only --hf-batch $HFB --hf-experts grouped_mm \
     --output-json "$OUT/moe_tput_hf.json" > "$OUT/moe_tput_hf.log" 2>&1 || echo "hf peer: failed or timed out ($?)"
-  grep -E "^HF experts|^hf-transformers" "$OUT/moe_tput_hf.log"
+  grep -E "^HF experts|^hf-transformers|^hf (warm-up|chunk)" "$OUT/moe_tput_hf.log"
   fi
   if part 5; then
   echo "== 5. offline throughput $NP x ($IN -> $ON): jaxllm, ratio to the peer's file"
