@@ -8,7 +8,8 @@ each checked against the XLA path it replaces, then both timed as chained loops
   and masking;
 - rope_write: `rope_write.rope_write` (head norms, RoPE, K/V write) vs XLA's;
 - direct grouped matmul (`moe_gmm.direct_swiglu`, gate/up + down of 8 tokens x top-8) with one
-  CTA an item vs persistent CTAs (`ctas`), with 1 and with 8 real tokens.
+  CTA an item vs persistent CTAs (`ctas`) vs each slot's one row on the CUDA cores (`row_*`, and
+  down alone that way: `+down_row_*`), with 1 and with 8 real tokens.
 
     python3 scripts/check_moe_kernels.py [--json out.json] [--tokens 8] [--cases router rope_write gmm]
 
@@ -91,11 +92,17 @@ def gmm_case(rng, real: int) -> tuple[dict, tuple]:
     ids[real:] = E  # padding tokens, as the router kernel gives them
     groups = jnp.asarray(ids.reshape(-1), jnp.int32)
     live = (groups < E)[:, None]
-    plain = next(t for t in moe_gmm.TILINGS if t.block_n == 128 and t.k_splits == 4 and not t.ctas)
+    plain = next(t for t in moe_gmm.TILINGS if t.block_m == 16 and t.block_n == 128 and t.k_splits == 4
+                 and not t.ctas)
+    rows = [t for t in moe_gmm.TILINGS if t.block_m == 1]  # a slot's one row on the CUDA cores
+    row1 = next(t for t in rows if t.k_splits == 1)
     fns = {}
-    for t in (plain, next(t for t in moe_gmm.TILINGS if t.ctas)):
-        fns[t.name] = lambda x, wg, wu, wd, g, t=t: flat(jnp.where(
-            live, moe_gmm.direct_swiglu(x, wg, wu, wd, g, t, interpret=INTERPRET), 0))
+    # (gate/up tiling, down tiling or None: the same)
+    for t, d in ((plain, None), (next(t for t in moe_gmm.TILINGS if t.ctas), None), *((r, None) for r in rows),
+                 (plain, row1), (rows[0], row1)):
+        name = t.name + (f"+down_{d.name}" if d else "")
+        fns[name] = lambda x, wg, wu, wd, g, t=t, d=d: flat(jnp.where(
+            live, moe_gmm.direct_swiglu(x, wg, wu, wd, g, t, interpret=INTERPRET, down_tiling=d), 0))
     return fns, (x, wg, wu, wd, groups)
 
 

@@ -118,15 +118,16 @@ def test_expert_block_with_the_kernel_matches_the_reference():
 def test_chooser_offers_the_kernel_on_gpu_only():
     assert not any(n.startswith("decode_") for n in gmm_impls.candidates(8, 128, 2048, 768, "cpu"))
     gpu = gmm_impls.candidates(8, 128, 2048, 768, "gpu")
-    assert {t.name for t in moe_gmm.TILINGS if not t.ctas} <= set(gpu)
-    assert {"direct_" + t.name for t in moe_gmm.TILINGS} <= set(gpu)  # persistent ones: direct only
-    assert not any(t.ctas and t.name in gpu for t in moe_gmm.TILINGS)
+    assert {t.name for t in moe_gmm.TILINGS if not t.ctas and t.block_m > 1} <= set(gpu)
+    # persistent ones and one-row slots: direct only
+    assert {"direct_" + t.name for t in moe_gmm.TILINGS} <= set(gpu)
+    assert not any((t.ctas or t.block_m == 1) and t.name in gpu for t in moe_gmm.TILINGS)
     big = gmm_impls.candidates(8192, 128, 2048, 768, "gpu")
     assert not any(n.startswith("decode_") for n in big)
     assert {t.name for t in moe_gmm.PREFILL_TILINGS} <= set(big)  # prefill-sized: the row-block tilings
     assert not any(n.startswith("tiles") for n in gpu)
     engine = gmm_impls.candidates(8, 128, 2048, 768, "gpu", engine=True)  # warm-up's subset
-    assert {n.removeprefix("direct_") for n in engine if n.startswith(("decode_", "mosaic_", "direct_"))} \
+    assert {n.removeprefix("direct_") for n in engine if n.startswith(("decode_", "mosaic_", "direct_", "row_"))} \
         == set(gmm_impls.ENGINE_DECODE_TILINGS)
 
 
@@ -175,11 +176,13 @@ def test_chooser_skips_ragged_dot_at_prefill_sizes(monkeypatch):
     assert timed and all(m == 16 for m in timed)  # traced only for the 16-row bucket
 
 
-@pytest.mark.parametrize("tiling", [t for t in moe_gmm.TILINGS if not t.ctas] + list(moe_gmm.PREFILL_TILINGS),
+@pytest.mark.parametrize("tiling", [t for t in moe_gmm.TILINGS if not t.ctas and t.block_m > 1]
+                         + list(moe_gmm.PREFILL_TILINGS),
                          ids=lambda t: t.name)
 def test_kernel_lowers_to_triton(tiling):
     """The GPU path: every shipped tiling of the sorted path lowers through Pallas' Triton
-    backend (on this CPU); persistent ones are the direct path's (`test_direct_kernel_lowers_to_triton`)."""
+    backend (on this CPU); persistent ones and one-row slots are the direct path's
+    (`test_direct_kernel_lowers_to_triton`)."""
     f = jax.jit(lambda x, w, s: moe_gmm.grouped_matmul(x, w, s, tiling, interpret=False))
     args = (jax.ShapeDtypeStruct((8 if tiling.block_m == 16 else 8192, 2048), jnp.bfloat16), jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16),
             jax.ShapeDtypeStruct((128,), jnp.int32))
@@ -190,8 +193,9 @@ def test_kernel_lowers_to_triton(tiling):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("direct,router", [(False, None), (True, None), (True, "kernel"), (True, "split")],
-                         ids=["sorted", "direct_decode", "direct_router", "direct_router_split"])
+@pytest.mark.parametrize("direct,router", [(False, None), (True, None), ("row", None), (True, "kernel"),
+                                           (True, "split")],
+                         ids=["sorted", "direct_decode", "direct_row", "direct_router", "direct_router_split"])
 def test_model_with_the_kernel_keeps_greedy_ids(monkeypatch, direct, router):
     """The whole engine (layer scan, padding tokens, prefill and decode rows) with the kernel's
     gate/up pair and down as the expert matmuls gives HF's greedy ids; `direct`: steps of up to
@@ -199,7 +203,8 @@ def test_model_with_the_kernel_keeps_greedy_ids(monkeypatch, direct, router):
     steps of up to 64 tokens routed by kernels/moe_router.py (padding tokens given id E, so the
     experts get no `valid`: the direct kernel and the sorted path skip those ids themselves);
     "split": steps of up to 2 tokens, the weight read by two programs of 32 rows each and a
-    second launch routing; larger steps XLA's router."""
+    second launch routing; larger steps XLA's router. "row": the direct path with each slot's one
+    row on the CUDA cores (`Tiling(block_m=1)`)."""
     import functools
 
     from hf_tiny import hf_greedy, make, make_llm, random_prompts
@@ -225,7 +230,8 @@ def test_model_with_the_kernel_keeps_greedy_ids(monkeypatch, direct, router):
             if not direct or rows > 16:
                 return None
             traced.append(("direct", rows))
-            return gmm_impls.DirectGmm(tiling, interpret=True).direct_mlp(rows)
+            t = moe_gmm.Tiling(block_m=1, block_n=32, block_k=16, k_splits=2) if direct == "row" else tiling
+            return gmm_impls.DirectGmm(t, interpret=True).direct_mlp(rows)
 
     routed = []
     if router:
@@ -251,7 +257,7 @@ def test_model_with_the_kernel_keeps_greedy_ids(monkeypatch, direct, router):
     for p, o in zip(prompts, llm.generate(prompts, greedy, use_tqdm=False)):
         assert o.outputs[0].token_ids == hf_greedy(model, p, 6)
     assert traced  # the step was traced through the kernel
-    assert any(t[0] == "direct" for t in traced) == direct
+    assert any(t[0] == "direct" for t in traced) == bool(direct)
     if router == "kernel":  # the 8-token bucket through the kernel, the 64-token one too (<= MAX_TOKENS)
         assert (8, True) in routed and (64, True) in routed
     if router == "split":  # the 2-token bucket through the split kernels, larger ones XLA's router
@@ -278,17 +284,19 @@ def test_direct_rows_need_no_sort():
     groups[[0, 1, 2]] = 4  # one expert, three rows
     x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
     w1, w2 = (jnp.asarray(rng.standard_normal((G, K, N)) / 8, jnp.float32) for _ in range(2))
-    tiling = moe_gmm.Tiling(block_m=16, block_n=32, block_k=32, k_splits=2)
     sched = np.asarray(moe_gmm.row_slots(jnp.asarray(groups), G))
     np.testing.assert_array_equal(sched[2], groups < G)
     np.testing.assert_array_equal(sched[1], np.arange(M))
     g = jnp.asarray(groups, jnp.int32)
-    y1, y2 = jax.jit(lambda *a: moe_gmm.direct_matmul_pair(*a, tiling, interpret=True))(x, w1, w2, g)
-    y = jax.jit(lambda *a: moe_gmm.direct_matmul(*a, tiling, interpret=True))(x, w1, g)
     live = groups < G
-    for got, w in ((y1, w1), (y2, w2), (y, w1)):
-        want = np.einsum("mk,mkn->mn", np.asarray(x), np.asarray(w)[np.minimum(groups, G - 1)])
-        np.testing.assert_allclose(np.asarray(got)[live], want[live], rtol=2e-5, atol=2e-5)
+    # a 16-row tile a slot, and the slot's one row on the CUDA cores
+    for tiling in (moe_gmm.Tiling(block_m=16, block_n=32, block_k=32, k_splits=2),
+                   moe_gmm.Tiling(block_m=1, block_n=32, block_k=32, k_splits=2)):
+        y1, y2 = jax.jit(lambda *a: moe_gmm.direct_matmul_pair(*a, tiling, interpret=True))(x, w1, w2, g)
+        y = jax.jit(lambda *a: moe_gmm.direct_matmul(*a, tiling, interpret=True))(x, w1, g)
+        for got, w in ((y1, w1), (y2, w2), (y, w1)):
+            want = np.einsum("mk,mkn->mn", np.asarray(x), np.asarray(w)[np.minimum(groups, G - 1)])
+            np.testing.assert_allclose(np.asarray(got)[live], want[live], rtol=2e-5, atol=2e-5)
 
 
 def test_expert_block_through_the_direct_path_matches_the_reference():
@@ -320,7 +328,7 @@ def test_chooser_offers_direct_rows_for_small_batches_and_times_the_whole_block(
     with every token real and with one real token (the rest padding, id E)."""
     gpu = gmm_impls.candidates(8, 128, 2048, 768, "gpu", engine=True)
     assert {n for n in gpu if n.startswith("direct_")} == {
-        "direct_" + n for n in gmm_impls.ENGINE_DECODE_TILINGS if n.startswith("decode_")}
+        "direct_" + n for n in gmm_impls.ENGINE_DECODE_TILINGS if n.startswith(("decode_", "row_"))}
     assert not any(n.startswith("direct_") for n in gmm_impls.candidates(
         gmm_impls.DIRECT_MAX_ROWS + 8, 128, 2048, 768, "gpu"))
     seen, live = [], set()
@@ -354,7 +362,11 @@ def test_chooser_offers_direct_rows_for_small_batches_and_times_the_whole_block(
     # persistent CTAs: fewer than the items (each walks several), and more
     (moe_gmm.Tiling(block_m=16, block_n=32, block_k=16, k_splits=2, ctas=5), False),
     (moe_gmm.Tiling(block_m=16, block_n=32, block_k=16, k_splits=2, ctas=5), True),
-    (moe_gmm.Tiling(block_m=16, block_n=32, block_k=16, ctas=64), True)],
+    (moe_gmm.Tiling(block_m=16, block_n=32, block_k=16, ctas=64), True),
+    # one-row slots on the CUDA cores: unsplit, K split (partials into down), persistent
+    (moe_gmm.Tiling(block_m=1, block_n=32, block_k=16), False),
+    (moe_gmm.Tiling(block_m=1, block_n=16, block_k=16, k_splits=2), True),
+    (moe_gmm.Tiling(block_m=1, block_n=32, block_k=16, k_splits=2, ctas=5), True)],
     ids=lambda a: a.name if isinstance(a, moe_gmm.Tiling) else ("padding" if a else "full"))
 def test_direct_swiglu_is_the_expert_mlp(tiling, padding):
     """`direct_swiglu`: x read per token (k rows a token), the down launch summing the gate/up
@@ -388,9 +400,13 @@ def test_direct_kernel_lowers_to_triton():
             jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16), jax.ShapeDtypeStruct((8,), jnp.int32))
     assert "jaxllm_moe_decode_gmm" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     persistent = next(t for t in moe_gmm.TILINGS if t.ctas)
-    # K splits 1 and 4; persistent; gate/up split 4 ways with down unsplit (`down_variants`)
+    rows = [t for t in moe_gmm.TILINGS if t.block_m == 1]  # one-row slots on the CUDA cores
+    assert {t.k_splits for t in rows} == {1, 4}
+    # K splits 1 and 4; persistent; gate/up split 4 ways with down unsplit (`down_variants`);
+    # one-row slots, and a split one's down under an unsplit one
     for t, d in ((moe_gmm.TILINGS[0], None), (moe_gmm.TILINGS[2], None), (persistent, None),
-                 (moe_gmm.TILINGS[2], moe_gmm.TILINGS[1])):
+                 (moe_gmm.TILINGS[2], moe_gmm.TILINGS[1]), *((r, None) for r in rows),
+                 (rows[0], next(r for r in rows if r.k_splits == 1))):
         mlp = jax.jit(lambda x, a, b, c, g, t=t, d=d: moe_gmm.direct_swiglu(x, a, b, c, g, t, interpret=False,
                                                                           down_tiling=d))
         text = mlp.trace(jax.ShapeDtypeStruct((1, 2048), jnp.bfloat16), args[1], args[2],

@@ -52,7 +52,7 @@ SCHED_FIELDS = 3  # rows of the slot table: expert, first row, row count
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:
-    block_m: int = 16  # rows per slot (tensor-core minimum)
+    block_m: int = 16  # rows per slot (tensor-core minimum; 1: the direct path's row on the CUDA cores)
     block_n: int = 128  # weight columns per CTA
     block_k: int = 128  # weight rows per step
     k_splits: int = 1  # CTAs along K per strip (float32 partials summed by XLA)
@@ -65,6 +65,8 @@ class Tiling:
 
     @property
     def name(self) -> str:
+        if self.block_m == 1:  # direct path only: a slot's one row on the CUDA cores (`_row_strip`)
+            return f"row_{self.block_n}x{self.block_k}k{self.k_splits}" + (f"c{self.ctas}" if self.ctas else "")
         if self.block_m != 16:  # a prefill tiling (PREFILL_TILINGS): rows per slot named too
             return f"tiles{self.block_m}_{self.block_n}x{self.block_k}w{self.num_warps}s{self.num_stages}"
         return f"decode_{self.block_n}x{self.block_k}k{self.k_splits}" + (f"c{self.ctas}" if self.ctas else "")
@@ -76,7 +78,11 @@ class Tiling:
 TILINGS = (Tiling(block_n=128, block_k=128), Tiling(block_n=64, block_k=256),
            Tiling(block_n=128, block_k=64, k_splits=4), Tiling(block_n=256, block_k=64, k_splits=4),
            # direct path only: 4 CTAs an SM of an H100 / H200 (132 SMs), persistent
-           Tiling(block_n=128, block_k=64, k_splits=4, ctas=4 * 132))
+           Tiling(block_n=128, block_k=64, k_splits=4, ctas=4 * 132),
+           # direct path only: the slot's one row on the CUDA cores, no 16-row tensor-core tile
+           Tiling(block_m=1, block_n=128, block_k=64, k_splits=4),
+           Tiling(block_m=1, block_n=64, block_k=64, k_splits=4),
+           Tiling(block_m=1, block_n=128, block_k=64, k_splits=1))
 # Prefill-sized steps (many rows an expert): the same kernel with tensor-core-sized row blocks, a
 # slot per 128 (64) rows of an expert, so each expert's weight tile is read once per row block
 # rather than once per 16 rows. Offered beside JAX's bundled `ragged_dot_mgpu` (264 TFLOP/s at
@@ -150,6 +156,13 @@ def _item(j, ks, s, sched_ref, x_ref, w_refs, o_ref, *, t: Tiling, k_steps: int,
         expert, first, count = jnp.where(live, g, 0), s, live.astype(jnp.int32)
     else:
         expert, first, count = sched_ref[0, s], sched_ref[1, s], sched_ref[2, s]
+    if t.block_m == 1:
+        for i, w_ref in enumerate(w_refs):
+            @pl.when((count > 0) & (j // strips == i))
+            def _(w_ref=w_ref, i=i):
+                _row_strip(w_ref, j - i * strips, i * w_ref.shape[2], ks, expert, first, x_ref, o_ref,
+                           t=t, k_steps=k_steps, rows_out=rows_out, row_div=row_div, swiglu=swiglu)
+        return
     r = jnp.arange(t.block_m, dtype=jnp.int32)
     rows = first + r  # distinct (the output has block_m spare rows): masked stores never collide
     src = jnp.minimum(rows, rows_out - 1) // row_div  # past the count: clamped copies, results masked
@@ -186,6 +199,38 @@ def _item(j, ks, s, sched_ref, x_ref, w_refs, o_ref, *, t: Tiling, k_steps: int,
             strip(w_ref, j - i * strips, i * w_ref.shape[2])
 
 
+def _row_strip(w_ref, jn, col0: int, ks, expert, row, x_ref, o_ref, *, t: Tiling, k_steps: int,
+               rows_out: int, row_div: int, swiglu: int):
+    """One row's [block_n] of x @ w[expert] at weight columns jn * block_n (K split ks) on the CUDA
+    cores: the direct path's slot holds one row, so a 16-row tensor-core tile would gather (and,
+    for down, run silu(gate) * up on) 15 rows only to mask them. Products summed elementwise in a
+    [block_k, block_n] float32 tile (no reduction across threads a step), reduced once at the end."""
+    src = jnp.minimum(row, rows_out - 1) // row_div
+    k0 = ks * (k_steps * t.block_k)
+    K = w_ref.shape[1]
+
+    def load_x(k):
+        """[block_k] of the row's left operand at columns k.., in float32."""
+        if not swiglu:
+            return x_ref[src, pl.ds(k, t.block_k)].astype(jnp.float32)
+        g = sum(x_ref[p, src, pl.ds(k, t.block_k)].astype(jnp.float32) for p in range(swiglu))
+        u = sum(x_ref[p, src, pl.ds(K + k, t.block_k)].astype(jnp.float32) for p in range(swiglu))
+        return (jax.nn.silu(g) * u).astype(w_ref.dtype).astype(jnp.float32)  # as the tile path rounds
+
+    def step(i, acc):
+        k = k0 + i * t.block_k
+        ws = w_ref[expert, pl.ds(k, t.block_k), pl.ds(jn * t.block_n, t.block_n)]
+        return acc + load_x(k)[:, None] * ws.astype(jnp.float32)
+
+    acc = jax.lax.fori_loop(0, k_steps, step, jnp.zeros((t.block_k, t.block_n), jnp.float32))
+    out = jnp.sum(acc, axis=0)
+    cols = pl.ds(col0 + jn * t.block_n, t.block_n)
+    if t.k_splits > 1:
+        o_ref[ks, row, cols] = out
+    else:
+        o_ref[row, cols] = out.astype(o_ref.dtype)
+
+
 def row_slots(groups: jax.Array, num_groups: int) -> jax.Array:
     """[3, M] int32 for rows in any order, one slot a row: (its group, the row, 1), or 0 rows
     when its group is outside [0, num_groups) (padding, another device's expert): the slot table
@@ -213,8 +258,8 @@ def _call(x: jax.Array, ws: tuple[jax.Array, ...], group_sizes: jax.Array | None
         interpret = jax.default_backend() == "cpu"
     if sched is None:
         sched = slots(group_sizes, M, t.block_m)
-    if t.ctas and sched.ndim != 1:
-        raise ValueError(f"tiling {t.name}: persistent CTAs walk the direct path's rows only")
+    if (t.ctas or t.block_m == 1) and sched.ndim != 1:
+        raise ValueError(f"tiling {t.name}: persistent CTAs and one-row slots take the direct path's rows only")
     dt = ws[0].dtype if swiglu else x.dtype  # the dot's operands and the output
     k_steps = K // (t.block_k * t.k_splits)
     rows, cols = M + t.block_m, len(ws) * N  # spare rows take the last block's masked lanes

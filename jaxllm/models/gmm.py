@@ -12,7 +12,8 @@
   (`moe_gmm.direct_swiglu`), offered up to DIRECT_MAX_ROWS rows: `moe.experts` then skips
   sorting and unsorting the rows (an expert two rows share is read twice). With a suffix
   "c<n>": n persistent CTAs walking the rows up to the last live one, so a batch-1 step in a
-  bucket of 8 launches n CTAs, not one per item of all 8 tokens' rows. "+down_<tiling>": the
+  bucket of 8 launches n CTAs, not one per item of all 8 tokens' rows. "direct_row_...": each
+  slot's one row on the CUDA cores (no 16-row tensor-core tile gathering 15 rows to mask). "+down_<tiling>": the
   measured best of these with its down launch under an unsplit tiling of its own
   (`down_variants`, timed after the others).
 - "mosaic_<bn>x<bk>s<stages>": its Hopper twin (`kernels/moe_gmm_mosaic.py`, Mosaic GPU:
@@ -66,7 +67,7 @@ def ragged_dot_ref(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
 # The decode tilings the engine measures at warm-up (each costs a compile per row count);
 # scripts/gpu_moe.sh times all of them, so this list follows its figures.
 ENGINE_DECODE_TILINGS = ("decode_64x256k1", "decode_128x64k4", "decode_128x64k4c528", "mosaic_128x64s4",
-                         "mosaic_64x64s6")
+                         "mosaic_64x64s6", "row_128x64k4", "row_64x64k4")
 
 
 def candidates(M: int, E: int, H: int, F: int, platform: str | None = None,
@@ -82,7 +83,7 @@ def candidates(M: int, E: int, H: int, F: int, platform: str | None = None,
 
         for t in moe_gmm.TILINGS:  # each projection's (K, N): gate/up (H, F or 2F), down (F, H)
             if t.fits(H, F) and t.fits(F, H):
-                if not t.ctas:  # persistent CTAs: the direct path only
+                if not t.ctas and t.block_m > 1:  # persistent CTAs, one-row slots: the direct path only
                     out[t.name] = DecodeGmm(t)
                 if M <= DIRECT_MAX_ROWS:
                     out["direct_" + t.name] = DirectGmm(t)

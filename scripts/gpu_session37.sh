@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Session 37's GPU calls (the device's 10-minute limit each; whole logs in $OUT):
+#   g (~5 min, any Hopper card): the direct MoE expert MLP with each slot's one row on the CUDA
+#     cores (`moe_gmm.Tiling(block_m=1)`, "row_*": no 16-row tensor-core tile gathering 15 rows
+#     only to mask them; for down, silu(gate) * up of one row, not 16) against session 36's
+#     `decode_128x64k4` (down at ~41% of the copy bandwidth there), alone at a 2-token bucket
+#     (`check_moe_kernels.py --tokens 2 --cases gmm`, 1 and 2 real tokens), then the Qwen3-30B-A3B
+#     batch-1 step in its bucket of two tokens, where the warm-up now also measures
+#     `direct_row_128x64k4` / `direct_row_64x64k4` (and the best one's down under `row_128x64k1`).
+#   Session 36's t5 / t4 (offline throughput, one part a call): scripts/gpu_session36.sh.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export OUT
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
+case "${1:-}" in
+  g) timeout -k 5 ${T_K:-100} python3 scripts/check_moe_kernels.py --tokens 2 --cases gmm --json "$OUT/gmm.json" \
+       > "$OUT/gmm.log" 2>&1; echo "rc=$? (expert MLP alone)"; grep -E "^(floor|gmm)" "$OUT/gmm.log"
+     XLA_PYTHON_CLIENT_MEM_FRACTION=${MEMF:-0.95} timeout -k 5 ${T_B:-170} \
+       python3 scripts/bench_moe.py decode --random-shape qwen3-30b-a3b --batch-size 1 --min-bucket 2 --input-len 2048 \
+       --num-iters 20 --profile-steps 2 --output-json "$OUT/moe_decode_b2.json" > "$OUT/moe_decode_b2.log" 2>&1
+     echo "rc=$? (batch 1, bucket 2)"
+     grep -E "^decode|^engine grouped|^  /device|^    |kernels a step" "$OUT/moe_decode_b2.log" | cut -c1-600
+     grep -E "by measurement|grouped matmul timings" "$OUT/moe_decode_b2.log" | head -4 | cut -c1-1500 ;;
+  *) echo "usage: $0 g" >&2; exit 2 ;;
+esac
