@@ -7,7 +7,10 @@
 #     (`check_moe_kernels.py --tokens 2 --cases gmm`, 1 and 2 real tokens), then the Qwen3-30B-A3B
 #     batch-1 step in its bucket of two tokens, where the warm-up now also measures
 #     `direct_row_128x64k4` / `direct_row_64x64k4` (and the best one's down under `row_128x64k1`).
-#   Session 36's t5 / t4 (offline throughput, one part a call): scripts/gpu_session36.sh.
+#   t (~8.5 min, an H200): offline throughput 512 x (512 -> 256), the HF peer and then the engine
+#     in one call (issue 15: ">= 3x HF in the same call"). Session 37 ran them as two calls on one
+#     warm H200 (`gpu_session36.sh t4`: 218 s wall, HF's compile and first chunk 124 s of it;
+#     `t5`: 232 s), so each part gets 290 s here; on an 80 GB card use `gpu_session36.sh t5`/`t4`.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
@@ -23,5 +26,6 @@ case "${1:-}" in
      echo "rc=$? (batch 1, bucket 2)"
      grep -E "^decode|^engine grouped|^  /device|^    |kernels a step" "$OUT/moe_decode_b2.log" | cut -c1-600
      grep -E "by measurement|grouped matmul timings" "$OUT/moe_decode_b2.log" | head -4 | cut -c1-1500 ;;
-  *) echo "usage: $0 g" >&2; exit 2 ;;
+  t) MOE_PARTS="4 5" T4=${T4:-290} T5=${T5:-290} bash scripts/gpu_moe.sh ;;
+  *) echo "usage: $0 g|t" >&2; exit 2 ;;
 esac

@@ -67,7 +67,7 @@ def ragged_dot_ref(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Ar
 # The decode tilings the engine measures at warm-up (each costs a compile per row count);
 # scripts/gpu_moe.sh times all of them, so this list follows its figures.
 ENGINE_DECODE_TILINGS = ("decode_64x256k1", "decode_128x64k4", "decode_128x64k4c528", "mosaic_128x64s4",
-                         "mosaic_64x64s6", "row_128x64k4", "row_64x64k4")
+                         "mosaic_64x64s6", "row_64x64k4", "row_64x64k4c528")
 
 
 def candidates(M: int, E: int, H: int, F: int, platform: str | None = None,
