@@ -7,6 +7,10 @@
 #     (`check_moe_kernels.py --tokens 2 --cases gmm`, 1 and 2 real tokens), then the Qwen3-30B-A3B
 #     batch-1 step in its bucket of two tokens, where the warm-up now also measures
 #     `direct_row_128x64k4` / `direct_row_64x64k4` (and the best one's down under `row_128x64k1`).
+#   d (~6 min, any Hopper card): the dense linears of one- and two-token steps through
+#     `kernels/gemv.py` where the warm-up measures it faster than XLA's dot (`models/gemv_choice.py`;
+#     session 37's H200 profile: the q/k/v GEMM at two rows 11.4 us a layer, 2.2x its bytes), the
+#     Qwen3-30B-A3B batch-1 step in its bucket of two tokens with it and with JAXLLM_DENSE_GEMV=0.
 #   t (~8.5 min, an H200): offline throughput 512 x (512 -> 256), the HF peer and then the engine
 #     in one call (issue 15: ">= 3x HF in the same call"). Session 37 ran them as two calls on one
 #     warm H200 (`gpu_session36.sh t4`: 218 s wall, HF's compile and first chunk 124 s of it;
@@ -26,6 +30,14 @@ case "${1:-}" in
      echo "rc=$? (batch 1, bucket 2)"
      grep -E "^decode|^engine grouped|^  /device|^    |kernels a step" "$OUT/moe_decode_b2.log" | cut -c1-600
      grep -E "by measurement|grouped matmul timings" "$OUT/moe_decode_b2.log" | head -4 | cut -c1-1500 ;;
+  d) for g in 1 0; do
+       JAXLLM_DENSE_GEMV=$g XLA_PYTHON_CLIENT_MEM_FRACTION=${MEMF:-0.95} timeout -k 5 ${T_B:-170} \
+         python3 scripts/bench_moe.py decode --random-shape qwen3-30b-a3b --batch-size 1 --min-bucket 2 --input-len 2048 \
+         --num-iters 20 --profile-steps 2 --output-json "$OUT/moe_decode_gemv$g.json" > "$OUT/moe_decode_gemv$g.log" 2>&1
+       echo "rc=$? (JAXLLM_DENSE_GEMV=$g)"
+       grep -E "^decode|^  /device|^    |kernels a step" "$OUT/moe_decode_gemv$g.log" | cut -c1-600
+       grep -E "dense linears|grouped matmul by measurement" "$OUT/moe_decode_gemv$g.log" | cut -c1-1200
+     done ;;
   t) MOE_PARTS="4 5" T4=${T4:-290} T5=${T5:-290} bash scripts/gpu_moe.sh ;;
-  *) echo "usage: $0 g|t" >&2; exit 2 ;;
+  *) echo "usage: $0 g|d|t" >&2; exit 2 ;;
 esac

@@ -87,11 +87,28 @@ class Warmup:
                 choice.measure(weights, list(token_buckets), self.dtype)
                 self.relayout_weights()
                 log.info("quantized matmuls' paths chosen in %.1f s", time.perf_counter() - t0)
+        if self.platform == "gpu" and self.tp is None and self.layer_params is not None:
+            self.measure_dense_gemv(token_buckets)
         if self.gmm_chooser is not None:
             m = self.model_cfg
             self.gmm_chooser.measure([T * m.moe.top_k for T in token_buckets], m.moe.num_experts,
                                      m.hidden_size, m.moe.moe_intermediate_size, self.dtype,
                                      top_k=m.moe.top_k)
+
+    def measure_dense_gemv(self, token_buckets: tuple[int, ...]) -> None:
+        """The dense linears of one- and two-token buckets: XLA's dot or `kernels/gemv.py`, by
+        measurement (`models/gemv_choice.py`; JAXLLM_DENSE_GEMV=0: XLA's dot, nothing timed)."""
+        from jaxllm.envs import env_choice
+        from jaxllm.kernels.gemv import MAX_ROWS
+        from jaxllm.models import gemv_choice
+
+        rows = [T for T in token_buckets if T <= MAX_ROWS]
+        shapes = gemv_choice.dense_shapes(self.layer_params)
+        if not rows or not shapes or env_choice("JAXLLM_DENSE_GEMV", "1", ("0", "1")) == "0":
+            return
+        t0 = time.perf_counter()
+        gemv_choice.measure(shapes, rows)
+        log.info("dense linears at %s tokens timed in %.1f s", rows, time.perf_counter() - t0)
 
     def warmup(self, token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...]) -> float:
         """Compile every (T, R) pair of `compiled_pairs`, then run each once, writing nothing

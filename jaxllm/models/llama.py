@@ -17,8 +17,9 @@ import numpy as np
 from flax import nnx
 
 from jaxllm.kernels.metadata import AttentionMetadata
-from jaxllm.kernels import act_quant, kv_quant
+from jaxllm.kernels import act_quant, gemv, kv_quant
 from jaxllm.kernels.ref import write_kv
+from jaxllm.models import gemv_choice
 from jaxllm.models.config import ModelConfig
 # The registry's loading hooks for this family (`registry.ModelEntry.to_state` / `split_layers`).
 from jaxllm.models.llama_state import hf_to_state, split_layers  # noqa: F401
@@ -79,9 +80,16 @@ def linear(x: jax.Array, w, spec: str | None = None, out_dtype=None) -> jax.Arra
     and summing them in a second kernel (3x the weight's bytes, the products rounded to bf16
     first): Qwen3-30B-A3B's q/k/v/o projections at batch 1, every layer, and Llama-3.2-1B's
     o projection (`scripts/aot_kernels.py`). Two rows stay a GEMM that reads the weight once;
-    row 0 is the same product. Larger weights are left alone (`GEMV_REWRITE_BELOW`)."""
+    row 0 is the same product. Larger weights are left alone (`GEMV_REWRITE_BELOW`).
+
+    One or two rows whose weight shape the warm-up measured faster through `kernels/gemv.py`
+    (`gemv_choice`: CUDA-core products, a K split) take that kernel instead."""
     if not isinstance(w, jax.Array):
         return x @ w
+    tiling = gemv_choice.tiling_for(x.shape[0], w) if x.ndim == 2 and x.shape[1] == w.shape[0] else None
+    if tiling is not None:
+        y = gemv.gemv(x, w.reshape(w.shape[0], -1), tiling, out_dtype=out_dtype or x.dtype)
+        return y.reshape(x.shape[0], *w.shape[1:])
     pad = x.shape[0] == 1 and w.size < GEMV_REWRITE_BELOW and jax.default_backend() == "gpu"
     if pad:
         x = jnp.pad(x, ((0, 1),) + ((0, 0),) * (x.ndim - 1))
