@@ -21,6 +21,9 @@ fit twice on the device, run the peer in its own process first and hand its figu
     python scripts/bench_throughput.py --random-shape qwen3-30b-a3b ... --hf --hf-only --output-json hf.json
     python scripts/bench_throughput.py --random-shape qwen3-30b-a3b ... --hf-result hf.json --output-json out.json
 
+`--quantization` / `--kv-cache-dtype` (vLLM's flags) quantize the weights at load and the KV pages;
+the roofline counts the bytes the engine then holds.
+
     python scripts/bench_throughput.py --num-prompts 64 --input-len 128 --output-len 64 --hf
     python scripts/bench_throughput.py --random-shape llama3-8b --dataset-name random \
         --random-input-len 544 --random-output-len 288 --random-range-ratio 0.88 --num-prompts 1000
@@ -48,7 +51,8 @@ def build_llm(args, max_model_len: int):
               max_num_batched_tokens=args.max_num_batched_tokens, attention_backend=args.attention_backend,
               token_buckets=tuple(args.token_buckets) if args.token_buckets else None,
               seq_buckets=tuple(args.seq_buckets) if args.seq_buckets else None,
-              gpu_memory_utilization=args.gpu_memory_utilization)
+              gpu_memory_utilization=args.gpu_memory_utilization, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     t0 = time.perf_counter()
     llm = LLM(args.model, **kw)
     return llm, time.perf_counter() - t0
@@ -86,7 +90,9 @@ def run_jaxllm(args, llm, init_s, samples, rates):
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         n_in = sum(len(o.prompt_token_ids) for o in outs)
         st = llm.stats()
-        r = {"engine": f"jaxllm (async {mode})", "elapsed_s": dt, "init_s": init_s,
+        quant = "" if args.quantization is None and args.kv_cache_dtype == "auto" else \
+            f", {args.quantization or 'bf16'} weights, {args.kv_cache_dtype} KV"
+        r = {"engine": f"jaxllm (async {mode}{quant})", "elapsed_s": dt, "init_s": init_s,
              "requests_per_s": len(prompts) / dt, "output_tokens_per_s": n_out / dt,
              "total_tokens_per_s": (n_out + n_in) / dt, "input_tokens": n_in, "output_tokens": n_out,
              "compiles_after_warmup": st["compiles_after_warmup"], "warmup_s": st["warmup_seconds"],
@@ -203,6 +209,9 @@ def main() -> None:
                    help="dummy: --model is a folder with config.json only, weights drawn on the device")
     add_dataset_args(p)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--quantization", "-q", default=None,
+                   help="weights quantized at load (vLLM's flag): fp8, int8, int4; a quantized checkpoint's own")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e4m3, fp8_e5m2, int8, int4")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the longest prompt + output")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -289,9 +298,10 @@ def main() -> None:
                                                 / results["hf"]["output_tokens_per_s"])
     print(json.dumps(results, indent=2))
     rows = runs + ([results["hf"]] if "hf" in results else [])
-    print(f"\n{'engine':<20}{'req/s':>10}{'out tok/s':>12}{'total tok/s':>13}{'elapsed s':>11}")
+    w = max(20, *(len(r["engine"]) + 2 for r in rows))
+    print(f"\n{'engine':<{w}}{'req/s':>10}{'out tok/s':>12}{'total tok/s':>13}{'elapsed s':>11}")
     for r in rows:
-        print(f"{r['engine']:<20}{r['requests_per_s']:>10.2f}{r['output_tokens_per_s']:>12.1f}"
+        print(f"{r['engine']:<{w}}{r['requests_per_s']:>10.2f}{r['output_tokens_per_s']:>12.1f}"
               f"{r['total_tokens_per_s']:>13.1f}{r['elapsed_s']:>11.2f}")
     fmt = lambda v: "-" if v is None else f"{v:.1f}"
     for r in runs:

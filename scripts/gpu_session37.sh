@@ -11,6 +11,9 @@
 #     `kernels/gemv.py` where the warm-up measures it faster than XLA's dot (`models/gemv_choice.py`;
 #     session 37's H200 profile: the q/k/v GEMM at two rows 11.4 us a layer, 2.2x its bytes), the
 #     Qwen3-30B-A3B batch-1 step in its bucket of two tokens with it and with JAXLLM_DENSE_GEMV=0.
+#   q (~6 min, any Hopper card): issue 17's offline throughput 512 x (512 -> 256), Llama-3-8B shape,
+#     bf16 and then fp8 weights + fp8 KV pages (`bench_throughput.py --quantization fp8
+#     --kv-cache-dtype fp8`), two processes in one call, and their ratio.
 #   t (~8.5 min, an H200): offline throughput 512 x (512 -> 256), the HF peer and then the engine
 #     in one call (issue 15: ">= 3x HF in the same call"). Session 37 ran them as two calls on one
 #     warm H200 (`gpu_session36.sh t4`: 218 s wall, HF's compile and first chunk 124 s of it;
@@ -38,6 +41,15 @@ case "${1:-}" in
        grep -E "^decode|^  /device|^    |kernels a step" "$OUT/moe_decode_gemv$g.log" | cut -c1-600
        grep -E "dense linears|grouped matmul by measurement" "$OUT/moe_decode_gemv$g.log" | cut -c1-1200
      done ;;
+  q) TP="--random-shape llama3-8b --dtype bfloat16 --num-prompts 512 --input-len 512 --output-len 256 --max-num-seqs 256
+        --max-num-batched-tokens 2048 --token-buckets 256 2048 --seq-buckets 256"
+     for m in bf16 fp8; do
+       flag=""; [ $m = fp8 ] && flag="--quantization fp8 --kv-cache-dtype fp8"
+       timeout -k 5 ${T_Q:-170} python3 scripts/bench_throughput.py $TP $flag --output-json "$OUT/tput_$m.json" \
+         > "$OUT/tput_$m.log" 2>&1; echo "rc=$? ($m)"
+       grep -E "^(engine|jaxllm) |roofline:|KV cache:|compiles" "$OUT/tput_$m.log" | cut -c1-300
+     done
+     python3 -c "import json; a, b = (json.load(open('$OUT/tput_' + m + '.json'))['jaxllm']['output_tokens_per_s'] for m in ('bf16', 'fp8')); print(f'fp8 weights + fp8 KV / bf16 output tok/s: {b / a:.3f} ({b:.1f} / {a:.1f})')" ;;
   t) MOE_PARTS="4 5" T4=${T4:-290} T5=${T5:-290} bash scripts/gpu_moe.sh ;;
-  *) echo "usage: $0 g|d|t" >&2; exit 2 ;;
+  *) echo "usage: $0 g|d|q|t" >&2; exit 2 ;;
 esac

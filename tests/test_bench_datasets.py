@@ -115,3 +115,31 @@ def test_serving_floor_of_a_config():
     assert cost.weight_bytes > 0 and cost.kv_bytes_per_token > 0
     r = serving_floor(cost, [32, 64], [8, 8], 2.0, copy_bytes_per_s=1e9, matmul_flops_per_s=1e12)
     assert r["decode_steps"] == 8 and r["floor_s"] > r["prefill_floor_s"] > 0
+
+
+def test_throughput_with_quantized_weights_and_kv(tmp_path, monkeypatch):
+    """bench_throughput.py --quantization / --kv-cache-dtype (vLLM's flags) reach the engine, the
+    run is labelled with them, and the roofline counts the bytes the engine holds (fewer weight
+    and K/V bytes than bf16's)."""
+    import os
+    import sys
+
+    from jaxllm import LLM
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import bench_throughput
+
+    out = str(tmp_path / "q.json")
+    monkeypatch.setattr(sys, "argv", ["x", "--random-shape", "tiny", "--num-prompts", "3", "--input-len", "8",
+                                      "--output-len", "3", "--dtype", "float32", "--max-num-seqs", "4",
+                                      "--max-num-batched-tokens", "32", "--no-roofline", "--quantization", "fp8",
+                                      "--kv-cache-dtype", "fp8", "--output-json", out])
+    bench_throughput.main()
+    res = json.load(open(out))
+    assert res["jaxllm"]["engine"] == "jaxllm (async on, fp8 weights, fp8 KV)"
+    assert res["jaxllm"]["output_tokens"] == 9 and res["args"]["quantization"] == "fp8"
+    costs = [ModelCost.of_runner(LLM(random_shape="tiny", max_model_len=64, max_num_seqs=2,
+                                     max_num_batched_tokens=32, **kw).engine.runner)
+             for kw in ({}, dict(quantization="fp8", kv_cache_dtype="fp8"))]
+    assert costs[1].weight_bytes < costs[0].weight_bytes
+    assert costs[1].kv_bytes_per_token < costs[0].kv_bytes_per_token
