@@ -401,7 +401,7 @@ def test_direct_kernel_lowers_to_triton():
     assert "jaxllm_moe_decode_gmm" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     persistent = next(t for t in moe_gmm.TILINGS if t.ctas)
     rows = [t for t in moe_gmm.TILINGS if t.block_m == 1]  # one-row slots on the CUDA cores
-    assert {t.k_splits for t in rows} == {1, 4}
+    assert {t.k_splits for t in rows} == {1, 2, 4}
     # K splits 1 and 4; persistent; gate/up split 4 ways with down unsplit (`down_variants`);
     # one-row slots, and a split one's down under an unsplit one
     for t, d in ((moe_gmm.TILINGS[0], None), (moe_gmm.TILINGS[2], None), (persistent, None),
@@ -448,9 +448,11 @@ def test_direct_swiglu_with_its_own_down_tiling(gate_up, down):
 
 def test_chooser_retiles_the_best_direct_down_launch(monkeypatch):
     """After the whole-block timings, the best direct implementation is timed again with each
-    unsplit decode tiling for its down launch (`down_variants`), and the fastest kept."""
+    unsplit decode tiling and each two-way split one-row tiling for its down launch
+    (`down_variants`; not a tile tiling split two ways), and the fastest kept."""
     small = (moe_gmm.Tiling(block_m=16, block_n=32, block_k=16, k_splits=2),
-             moe_gmm.Tiling(block_m=16, block_n=16, block_k=32), moe_gmm.Tiling(block_m=16, block_n=32, block_k=32))
+             moe_gmm.Tiling(block_m=16, block_n=16, block_k=32), moe_gmm.Tiling(block_m=16, block_n=32, block_k=32),
+             moe_gmm.Tiling(block_m=1, block_n=32, block_k=16, k_splits=2))
     monkeypatch.setattr(moe_gmm, "TILINGS", small)
     best = gmm_impls.DirectGmm(small[0], interpret=True)
     variants = gmm_impls.down_variants("direct_a", best, H=64, F=32)

@@ -83,6 +83,7 @@ TILINGS = (Tiling(block_n=128, block_k=128), Tiling(block_n=64, block_k=256),
            Tiling(block_m=1, block_n=128, block_k=64, k_splits=4),
            Tiling(block_m=1, block_n=64, block_k=64, k_splits=4),
            Tiling(block_m=1, block_n=128, block_k=64, k_splits=1),
+           Tiling(block_m=1, block_n=64, block_k=64, k_splits=2),
            Tiling(block_m=1, block_n=64, block_k=64, k_splits=4, ctas=4 * 132))
 # Prefill-sized steps (many rows an expert): the same kernel with tensor-core-sized row blocks, a
 # slot per 128 (64) rows of an expert, so each expert's weight tile is read once per row block

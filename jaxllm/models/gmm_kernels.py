@@ -62,15 +62,18 @@ class DirectGmm(DecodeGmm):
 
 def down_variants(name: str, impl: GroupedMatmul, H: int, F: int) -> dict[str, GroupedMatmul]:
     """The measured best direct implementation with its down launch retiled: each unsplit decode
-    tiling (no K-split partials to sum after it) that fits down's [F, H] and is not its own. One
-    tiling serves both launches otherwise, and down (K = F = 768 for Qwen3-30B-A3B) under
-    `direct_decode_128x64k4` ran at 2.4-2.7x its bytes' time on an H100 (session 35)."""
+    tiling (no K-split partials to sum after it), and each one-row tiling split two ways, that fits
+    down's [F, H] and is not its own. One tiling serves both launches otherwise, and down (K = F =
+    768 for Qwen3-30B-A3B) under `direct_decode_128x64k4` ran at 2.4-2.7x its bytes' time on an
+    H100 (session 35), under `direct_row_64x64k4` (split 4 ways: 3 K steps a CTA) at 2.0x on an
+    H200, where an unsplit down was slower (session 37)."""
     from jaxllm.kernels import moe_gmm
 
     if type(impl) is not DirectGmm or impl.down is not None:
         return {}
     return {f"{name}+down_{t.name}": DirectGmm(impl.tiling, impl.interpret, down=t)
-            for t in moe_gmm.TILINGS if t.k_splits == 1 and not t.ctas and t != impl.tiling and t.fits(F, H)}
+            for t in moe_gmm.TILINGS if (t.k_splits == 1 or t.block_m == 1 and t.k_splits == 2)
+            and not t.ctas and t != impl.tiling and t.fits(F, H)}
 
 
 class WsGmm(DecodeGmm):
