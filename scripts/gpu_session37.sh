@@ -33,7 +33,7 @@ case "${1:-}" in
      echo "rc=$? (batch 1, bucket 2)"
      grep -E "^decode|^engine grouped|^  /device|^    |kernels a step" "$OUT/moe_decode_b2.log" | cut -c1-600
      grep -E "by measurement|grouped matmul timings" "$OUT/moe_decode_b2.log" | head -4 | cut -c1-1500 ;;
-  d) for g in 1 0; do
+  d) for g in ${GEMV_MODES:-1 0}; do
        JAXLLM_DENSE_GEMV=$g XLA_PYTHON_CLIENT_MEM_FRACTION=${MEMF:-0.95} timeout -k 5 ${T_B:-170} \
          python3 scripts/bench_moe.py decode --random-shape qwen3-30b-a3b --batch-size 1 --min-bucket 2 --input-len 2048 \
          --num-iters 20 --profile-steps 2 --output-json "$OUT/moe_decode_gemv$g.json" > "$OUT/moe_decode_gemv$g.log" 2>&1
