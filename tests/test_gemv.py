@@ -137,3 +137,19 @@ def test_engine_with_gemv_keeps_greedy_ids(monkeypatch):
     out = llm.generate([prompt], greedy, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == hf_greedy(model, prompt, 5)
     assert (2, 64) in calls  # the decode steps' bucket of two traced through gemv (q/k/v, gate/up)
+
+
+def test_a_failing_measurement_leaves_xla_everywhere(monkeypatch, caplog):
+    """The warm-up's gemv measurement failing (a device error, say) costs nothing but the choice."""
+    from jaxllm.engine.warmup import Warmup
+
+    def boom(shapes, rows):
+        gemv_choice._CHOICE[(64, 64, 2, "float32")] = SMALL[0].name
+        raise RuntimeError("out of memory\ntrace")
+
+    monkeypatch.setattr(gemv_choice, "measure", boom)
+    w = Warmup()
+    w.layer_params = [{"wo": jnp.zeros((64, 64))}]
+    with caplog.at_level("WARNING", logger="jaxllm"):
+        w.measure_dense_gemv((2, 64))
+    assert not gemv_choice._CHOICE and "RuntimeError: out of memory" in caplog.text
