@@ -158,18 +158,23 @@ def _item(j, ks, s, sched_ref, x_ref, w_refs, o_ref, *, t: Tiling, k_steps: int,
         expert, first, count = jnp.where(live, g, 0), s, live.astype(jnp.int32)
     else:
         expert, first, count = sched_ref[0, s], sched_ref[1, s], sched_ref[2, s]
-    if t.block_m == 1:
-        for i, w_ref in enumerate(w_refs):
-            @pl.when((count > 0) & (j // strips == i))
-            def _(w_ref=w_ref, i=i):
-                _row_strip(w_ref, j - i * strips, i * w_ref.shape[2], ks, expert, first, x_ref, o_ref,
-                           t=t, k_steps=k_steps, rows_out=rows_out, row_div=row_div, swiglu=swiglu)
-        return
+    strip = _row_strip if t.block_m == 1 else _tile_strip
+    for i, w_ref in enumerate(w_refs):  # strip j of weight i = grid column i * strips + j
+        @pl.when((count > 0) & (j // strips == i))
+        def _(w_ref=w_ref, i=i):
+            strip(w_ref, j - i * strips, i * w_ref.shape[2], ks, expert, first, count, x_ref, o_ref,
+                  t=t, k_steps=k_steps, rows_out=rows_out, row_div=row_div, swiglu=swiglu)
+
+
+def _tile_strip(w_ref, jn, col0: int, ks, expert, first, count, x_ref, o_ref, *, t: Tiling, k_steps: int,
+                rows_out: int, row_div: int, swiglu: int):
+    """The slot's [block_m, block_n] of x @ w[expert] at weight columns jn * block_n (K split ks)
+    on the tensor cores: rows first .. first + count of the slot, the rest masked."""
     r = jnp.arange(t.block_m, dtype=jnp.int32)
     rows = first + r  # distinct (the output has block_m spare rows): masked stores never collide
     src = jnp.minimum(rows, rows_out - 1) // row_div  # past the count: clamped copies, results masked
     k0 = ks * (k_steps * t.block_k)
-    K = w_refs[0].shape[1]
+    K = w_ref.shape[1]
 
     def load_x(kk):
         """[bm, bk] rows of the matmul's left operand at columns kk."""
@@ -177,33 +182,26 @@ def _item(j, ks, s, sched_ref, x_ref, w_refs, o_ref, *, t: Tiling, k_steps: int,
             return x_ref[src[:, None], kk[None, :]]
         g = sum(x_ref[p, src[:, None], kk[None, :]].astype(jnp.float32) for p in range(swiglu))
         u = sum(x_ref[p, src[:, None], K + kk[None, :]].astype(jnp.float32) for p in range(swiglu))
-        return (jax.nn.silu(g) * u).astype(w_refs[0].dtype)
+        return (jax.nn.silu(g) * u).astype(w_ref.dtype)
 
-    def strip(w_ref, jn: jax.Array, col0: int):
-        """This CTA's [block_m, block_n] of x @ w[expert] at weight columns jn * block_n."""
-        def step(i, acc):
-            kk = k0 + i * t.block_k + jnp.arange(t.block_k, dtype=jnp.int32)
-            xs = load_x(kk)  # [bm, bk] gathered rows
-            ws = w_ref[expert, pl.ds(k0 + i * t.block_k, t.block_k), pl.ds(jn * t.block_n, t.block_n)]
-            return acc + plt.dot(xs, ws).astype(jnp.float32)
+    def step(i, acc):
+        kk = k0 + i * t.block_k + jnp.arange(t.block_k, dtype=jnp.int32)
+        xs = load_x(kk)  # [bm, bk] gathered rows
+        ws = w_ref[expert, pl.ds(k0 + i * t.block_k, t.block_k), pl.ds(jn * t.block_n, t.block_n)]
+        return acc + plt.dot(xs, ws).astype(jnp.float32)
 
-        acc = jax.lax.fori_loop(0, k_steps, step, jnp.zeros((t.block_m, t.block_n), jnp.float32))
-        cols = col0 + jn * t.block_n + jnp.arange(t.block_n, dtype=jnp.int32)
-        mask = (r < count)[:, None]
-        if t.k_splits > 1:
-            plt.store(o_ref.at[ks, rows[:, None], cols[None, :]], acc, mask=mask)
-        else:
-            plt.store(o_ref.at[rows[:, None], cols[None, :]], acc.astype(o_ref.dtype), mask=mask)
-
-    for i, w_ref in enumerate(w_refs):  # strip j of weight i = grid column i * strips + j
-        @pl.when((count > 0) & (j // strips == i))
-        def _(w_ref=w_ref, i=i):
-            strip(w_ref, j - i * strips, i * w_ref.shape[2])
+    acc = jax.lax.fori_loop(0, k_steps, step, jnp.zeros((t.block_m, t.block_n), jnp.float32))
+    cols = col0 + jn * t.block_n + jnp.arange(t.block_n, dtype=jnp.int32)
+    mask = (r < count)[:, None]
+    if t.k_splits > 1:
+        plt.store(o_ref.at[ks, rows[:, None], cols[None, :]], acc, mask=mask)
+    else:
+        plt.store(o_ref.at[rows[:, None], cols[None, :]], acc.astype(o_ref.dtype), mask=mask)
 
 
-def _row_strip(w_ref, jn, col0: int, ks, expert, row, x_ref, o_ref, *, t: Tiling, k_steps: int,
+def _row_strip(w_ref, jn, col0: int, ks, expert, row, count, x_ref, o_ref, *, t: Tiling, k_steps: int,
                rows_out: int, row_div: int, swiglu: int):
-    """One row's [block_n] of x @ w[expert] at weight columns jn * block_n (K split ks) on the CUDA
+    """`_tile_strip` for a slot of one row (count 1 here, as `_item` calls it), on the CUDA
     cores: the direct path's slot holds one row, so a 16-row tensor-core tile would gather (and,
     for down, run silu(gate) * up on) 15 rows only to mask them. Products summed elementwise in a
     [block_k, block_n] float32 tile (no reduction across threads a step), reduced once at the end."""

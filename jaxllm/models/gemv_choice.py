@@ -53,24 +53,17 @@ def dense_shapes(layers) -> set[tuple[int, int, str]]:
     return out
 
 
-def xla_dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    """XLA's path as `llama.linear` takes it on a GPU (one row padded to two below its threshold)."""
-    from jaxllm.models.llama import GEMV_REWRITE_BELOW
-    pad = x.shape[0] == 1 and w.size < GEMV_REWRITE_BELOW
-    xp = jnp.pad(x, ((0, 1), (0, 0))) if pad else x
-    y = jnp.dot(xp, w)
-    return y[:1] if pad else y
-
-
 def measure(shapes: set[tuple[int, int, str]], rows: list[int], reps: int = 5,
             chain: int = 20) -> dict[tuple, str]:
     """Time XLA's dot against each fitting gemv tiling per (K, N, dtype) and row count."""
+    from jaxllm.models.llama import xla_linear  # XLA's path as `linear` takes it (llama imports this)
+
     key = jax.random.key(0)
     for K, N, dtype in sorted(shapes):
         w = (jax.random.normal(key, (K, N), jnp.float32) / math.sqrt(K)).astype(dtype)
         for M in sorted(r for r in set(rows) if r <= gemv.MAX_ROWS):
             x = jax.random.normal(jax.random.fold_in(key, M), (M, K), jnp.float32).astype(dtype)
-            fns = {"xla": xla_dot}
+            fns = {"xla": xla_linear}
             fns.update({t.name: (lambda x, w, t=t: gemv.gemv(x, w, t)) for t in gemv.TILINGS
                         if gemv.unsupported(x.shape, w.shape, t) is None})
             if len(fns) == 1:

@@ -90,6 +90,11 @@ def linear(x: jax.Array, w, spec: str | None = None, out_dtype=None) -> jax.Arra
     if tiling is not None:
         y = gemv.gemv(x, w.reshape(w.shape[0], -1), tiling, out_dtype=out_dtype or x.dtype)
         return y.reshape(x.shape[0], *w.shape[1:])
+    return xla_linear(x, w, spec, out_dtype)
+
+
+def xla_linear(x: jax.Array, w: jax.Array, spec: str | None = None, out_dtype=None) -> jax.Array:
+    """`linear`'s XLA path: a one-row product padded to two rows on a GPU (see `linear`)."""
     pad = x.shape[0] == 1 and w.size < GEMV_REWRITE_BELOW and jax.default_backend() == "gpu"
     if pad:
         x = jnp.pad(x, ((0, 1),) + ((0, 0),) * (x.ndim - 1))
