@@ -17,6 +17,8 @@ from jaxllm.kernels import decode_schedule, split_combine
     (8, 5, 2, 4, 64, (3, 4)),  # fewer splits and tokens in use than the grid has
     (2, 3, 1, 16, 64, (2, 3)),  # every partial real
     (4, 2, 2, 8, 64, (4, 0)),  # no real token
+    (32, 2, 4, 8, 128, (32, 1)),  # batch 1 in a bucket of 2, 4 KV heads split 32 ways: row chunks
+    (8, 2, 2, 32, 32, (5, 2)),  # verification items of many rows: cut into chunks of rows
 ])
 def test_matches_reference_and_ignores_unwritten_partials(n, tokens, heads, rows, dim, active):
     rng = np.random.default_rng(n + tokens)
@@ -41,7 +43,16 @@ def test_only_power_of_two_blocks_fit():
     assert not split_combine.fits(jnp.zeros((16, 8, 8, 5, 128)))  # k + 1 = 5 verified rows
     assert not split_combine.fits(jnp.zeros((16, 8, 8, 4, 96)))
     assert split_combine.fits(jnp.zeros((16, 8, 4, 8, 128)))  # Qwen3-30B-A3B's G 8
-    assert not split_combine.fits(jnp.zeros((16, 1, 8, 64, 128)))  # 8 verified tokens of G 8
+    assert split_combine.fits(jnp.zeros((16, 1, 8, 64, 128)))  # 8 verified tokens of G 8: chunks
+    assert split_combine.fits(jnp.zeros((32, 2, 4, 8, 128)))
+    assert not split_combine.fits(jnp.zeros((256, 1, 1, 1, 128)))  # one row's partials too many
+
+
+def test_rows_are_cut_into_chunks_of_bounded_partials():
+    assert split_combine.chunk_rows(16, 8, 128) == 2  # 16 x 2 x 128 = 4,096 partials a program
+    assert split_combine.chunk_rows(32, 8, 128) == 1
+    assert split_combine.chunk_rows(2, 16, 64) == 16  # few partials: one program a (token, head)
+    assert split_combine.chunk_rows(128, 4, 128) == 1  # never below one row
 
 
 def test_decode_kernel_merges_through_it_unless_told_not_to(monkeypatch):

@@ -13,6 +13,18 @@ import jax.numpy as jnp
 from jaxllm.kernels.metadata import AttentionMetadata
 
 
+def split_cap() -> int:
+    """The most context splits a (token, KV head) pair gets: JAXLLM_DECODE_MAX_SPLITS, default 32.
+    Up to session 37 it was 16, which left 64 of 132 SMs idle for a batch-1 step of a model with
+    4 KV heads (Qwen3-30B-A3B: 7.3 us of attention a layer for 4 MB of K/V on an H200); models
+    with 8 KV heads or more split 16 ways at most either way (the wave rule below)."""
+    from jaxllm.envs import env_int
+    n = env_int("JAXLLM_DECODE_MAX_SPLITS", 32, minimum=1)
+    if n & (n - 1):
+        raise ValueError(f"JAXLLM_DECODE_MAX_SPLITS must be a power of two, got {n}")
+    return n
+
+
 def default_config(num_tokens: int, num_kv_heads: int, num_sms: int = 132) -> tuple[int, int]:
     """(splits, stages) for a decode batch; see docs/kernels.md for the measurements.
 
@@ -23,8 +35,8 @@ def default_config(num_tokens: int, num_kv_heads: int, num_sms: int = 132) -> tu
     pairs = num_tokens * num_kv_heads
     if pairs >= num_sms:
         return 1, 3
-    splits = 1
-    while splits < 16 and pairs * splits * 2 <= num_sms:
+    splits, most = 1, split_cap()
+    while splits < most and pairs * splits * 2 <= num_sms:
         splits *= 2
     return splits, 6 if splits == 1 else 5
 
@@ -41,7 +53,7 @@ def active_splits(positions: jax.Array, num_kv_heads: int, max_splits: int,
     pairs = real * num_kv_heads
     n = jnp.int32(1)
     c = 2
-    while c <= min(max_splits, 16):
+    while c <= max_splits:
         n = jnp.where(pairs * c <= num_sms, c, n)  # as default_config's doubling rule
         c *= 2
     return jnp.stack([n, real])

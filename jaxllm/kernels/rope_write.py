@@ -12,10 +12,13 @@ Why: XLA compiled these, at a batch-1 decode step of Qwen3-30B-A3B, into four ke
 (the k-norm, the KV scatter with k's RoPE, the q-norm, q's RoPE: the rotate-half concatenate
 fuses with nothing before it), each a few microseconds of a launch-bound step; with this kernel
 two (it, and the sum of the q/k/v GEMM's split-K partials that XLA fused into those four):
-635 kernels a step instead of 731 (`scripts/aot_kernels.py`). One program a
-token: it loads each half of every head ([H, D/2] tiles, so the rotation pairs columns j and
-j + D/2 without a shuffle), normalises in float32 (statistics over both halves, the bf16 cast
-before the weight as HF does), rotates, stores q and writes k / v to their page row.
+635 kernels a step instead of 731 (`scripts/aot_kernels.py`). A program loads each half of a
+group of heads ([heads, D/2] tiles, so the rotation pairs columns j and j + D/2 without a
+shuffle), normalises in float32 (statistics over both halves, the bf16 cast before the weight as
+HF does), rotates, and stores q or writes k / v to their page row. Programs: (token, group of
+`Q_HEADS` q heads) and (token, k/v head), so a batch-1 step spreads its loads over 2 x (4 + 4)
+CTAs (Qwen3-30B-A3B) where session 33's one program a token (the whole of q, k and v in one
+serial chain of loads and stores, 2 CTAs) took 3-4 us more than XLA's four kernels on an H100.
 
 Plain pages only (the model's dtype: fp8 / int pages quantize in `write_kv`), no rotation of
 the page layout (`kv_quant.page_rotation`), up to MAX_TOKENS tokens (`fits`); the model keeps
@@ -34,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 MAX_TOKENS = 64  # larger steps keep XLA's fusions (their scatter is one kernel at any size)
+Q_HEADS = 8  # q heads a program (a power of two); each k/v head pair has a program of its own
 
 
 def fits(qkv: jax.Array, head_dim: int, kv_pages: jax.Array) -> bool:
@@ -62,18 +66,20 @@ def rope_write_small(qkv, heads, q_norm, k_norm, eps, positions, inv_freq, kv_pa
                       slot_mapping)
 
 
-def _heads(ref, t, base: int, n: int, half: int, hi: int):
-    """[n_pad, half] float32: columns [hi * half, (hi + 1) * half) of the n heads of token t's
-    row that start at column `base`."""
-    h = jnp.arange(pl.next_power_of_2(n), dtype=jnp.int32)
+def _heads(ref, t, base: int, first, n: int, n_pad: int, half: int, hi: int):
+    """[n_pad, half] float32: columns [hi * half, (hi + 1) * half) of heads first .. first + n_pad
+    (clamped to the n heads) of token t's row, whose heads start at column `base`."""
+    h = first + jnp.arange(n_pad, dtype=jnp.int32)
     j = jnp.arange(half, dtype=jnp.int32)
     cols = base + jnp.minimum(h, n - 1)[:, None] * (2 * half) + hi * half + j[None, :]
     return plt.load(ref.at[t, cols]).astype(jnp.float32)
 
 
-def _norm_rope(ref, w_ref, t, base: int, n: int, half: int, cos, sin, eps: float, dt):
-    """Token t's n heads normalised (w_ref None: not) and rotated: two [n_pad, half] halves."""
-    x1, x2 = _heads(ref, t, base, n, half, 0), _heads(ref, t, base, n, half, 1)
+def _norm_rope(ref, w_ref, t, base: int, first, n: int, n_pad: int, half: int, cos, sin,
+               eps: float, dt):
+    """Heads first .. first + n_pad of token t normalised (w_ref None: not) and rotated: two
+    [n_pad, half] halves."""
+    x1, x2 = (_heads(ref, t, base, first, n, n_pad, half, hi) for hi in (0, 1))
     if w_ref is not None:
         j = jnp.arange(half, dtype=jnp.int32)
         r = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / (2 * half) + eps)
@@ -83,34 +89,45 @@ def _norm_rope(ref, w_ref, t, base: int, n: int, half: int, cos, sin, eps: float
     return (x1 * cos - x2 * sin).astype(dt), (x2 * cos + x1 * sin).astype(dt)
 
 
+def q_heads_per_program(H: int) -> int:
+    """q heads a program: Q_HEADS rounded down to a power of two, at most H's power of two."""
+    return min(Q_HEADS, pl.next_power_of_2(H))
+
+
 def _kernel(pos_ref, slot_ref, layer_ref, inv_ref, x_ref, *refs, H: int, K: int, half: int,
             page_size: int, eps: float, norm: bool):
+    """Program (t, g): token t's q heads g * hq .. (g + 1) * hq for g < cdiv(H, hq), else its
+    k and v head g - cdiv(H, hq) (written only where the token has a slot)."""
     if norm:
         qw_ref, kw_ref, _, qo_ref, kv_ref = refs
     else:
         (_, qo_ref, kv_ref), qw_ref, kw_ref = refs, None, None
     dt = qo_ref.dtype
-    t = pl.program_id(0)
+    t, g = pl.program_id(0), pl.program_id(1)
+    hq = q_heads_per_program(H)
+    groups = pl.cdiv(H, hq)
     j = jnp.arange(half, dtype=jnp.int32)
     ang = pos_ref[t].astype(jnp.float32) * inv_ref[j]
     cos, sin = jnp.cos(ang)[None, :], jnp.sin(ang)[None, :]
-    hq = jnp.arange(pl.next_power_of_2(H), dtype=jnp.int32)
     D = 2 * half
-    q1, q2 = _norm_rope(x_ref, qw_ref, t, 0, H, half, cos, sin, eps, dt)
-    for hi, part in ((0, q1), (1, q2)):
-        plt.store(qo_ref.at[t, hq[:, None], hi * half + j[None, :]], part, mask=(hq < H)[:, None])
     slot = slot_ref[t]
 
-    @pl.when(slot >= 0)
+    @pl.when(g < groups)
+    def _q():
+        h = g * hq + jnp.arange(hq, dtype=jnp.int32)
+        q1, q2 = _norm_rope(x_ref, qw_ref, t, 0, g * hq, H, hq, half, cos, sin, eps, dt)
+        for hi, part in ((0, q1), (1, q2)):
+            plt.store(qo_ref.at[t, h[:, None], hi * half + j[None, :]], part, mask=(h < H)[:, None])
+
+    @pl.when((g >= groups) & (slot >= 0))
     def _write():
         layer, page, off = layer_ref[0], slot // page_size, slot % page_size
-        hk = jnp.arange(pl.next_power_of_2(K), dtype=jnp.int32)
-        mask = (hk < K)[:, None]
-        k1, k2 = _norm_rope(x_ref, kw_ref, t, H * D, K, half, cos, sin, eps, dt)
-        v1, v2 = (_heads(x_ref, t, (H + K) * D, K, half, hi).astype(dt) for hi in (0, 1))
+        kh = g - groups
+        hk = kh + jnp.arange(1, dtype=jnp.int32)
+        k1, k2 = _norm_rope(x_ref, kw_ref, t, H * D, kh, K, 1, half, cos, sin, eps, dt)
+        v1, v2 = (_heads(x_ref, t, (H + K) * D, kh, K, 1, half, hi).astype(dt) for hi in (0, 1))
         for which, hi, part in ((0, 0, k1), (0, 1, k2), (1, 0, v1), (1, 1, v2)):
-            plt.store(kv_ref.at[layer, which, hk[:, None], page, off, hi * half + j[None, :]], part,
-                      mask=mask)
+            plt.store(kv_ref.at[layer, which, hk[:, None], page, off, hi * half + j[None, :]], part)
 
 
 def rope_write(qkv: jax.Array, heads: tuple[int, int], q_norm: jax.Array | None,
@@ -134,7 +151,7 @@ def rope_write(qkv: jax.Array, heads: tuple[int, int], q_norm: jax.Array | None,
     return pl.pallas_call(
         functools.partial(_kernel, H=H, K=K, half=D // 2, page_size=kv_pages.shape[-2],
                           eps=float(eps), norm=norm),
-        grid=(T,),
+        grid=(T, pl.cdiv(H, q_heads_per_program(H)) + K),
         out_shape=(jax.ShapeDtypeStruct((T, H, D), qkv.dtype),
                    jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype)),
         input_output_aliases={len(args) - 1: 1},
