@@ -14,12 +14,13 @@ from jaxllm.kernels.metadata import AttentionMetadata
 
 
 def split_cap() -> int:
-    """The most context splits a (token, KV head) pair gets: JAXLLM_DECODE_MAX_SPLITS, default 32.
-    Up to session 37 it was 16, which left 64 of 132 SMs idle for a batch-1 step of a model with
-    4 KV heads (Qwen3-30B-A3B: 7.3 us of attention a layer for 4 MB of K/V on an H200); models
-    with 8 KV heads or more split 16 ways at most either way (the wave rule below)."""
+    """The most context splits a (token, KV head) pair gets: JAXLLM_DECODE_MAX_SPLITS (a power of
+    two), default 16. At 16 a batch-1 step of a model with 4 KV heads fills 64 of 132 SMs
+    (Qwen3-30B-A3B on an H200, session 37: 7.3 us of attention a layer for 4 MB of K/V); 32
+    fills 128 and is not yet measured on a GPU (`scripts/gpu_session38.sh a`). Models with 8 KV
+    heads or more split 16 ways at most either way (the wave rule of `default_config`)."""
     from jaxllm.envs import env_int
-    n = env_int("JAXLLM_DECODE_MAX_SPLITS", 32, minimum=1)
+    n = env_int("JAXLLM_DECODE_MAX_SPLITS", 16, minimum=1)
     if n & (n - 1):
         raise ValueError(f"JAXLLM_DECODE_MAX_SPLITS must be a power of two, got {n}")
     return n
