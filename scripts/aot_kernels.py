@@ -95,6 +95,9 @@ def main() -> None:
     ap.add_argument("--num-blocks", type=int, default=2048)
     ap.add_argument("--path", default="mosaic", help="quantized matmul path prefix (xla, pallas, mosaic, mosaic_nk)")
     ap.add_argument("--gmm", default=None, help="MoE grouped matmul (a gmm.candidates name)")
+    ap.add_argument("--gemv", default=None,
+                    help="a kernels/gemv.py tiling name for every dense linear of a <= 2-token step, as "
+                         "the warm-up's measurement (models/gemv_choice.py) would choose it")
     ap.add_argument("--scan", action="store_true", help="the scanned layout (the engine unrolls on GPUs)")
     ap.add_argument("--target", default="h100", choices=sorted(TARGETS))
     ap.add_argument("--top", type=int, default=25)
@@ -173,6 +176,18 @@ def compile_step(args, topo) -> dict:
     T, R = args.tokens, args.rows or args.tokens
     if args.quantization:
         pick_paths(choice, (params, layer_params), [T], args.path)
+    if args.gemv is not None:  # every dense linear's shape at this bucket takes the tiling
+        from jaxllm.kernels import gemv
+        from jaxllm.models import gemv_choice
+        import math
+        t = gemv.BY_NAME[args.gemv]
+        for layer in layer_params or ():  # (shapes only here: `dense_shapes` wants arrays)
+            for name in gemv_choice.LINEARS:
+                w = layer.get(name)
+                if w is not None and len(w.shape) >= 2 and T <= gemv.MAX_ROWS:
+                    K, N = w.shape[0], math.prod(w.shape[1:])
+                    if t.fits(K, N) and not hasattr(w, "qvalue"):
+                        gemv_choice._CHOICE[(K, N, T, str(w.dtype))] = t.name
         if choice.NK_LAYOUTS:
             params, layer_params = jax.eval_shape(choice.relayout, (params, layer_params))
 

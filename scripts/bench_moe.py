@@ -3,6 +3,7 @@ prefill against the matmul rate (MFU on the active parameters).
 
     python scripts/bench_moe.py gmm     --tokens 1 64 512 8192 --output-json out.json
     python scripts/bench_moe.py decode  --random-shape qwen3-30b-a3b --batch-size 1 64
+    python scripts/bench_moe.py decode  --random-shape mixtral-8x7b -tp 2 --enable-expert-parallel
     python scripts/bench_moe.py prefill --random-shape qwen3-30b-a3b --prefill-batch 8 --prefill-len 2048
 
 gmm: one layer's expert matmuls of --random-shape (default Qwen3-30B-A3B: E=128, top-8,
@@ -21,6 +22,11 @@ the distinct experts the batch's tokens touched, read from the step's own
 per-expert loads + K/V) / copy bandwidth (`roofline.step_cost` with the measured
 count); prints the touched-expert count and the uniform-routing expectation
 E * (1 - (1 - k/E)^batch) per layer beside it.
+
+decode and prefill take vLLM's parallelism flags (`-tp N`, `--enable-expert-parallel`,
+`--enable-eplb --eplb-config JSON`) over this host's devices; figures are per device: the
+floor counts a device's share of the weights and K/V and, under expert parallelism, the
+experts touched on the busiest device (`device_touched`).
 
 prefill: --prefill-batch prompts of --prefill-len tokens (max_tokens 1, prefix cache
 reset, best of --reps after one warm call); MFU = achieved FLOP/s / the dense bf16
@@ -277,6 +283,39 @@ def fmt_row(row: dict) -> str:
     return " | ".join(parts)
 
 
+def parallel_kwargs(args) -> dict:
+    """The engine's parallelism flags as given (vLLM's names): tensor parallelism over this host's
+    devices, whole experts per device, EPLB and its config."""
+    kw = {}
+    if args.tensor_parallel_size > 1:
+        kw["tensor_parallel_size"] = args.tensor_parallel_size
+    if args.enable_expert_parallel:
+        kw["enable_expert_parallel"] = True
+    if args.enable_eplb:
+        kw["enable_eplb"] = True
+        if args.eplb_config:
+            kw["eplb_config"] = json.loads(args.eplb_config)
+    return kw
+
+
+def device_touched(loads: np.ndarray, runner) -> float:
+    """Distinct (layer, expert) pairs a step read on its busiest device, from the step's rows per
+    logical expert [Lm, E]: all of them on one device or with experts split along F (each device
+    reads its slice of every touched expert, `ModelCost.expert_bytes` is the slice); under expert
+    parallelism without EPLB device d holds experts d * E / N .. (d + 1) * E / N - 1
+    (`parallel/experts.py`), so the floor is the device that touched the most; under EPLB
+    (replicas placed at run time) the mean over devices, a balanced floor."""
+    hit = loads.reshape(loads.shape[0], -1) > 0
+    tp = getattr(runner, "tp", None)
+    if tp is None or not tp.expert_parallel:
+        return float(np.count_nonzero(hit))
+    n = tp.tp
+    if getattr(runner, "eplb", None) is not None:
+        return float(np.count_nonzero(hit)) / n
+    per = hit.reshape(hit.shape[0], n, -1).sum(axis=(0, 2))  # [N]: touched pairs a device
+    return float(per.max())
+
+
 def decode_bench(args) -> dict:
     import jax
 
@@ -294,17 +333,25 @@ def decode_bench(args) -> dict:
     seqs = tuple(sorted({max(b, args.min_bucket) for b in args.batch_size}))
     llm = LLM(random_shape=args.random_shape, dtype="bfloat16", max_model_len=max_len, max_num_seqs=max_b,
               num_gpu_blocks_override=max_b * -(-max_len // 16) + 16, max_num_batched_tokens=max(seqs),
-              token_buckets=seqs, seq_buckets=seqs)  # decode buckets only: fewer start-up compiles
+              token_buckets=seqs, seq_buckets=seqs,  # decode buckets only: fewer start-up compiles
+              **parallel_kwargs(args))
     moe_model.MoeLlama.__init__ = init
     runner = llm.engine.runner
     loads: list = []
-    runner._after_step = lambda aux: loads.append(aux[0]) if aux else None
+    after = runner._after_step  # EPLB's record / rebalance, kept
+
+    def _after(aux):
+        if aux:
+            loads.append(aux[0])
+        after(aux)
+    runner._after_step = _after
     fill_random(runner)
     moe = runner.model_cfg.moe
     cost = ModelCost.of_runner(runner)  # experts as held; touched ones counted per step below
     rng = np.random.default_rng(0)
     chooser = getattr(runner, "gmm_chooser", None)
     res = {"C_bytes_per_s": C, "shape": args.random_shape, "weight_bytes": runner.weight_bytes,
+           "parallel": parallel_kwargs(args), "devices": jax.device_count(),
            "expert_bytes_all": cost.all_expert_bytes, "expert_bytes_one": cost.expert_bytes, "rows": [],
            "gmm_choice": chooser.choice if chooser else None,
            "gmm_timings": chooser.timings if chooser else None}
@@ -313,17 +360,22 @@ def decode_bench(args) -> dict:
         loads.clear()
         r = decode_steps(llm, b, args.input_len, args.num_iters, rng, args.profile_steps,
                          args.profile_dir)
-        touched = [int(np.count_nonzero(np.asarray(jax.device_get(lo)))) for lo in loads[2:args.num_iters]]
+        touched = [device_touched(np.asarray(jax.device_get(lo)), runner) for lo in loads[2:args.num_iters]]
         t_mean = float(np.mean(touched)) if touched else float("nan")
         step = (b, [(1, args.input_len, True)] * b)  # one new token per row at context input_len
         floor = step_cost(cost, step, touched=t_mean)[0] / C
         uniform = step_cost(cost, step)[0] / C
         row = {"batch": b, "ctx": args.input_len, "step_s": r["median_s"], "touched_experts": t_mean,
-               "touched_uniform": cost.touched(b), "touched_of": len(moe.moe_layers) * moe.num_experts,
+               "touched_uniform": cost.touched(b), "touched_of": len(moe.moe_layers) * cost.local_experts,
                "floor_s": floor, "x_floor": r["median_s"] / floor, "floor_uniform_s": uniform}
         res["rows"].append(row)
+        where = ""
+        if runner.tp is not None:
+            n = runner.tp.tp
+            where = (f" a device (mean of {n}: EPLB)" if getattr(runner, "eplb", None) is not None else
+                     f" on the busiest of {n} devices" if runner.tp.expert_parallel else f" ({n} devices, each a slice)")
         print(f"decode b={b} ctx={args.input_len}: {r['median_s'] * 1e3:.2f} ms, floor {floor * 1e3:.2f} ms "
-              f"({row['x_floor']:.2f}x), touched experts {t_mean:.0f} of {row['touched_of']} "
+              f"({row['x_floor']:.2f}x), touched experts{where} {t_mean:.0f} of {row['touched_of']} "
               f"(uniform routing: {row['touched_uniform']:.0f}, floor {uniform * 1e3:.2f} ms)", flush=True)
         if r.get("profile"):
             from trace_stats import print_summary
@@ -345,7 +397,7 @@ def prefill_bench(args) -> dict:
     rows = max(8, B)
     llm = LLM(random_shape=args.random_shape, dtype="bfloat16", max_model_len=n + 16, max_num_seqs=B,
               max_num_batched_tokens=T, token_buckets=(T,), seq_buckets=(rows,),
-              num_gpu_blocks_override=B * -(-(n + 16) // 16) + 16)
+              num_gpu_blocks_override=B * -(-(n + 16) // 16) + 16, **parallel_kwargs(args))
     eng = llm.engine
     m = eng.model_cfg
     cost = ModelCost.of_runner(eng.runner)
@@ -413,6 +465,13 @@ def main() -> None:
                    help="prefill: tokens per step (default: batch x len, at most 8192)")
     p.add_argument("--reps", type=int, default=3, help="prefill: timed calls after the warm one (best)")
     p.add_argument("--spec-tflops", type=float, default=989.4, help="the card's dense bf16 peak (H200)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="decode / prefill: devices of this host (attention tensor-parallel; experts "
+                        "split along their intermediate dim unless --enable-expert-parallel)")
+    p.add_argument("--enable-expert-parallel", action="store_true", help="whole experts per device")
+    p.add_argument("--enable-eplb", action="store_true", help="expert-parallel load balancing")
+    p.add_argument("--eplb-config", default=None,
+                   help='JSON, vLLM\'s names: {"window_size": W, "step_interval": K, "num_redundant_experts": R}')
     p.add_argument("--profile-steps", type=int, default=0,
                    help="decode: this many more steps per batch under jax.profiler (trace_stats.py): "
                         "GPU busy vs wall, kernel time by kind, the costliest kernels")

@@ -8,6 +8,10 @@
 #     JAXLLM_ROPE_WRITE=kernel (head norms, RoPE and the K/V write in one kernel, now over
 #     (token, head group) programs). Before them, `check_moe_kernels.py --cases rope_write` times
 #     the kernel against XLA's path alone. RUNS_A picks the runs (default "split16 split32 rope").
+#   k (~6 min, any Hopper card): issue 17's "batch 64 with fp8 weights and fp8 KV <= 0.6x" of bf16,
+#     never run (gpu_quant.sh's QUANT_EXTRA part never was): Llama-3-8B shape, decode batch 64 at
+#     context 2,048, bf16 and then `--quantization fp8 --kv-cache-dtype fp8`, two processes in one
+#     call, and their ratio.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
@@ -28,5 +32,13 @@ case "${1:-}" in
        echo "rc=$? ($run: $env)"
        grep -E "^decode|^  /device|^    |kernels a step" "$OUT/b1_$run.log" | cut -c1-700
      done ;;
-  *) echo "usage: $0 a" >&2; exit 2 ;;
+  k) for run in bf16 fp8kv; do
+       flag=""; [ $run = fp8kv ] && flag="--quantization fp8 --kv-cache-dtype fp8"
+       XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout -k 10 ${T_Q:-170} python3 scripts/bench_latency.py \
+         --random-shape llama3-8b --input-len 2048 --num-iters 10 --max-num-batched-tokens 64 --batch-size 64 \
+         $flag --output-json "$OUT/b64_$run.json" > "$OUT/b64_$run.log" 2>&1; echo "rc=$? ($run)"
+       grep -A3 "^C = " "$OUT/b64_$run.log" | cut -c1-300
+     done
+     python3 -c "import json; a, b = (json.load(open('$OUT/b64_' + m + '.json'))['rows'][0]['step_s'] for m in ('bf16', 'fp8kv')); print(f'batch 64, fp8 weights + fp8 KV / bf16 step: {b / a:.3f} ({b * 1e3:.2f} / {a * 1e3:.2f} ms; issue 17: <= 0.6)')" ;;
+  *) echo "usage: $0 a|k" >&2; exit 2 ;;
 esac

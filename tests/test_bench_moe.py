@@ -114,3 +114,51 @@ def test_prefill_mfu_counts_active_parameters(tmp_path, monkeypatch):
     assert r["mfu"] == pytest.approx(r["flops"] / r["elapsed_s"] / r["rates"]["matmul_flops_per_s"])
     assert r["flops_basis"] == "active parameters" and r["params_active"] < r["params_total"]
     assert r["compiles_after_warmup"] == 0
+
+
+def test_device_touched_counts_the_busiest_device():
+    """Touched (layer, expert) pairs as a device reads them: all of them on one device or with
+    experts split along F; under expert parallelism the device that touched the most (experts
+    d * E / N .. in a block each); under EPLB the mean over devices."""
+    import numpy as np
+
+    import bench_moe
+
+    loads = np.zeros((2, 8), np.int32)  # 2 MoE layers, 8 experts
+    loads[0, [0, 1, 5]] = 3  # layer 0: experts 0 and 1 (device 0), 5 (device 2)
+    loads[1, [1, 7]] = 1  # layer 1: 1 (device 0), 7 (device 3)
+    one = argparse.Namespace(tp=None)
+    tp = lambda ep: argparse.Namespace(tp=argparse.Namespace(tp=4, expert_parallel=ep), eplb=None)
+    assert bench_moe.device_touched(loads, one) == 5
+    assert bench_moe.device_touched(loads, tp(False)) == 5
+    assert bench_moe.device_touched(loads, tp(True)) == 3  # device 0: (0, 0), (0, 1), (1, 1)
+    eplb = argparse.Namespace(tp=argparse.Namespace(tp=4, expert_parallel=True), eplb=object())
+    assert bench_moe.device_touched(loads, eplb) == 5 / 4
+
+
+@pytest.mark.slow
+def test_decode_under_expert_parallelism_on_four_devices(tmp_path):
+    """bench_moe.py decode -tp 4 --enable-expert-parallel on 4 forced CPU devices: the engine's
+    flags reach it, touched experts are a device's (at most its 2 of 8 experts a layer), no
+    compiles after warm-up; with EPLB too."""
+    import subprocess
+
+    out = tmp_path / "ep.json"
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    base = [sys.executable, os.path.join(ROOT, "scripts", "bench_moe.py"), "decode", "--random-shape",
+            "tiny-moe", "--batch-size", "1", "4", "--input-len", "40", "--num-iters", "6", "--copy-gib",
+            "0.02", "-tp", "4", "--enable-expert-parallel", "--output-json", str(out)]
+    for extra in ([], ["--enable-eplb", "--eplb-config", '{"window_size": 2, "step_interval": 2}']):
+        res = subprocess.run(base + extra, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-3000:]
+        r = json.load(open(out))
+        assert r["devices"] == 4 and r["parallel"]["tensor_parallel_size"] == 4
+        assert r["parallel"].get("enable_eplb", False) == bool(extra)
+        for row in r["rows"]:
+            assert row["touched_of"] == 2 * 2  # 2 MoE layers x a device's 2 of 8 experts (slots)
+            assert 0 < row["touched_experts"] <= row["touched_of"]
+            assert row["floor_s"] > 0
+        assert r["compiles_after_warmup"] == 0
+        if extra:
+            assert "EPLB: rebalanced" in res.stderr + res.stdout

@@ -40,6 +40,19 @@ def test_gemv_matches_the_reference(tiling, rows):
                                rtol=1e-4, atol=1e-4)
 
 
+def test_gemv_partials_sum_to_the_product():
+    """partials=True: the K splits' float32 partials [S, M, N] unsummed; refused without a split."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((2, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((64, 96)) / 8, jnp.bfloat16)
+    parts = gemv.gemv(x, w, SMALL[1], interpret=True, partials=True)
+    assert parts.shape == (2, 2, 96) and parts.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(parts.sum(0)), np.asarray(gemv.gemv_ref(x, w, jnp.float32)),
+                               rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="without a K split"):
+        gemv.gemv(x, w, SMALL[0], interpret=True, partials=True)
+
+
 def test_gemv_refuses_what_it_cannot_take():
     t = SMALL[0]
     assert gemv.unsupported((3, 64), (64, 96), t) == "3 rows (1..2)"

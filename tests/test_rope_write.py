@@ -59,6 +59,26 @@ def test_matches_the_model_path(T, H, K, D, dtype, norm):
         assert same > 0.97, same
 
 
+@pytest.mark.parametrize("S", [2, 4])
+def test_split_k_partials_are_summed_as_the_projection_rounds_them(S):
+    """qkv as a gemv's float32 split-K partials [S, T, C]: the kernel sums them, rounds to the
+    pages' bf16 (as the projection's output) and matches the kernel on that rounded qkv."""
+    T, H, K, D = 3, 8, 2, 64
+    _, _, _, qn, kn, pages, pos, slots, inv = _case(T, H, K, D, jnp.bfloat16, seed=S)
+    rng = np.random.default_rng(S)
+    parts = jnp.asarray(rng.standard_normal((S, T, (H + 2 * K) * D)), jnp.float32)
+    qkv = parts.sum(0).astype(jnp.bfloat16)
+    layer = jnp.int32(0)
+    run = lambda a: rw.rope_write(a, (H, K), qn, kn, 1e-6, pos, inv, pages + 0, layer, slots, interpret=True)
+    assert rw.fits(parts, D, pages) and not rw.fits(parts.astype(jnp.bfloat16), D, pages)
+    got_q, got_pages = run(parts)
+    want_q, want_pages = run(qkv)
+    assert got_q.dtype == jnp.bfloat16
+    real = np.asarray(pos) >= 0
+    np.testing.assert_array_equal(np.asarray(got_q, np.float32)[real], np.asarray(want_q, np.float32)[real])
+    np.testing.assert_array_equal(np.asarray(got_pages, np.float32), np.asarray(want_pages, np.float32))
+
+
 def test_where_it_declines():
     """Quantized pages, more than MAX_TOKENS tokens, a head dim that is no power of two, a
     model without head norms (`rope_write_small`: XLA's kernels are as few there)."""
@@ -110,6 +130,38 @@ def test_qwen3_engine_keeps_greedy_ids(monkeypatch):
     assert any(calls)  # the decode steps went through the kernel
 
 
+@pytest.mark.slow
+def test_qwen3_engine_with_gemv_partials_keeps_greedy_ids(monkeypatch):
+    """A two-token bucket whose q/k/v projection is a gemv with a K split hands its float32
+    partials to the kernel (no sum of its own) and the engine still gives HF's greedy ids."""
+    from hf_tiny import hf_greedy, make, make_llm, random_prompts, unrolled_layers
+
+    from jaxllm import SamplingParams
+    from jaxllm.kernels import gemv
+    from jaxllm.models import gemv_choice, llama
+
+    unrolled_layers(monkeypatch)
+    t = gemv.Tiling(block_n=32, block_k=16, k_splits=2)
+    monkeypatch.setattr(gemv_choice, "tiling_for", lambda rows, w: t if rows <= gemv.MAX_ROWS and t.fits(
+        w.shape[0], int(np.prod(w.shape[1:]))) else None)
+    seen = []
+
+    def hook(qkv, *a):
+        seen.append(qkv.ndim)
+        return rw.rope_write_small(qkv, *a)
+
+    init = llama.Llama.__init__
+    monkeypatch.setattr(llama.Llama, "__init__", lambda self, *a, **kw: init(
+        self, *a, **{**kw, "rope_write_fn": hook}))
+    model, cfg, sd = make("qwen3")
+    llm = make_llm((cfg, sd), token_buckets=(2, 64), seq_buckets=(2, 8), max_model_len=128)
+    prompt = random_prompts(1, cfg["vocab_size"], 5, 9, seed=3)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = llm.generate([prompt], greedy, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(model, prompt, 6)
+    assert 3 in seen  # the decode bucket's partials reached the kernel
+
+
 def test_lowers_for_cuda():
     T, H, K, D = 8, 32, 4, 128
     sd = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
@@ -119,4 +171,8 @@ def test_lowers_for_cuda():
     i32 = jax.ShapeDtypeStruct((T,), jnp.int32)
     text = f.trace(sd(T, (H + 2 * K) * D), sd(D), sd(D), sd(48, 2, K, 64, 16, D),
                    i32, i32).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jaxllm_rope_write" in text
+    parts = jax.ShapeDtypeStruct((4, T, (H + 2 * K) * D), jnp.float32)  # a gemv's split-K partials
+    text = f.trace(parts, sd(D), sd(D), sd(48, 2, K, 64, 16, D), i32, i32).lower(
+        lowering_platforms=("cuda",)).as_text()
     assert "jaxllm_rope_write" in text

@@ -85,8 +85,10 @@ def unsupported(x_shape: tuple[int, ...], w_shape: tuple[int, ...], t: Tiling) -
 
 
 def gemv(x: jax.Array, w: jax.Array, tiling: Tiling = TILINGS[0], out_dtype=None,
-         interpret: bool | None = None) -> jax.Array:
-    """x [M, K] (M <= MAX_ROWS) @ w [K, N] -> [M, N] in `out_dtype` (default x's), float32 sums."""
+         interpret: bool | None = None, partials: bool = False) -> jax.Array:
+    """x [M, K] (M <= MAX_ROWS) @ w [K, N] -> [M, N] in `out_dtype` (default x's), float32 sums.
+    `partials` (a tiling with k_splits > 1): the K splits' float32 partials [k_splits, M, N]
+    unsummed, for a consumer that sums them as it loads (`rope_write.rope_write`)."""
     why = unsupported(x.shape, w.shape, tiling)
     if why:
         raise ValueError(f"gemv: {why}")
@@ -104,4 +106,8 @@ def gemv(x: jax.Array, w: jax.Array, tiling: Tiling = TILINGS[0], out_dtype=None
         interpret=interpret,
         name="jaxllm_gemv",
     )(x, w)
+    if partials:
+        if t.k_splits == 1:
+            raise ValueError(f"gemv: partials of {t.name}, a tiling without a K split")
+        return out
     return out.sum(axis=0).astype(out_dtype) if t.k_splits > 1 else out

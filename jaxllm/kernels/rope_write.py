@@ -41,10 +41,14 @@ Q_HEADS = 8  # q heads a program (a power of two); each k/v head pair has a prog
 
 
 def fits(qkv: jax.Array, head_dim: int, kv_pages: jax.Array) -> bool:
-    """Plain pages of qkv's dtype, head dim a power of two >= 32, up to MAX_TOKENS tokens."""
+    """Plain pages of qkv's dtype (or qkv float32 split-K partials [S, T, C], S a power of two),
+    head dim a power of two >= 32, up to MAX_TOKENS tokens."""
     D = head_dim
-    return (qkv.ndim == 2 and qkv.shape[0] <= MAX_TOKENS and kv_pages.dtype == qkv.dtype
-            and kv_pages.shape[-1] == D and D >= 32 and D & (D - 1) == 0)
+    plain = qkv.ndim == 2 and kv_pages.dtype == qkv.dtype
+    split = (qkv.ndim == 3 and qkv.dtype == jnp.float32 and qkv.shape[0] & (qkv.shape[0] - 1) == 0
+             and jnp.issubdtype(kv_pages.dtype, jnp.floating) and kv_pages.dtype.itemsize == 2)
+    return ((plain or split) and qkv.shape[-2] <= MAX_TOKENS and kv_pages.shape[-1] == D
+            and D >= 32 and D & (D - 1) == 0)
 
 
 def enabled() -> bool:
@@ -66,20 +70,26 @@ def rope_write_small(qkv, heads, q_norm, k_norm, eps, positions, inv_freq, kv_pa
                       slot_mapping)
 
 
-def _heads(ref, t, base: int, first, n: int, n_pad: int, half: int, hi: int):
+def _heads(ref, t, base: int, first, n: int, n_pad: int, half: int, hi: int, dt):
     """[n_pad, half] float32: columns [hi * half, (hi + 1) * half) of heads first .. first + n_pad
-    (clamped to the n heads) of token t's row, whose heads start at column `base`."""
+    (clamped to the n heads) of token t's row, whose heads start at column `base`. A ref of
+    float32 split-K partials [S, T, C] is summed over S and rounded to `dt` (the projection's
+    output dtype, as the model's path rounds it)."""
     h = first + jnp.arange(n_pad, dtype=jnp.int32)
     j = jnp.arange(half, dtype=jnp.int32)
     cols = base + jnp.minimum(h, n - 1)[:, None] * (2 * half) + hi * half + j[None, :]
-    return plt.load(ref.at[t, cols]).astype(jnp.float32)
+    if len(ref.shape) == 2:
+        return plt.load(ref.at[t, cols]).astype(jnp.float32)
+    s = jnp.arange(ref.shape[0], dtype=jnp.int32)
+    part = plt.load(ref.at[s[:, None, None], t, cols[None, :, :]])  # [S, n_pad, half]
+    return jnp.sum(part, axis=0).astype(dt).astype(jnp.float32)
 
 
 def _norm_rope(ref, w_ref, t, base: int, first, n: int, n_pad: int, half: int, cos, sin,
                eps: float, dt):
     """Heads first .. first + n_pad of token t normalised (w_ref None: not) and rotated: two
     [n_pad, half] halves."""
-    x1, x2 = (_heads(ref, t, base, first, n, n_pad, half, hi) for hi in (0, 1))
+    x1, x2 = (_heads(ref, t, base, first, n, n_pad, half, hi, dt) for hi in (0, 1))
     if w_ref is not None:
         j = jnp.arange(half, dtype=jnp.int32)
         r = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / (2 * half) + eps)
@@ -125,7 +135,7 @@ def _kernel(pos_ref, slot_ref, layer_ref, inv_ref, x_ref, *refs, H: int, K: int,
         kh = g - groups
         hk = kh + jnp.arange(1, dtype=jnp.int32)
         k1, k2 = _norm_rope(x_ref, kw_ref, t, H * D, kh, K, 1, half, cos, sin, eps, dt)
-        v1, v2 = (_heads(x_ref, t, (H + K) * D, kh, K, 1, half, hi).astype(dt) for hi in (0, 1))
+        v1, v2 = (_heads(x_ref, t, (H + K) * D, kh, K, 1, half, hi, dt).astype(dt) for hi in (0, 1))
         for which, hi, part in ((0, 0, k1), (0, 1, k2), (1, 0, v1), (1, 1, v2)):
             plt.store(kv_ref.at[layer, which, hk[:, None], page, off, hi * half + j[None, :]], part)
 
@@ -136,8 +146,10 @@ def rope_write(qkv: jax.Array, heads: tuple[int, int], q_norm: jax.Array | None,
                interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """qkv [T, (H + 2K) D] (q's H heads, k's K, v's K), heads (H, K) -> (q normed and roped
     [T, H, D], kv_pages with each token's k (normed, roped) and v written at its slot of
-    `layer`). q_norm / k_norm [D] or None (no head norm)."""
-    (T, C), (H, K), D = qkv.shape, heads, kv_pages.shape[-1]
+    `layer`). q_norm / k_norm [D] or None (no head norm). qkv may also be the q/k/v projection's
+    float32 split-K partials [S, T, (H + 2K) D] (`gemv.gemv(..., partials=True)`), summed here
+    and rounded to the pages' dtype as the projection's output would be: no kernel sums them."""
+    (T, C), (H, K), D = qkv.shape[-2:], heads, kv_pages.shape[-1]
     if not fits(qkv, D, kv_pages) or C != (H + 2 * K) * D:
         raise ValueError(f"rope_write does not take qkv {qkv.shape} {qkv.dtype}, heads {heads}, "
                          f"pages {kv_pages.dtype} [..., {kv_pages.shape[-1]}] (`rope_write.fits`)")
@@ -152,7 +164,7 @@ def rope_write(qkv: jax.Array, heads: tuple[int, int], q_norm: jax.Array | None,
         functools.partial(_kernel, H=H, K=K, half=D // 2, page_size=kv_pages.shape[-2],
                           eps=float(eps), norm=norm),
         grid=(T, pl.cdiv(H, q_heads_per_program(H)) + K),
-        out_shape=(jax.ShapeDtypeStruct((T, H, D), qkv.dtype),
+        out_shape=(jax.ShapeDtypeStruct((T, H, D), kv_pages.dtype),
                    jax.ShapeDtypeStruct(kv_pages.shape, kv_pages.dtype)),
         input_output_aliases={len(args) - 1: 1},
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),

@@ -200,6 +200,10 @@ class Llama(nnx.Module):
         scale = w.get("kv_scale", jnp.ones((2,), jnp.float32))  # fp8 pages: (k, v) scales
         if "wqkv" in w:  # fused (the unrolled layout, `fuse_layer`): one matmul, shard-major columns
             wqkv = w["wqkv"]
+            done = self._rope_write_partials(h, w, kv_pages, layer, md, inv_freq)
+            if done is not None:
+                q, kv_pages = done
+                return x + self._attend(q, kv_pages, layer, md, w, False, None), kv_pages, scale
             qkv = linear(h, wqkv, "te,esp->tsp") if isinstance(wqkv, jax.Array) else (h @ wqkv)[:, None]
             if cfg.qkv_bias:
                 qkv = qkv + w["bqkv"]
@@ -233,6 +237,22 @@ class Llama(nnx.Module):
             q, k, v = (kv_quant.rotate(a, rot) for a in (q, k, v))
         kv_pages = write_kv(kv_pages, layer, k, v, md.slot_mapping)
         return x + self._attend(q, kv_pages, layer, md, w, fp8, rot, scale), kv_pages, scale
+
+    def _rope_write_partials(self, h, w, kv_pages, layer, md, inv_freq):
+        """(q, kv_pages) when the q/k/v projection is a measured gemv with a K split
+        (`gemv_choice`) and `rope_write_fn` takes its float32 partials as they are: the split
+        sum goes into that kernel, no kernel of its own. Else None (the projection as usual)."""
+        cfg, wqkv = self.cfg, w["wqkv"]
+        if (self.rope_write_fn is None or cfg.qkv_bias or not isinstance(wqkv, jax.Array)
+                or wqkv.ndim != 3 or wqkv.shape[1] != 1):
+            return None
+        tiling = gemv_choice.tiling_for(h.shape[0], wqkv)
+        if tiling is None or tiling.k_splits == 1:
+            return None
+        parts = gemv.gemv(h, wqkv.reshape(wqkv.shape[0], -1), tiling, partials=True)  # [S, T, C]
+        norms = (w["q_norm"], w["k_norm"]) if cfg.qk_norm else (None, None)
+        return self.rope_write_fn(parts, (cfg.num_heads, cfg.num_kv_heads), *norms, cfg.rms_norm_eps,
+                                  md.positions, inv_freq, kv_pages, layer, md.slot_mapping)
 
     def _attend(self, q, kv_pages, layer, md, w, fp8: bool, rot, scale=None) -> jax.Array:
         """Attention over the written pages and the o projection: [T, E]."""
