@@ -8,6 +8,8 @@
 #   q (~8 min): Qwen3-30B-A3B shape, decode batch 1 and 64 at context 2,048: experts split along
 #     F (vLLM's default without the flag) and whole experts a device (--enable-expert-parallel),
 #     then prefill 8 x 2,048 with expert parallelism (MFU on the active parameters).
+#   p (~5 min): float32 greedy ids of a four-layer Qwen3-30B-A3B-shaped model at tp 1, tp N and
+#     tp N with expert parallelism must be identical (`gpu_tp_parity.py --ep`).
 #   m (~8 min): Mixtral-8x7B shape (94 GB bf16: 47 GB a device at TP 2) decode batch 1 and 64
 #     with expert parallelism, then with EPLB (one redundant slot a device, rebalanced every 8 steps).
 set -u
@@ -34,5 +36,7 @@ case "${1:-}" in
      dec mixtral_ep "${T1:-260}" $D
      dec mixtral_eplb "${T2:-260}" $D --enable-eplb \
        --eplb-config "{\"window_size\": 8, \"step_interval\": 8, \"num_redundant_experts\": $TP}" ;;
-  *) echo "usage: TP=N $0 q|m" >&2; exit 2 ;;
+  p) timeout -k 10 ${T1:-300} python3 scripts/gpu_tp_parity.py --tp 1 "$TP" --shapes qwen3-moe-4l --ep \
+       2>&1 | tee "$OUT/ep_parity.log" | grep -E "^\{|Error" | cut -c1-400; echo "rc=${PIPESTATUS[0]}" ;;
+  *) echo "usage: TP=N $0 q|p|m" >&2; exit 2 ;;
 esac
