@@ -11,6 +11,11 @@
 #     padding row, so the direct expert kernels launch no dead slots, and the one-row dense
 #     linears can take `kernels/gemv.py` where the warm-up measures it faster than XLA's
 #     padded-to-two GEMM). RUNS_A picks the runs (default "split16 split32 rope bucket1").
+#   l (~4 min, an H200 for issue 14's figure): the Llama-3-8B batch-1 step at context 2,048
+#     (issue 14: <= 1.15x the floor on an H200; 1.08x on session 33's H100), the default and with
+#     JAXLLM_ROPE_WRITE=all (RoPE and the K/V write of a model without head norms in one kernel:
+#     the same 426 kernels a step as XLA's under jax 0.10, where the K/V write was one scatter;
+#     jax 0.11.2 compiled it as two on session 37's H200), three steps profiled each.
 #   k (~6 min, any Hopper card): issue 17's "batch 64 with fp8 weights and fp8 KV <= 0.6x" of bf16,
 #     never run (gpu_quant.sh's QUANT_EXTRA part never was): Llama-3-8B shape, decode batch 64 at
 #     context 2,048, bf16 and then `--quantization fp8 --kv-cache-dtype fp8`, two processes in one
@@ -45,5 +50,12 @@ case "${1:-}" in
        grep -A3 "^C = " "$OUT/b64_$run.log" | cut -c1-300
      done
      python3 -c "import json; a, b = (json.load(open('$OUT/b64_' + m + '.json'))['rows'][0]['step_s'] for m in ('bf16', 'fp8kv')); print(f'batch 64, fp8 weights + fp8 KV / bf16 step: {b / a:.3f} ({b * 1e3:.2f} / {a * 1e3:.2f} ms; issue 17: <= 0.6)')" ;;
-  *) echo "usage: $0 a|k" >&2; exit 2 ;;
+  l) for run in xla all; do
+       JAXLLM_ROPE_WRITE=$run XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout -k 10 ${T_L:-120} python3 \
+         scripts/bench_latency.py --random-shape llama3-8b --input-len 2048 --num-iters 10 \
+         --max-num-batched-tokens 64 --batch-size 1 --profile-steps 3 --output-json "$OUT/b1_8b_$run.json" \
+         > "$OUT/b1_8b_$run.log" 2>&1; echo "rc=$? (JAXLLM_ROPE_WRITE=$run)"
+       grep -A4 "^C = " "$OUT/b1_8b_$run.log" | cut -c1-300; grep -iE "busy|kernels" "$OUT/b1_8b_$run.log" | cut -c1-600 | head -3
+     done ;;
+  *) echo "usage: $0 a|l|k" >&2; exit 2 ;;
 esac

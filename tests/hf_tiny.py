@@ -14,8 +14,9 @@ def make(arch: str, seed: int = 0):
     import transformers as tf
 
     torch.manual_seed(seed)
-    if arch == "llama3":
-        cfg = tf.LlamaConfig(**TINY, rope_theta=500000.0, rope_scaling={
+    if arch in ("llama3", "llama3_d32"):  # d32: head dim 32 (kernels taking D >= 32)
+        extra = dict(head_dim=32) if arch == "llama3_d32" else {}
+        cfg = tf.LlamaConfig(**TINY, **extra, rope_theta=500000.0, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64})
         model = tf.LlamaForCausalLM(cfg)

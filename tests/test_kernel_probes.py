@@ -62,3 +62,14 @@ def test_models_the_kernels_never_take_pass_unprobed(monkeypatch):
     cfg = _cfg(True)
     wide = dataclasses.replace(cfg, moe=dataclasses.replace(cfg.moe, top_k=3))  # no power of two
     assert kernel_probes.router_ok(wide, jnp.float32)
+
+
+def test_without_head_norms_the_probe_runs_under_mode_all(monkeypatch):
+    """JAXLLM_ROPE_WRITE=all: a model without head norms takes the kernel, so the probe checks it
+    (RoPE and the K/V write against XLA's) and a wrong kernel is refused."""
+    monkeypatch.setenv("JAXLLM_ROPE_WRITE", "all")
+    plain = dataclasses.replace(_cfg(False), qk_norm=False)
+    assert kernel_probes.rope_write_ok(plain, jnp.float32, 16)
+    real = rope_write.rope_write
+    monkeypatch.setattr(rope_write, "rope_write", lambda *a, **k: (lambda q, p: (q * 2, p))(*real(*a, **k)))
+    assert not kernel_probes.rope_write_ok(plain, jnp.float32, 16)

@@ -79,9 +79,10 @@ def test_split_k_partials_are_summed_as_the_projection_rounds_them(S):
     np.testing.assert_array_equal(np.asarray(got_pages, np.float32), np.asarray(want_pages, np.float32))
 
 
-def test_where_it_declines():
+def test_where_it_declines(monkeypatch):
     """Quantized pages, more than MAX_TOKENS tokens, a head dim that is no power of two, a
-    model without head norms (`rope_write_small`: XLA's kernels are as few there)."""
+    model without head norms (`rope_write_small`: XLA's kernels are as few there under jax 0.10)
+    unless JAXLLM_ROPE_WRITE=all; a bad mode names the variable."""
     qkv = jnp.zeros((4, 12 * 64), jnp.bfloat16)
     pages = jnp.zeros((1, 2, 2, 4, 4, 64), jnp.bfloat16)
     assert rw.fits(qkv, 64, pages)
@@ -95,6 +96,12 @@ def test_where_it_declines():
     norm = jnp.ones(64, jnp.bfloat16)
     assert rw.rope_write_small(qkv, (8, 2), None, None, *args) is None
     assert rw.rope_write_small(qkv, (8, 2), norm, norm, *args) is not None
+    monkeypatch.setenv("JAXLLM_ROPE_WRITE", "all")
+    assert rw.rope_write_small(qkv, (8, 2), None, None, *args) is not None
+    monkeypatch.setenv("JAXLLM_ROPE_WRITE", "on")
+    with pytest.raises(ValueError, match="JAXLLM_ROPE_WRITE"):
+        rw.enabled()
+    monkeypatch.delenv("JAXLLM_ROPE_WRITE")
     with pytest.raises(ValueError, match="rope_write"):
         rw.rope_write(qkv, (8, 2), None, None, *args[:3], pages.astype(jnp.float8_e4m3fn), *args[4:])
     with pytest.raises(ValueError, match="heads"):
@@ -102,15 +109,18 @@ def test_where_it_declines():
 
 
 @pytest.mark.slow
-def test_qwen3_engine_keeps_greedy_ids(monkeypatch):
+@pytest.mark.parametrize("arch,mode", [("qwen3", "kernel"), ("llama3_d32", "all")])
+def test_engine_keeps_greedy_ids(monkeypatch, arch, mode):
     """The engine on a tiny Qwen3 (head norms, head dim 32) with the kernel as its head norm, RoPE
-    and K/V write (the unrolled layout's fused q/k/v, as on a GPU) gives HF's greedy ids."""
+    and K/V write (the unrolled layout's fused q/k/v, as on a GPU) gives HF's greedy ids; so does
+    a tiny Llama-3 (no head norms) under JAXLLM_ROPE_WRITE=all."""
     from hf_tiny import hf_greedy, make, make_llm, random_prompts, unrolled_layers
 
     from jaxllm import SamplingParams
     from jaxllm.models import llama
 
     unrolled_layers(monkeypatch)
+    monkeypatch.setenv("JAXLLM_ROPE_WRITE", mode)
     calls = []
 
     def hook(*a):
@@ -121,7 +131,7 @@ def test_qwen3_engine_keeps_greedy_ids(monkeypatch):
     init = llama.Llama.__init__
     monkeypatch.setattr(llama.Llama, "__init__", lambda self, *a, **kw: init(
         self, *a, **{**kw, "rope_write_fn": hook}))
-    model, cfg, sd = make("qwen3")
+    model, cfg, sd = make(arch)
     llm = make_llm((cfg, sd), token_buckets=(8, 64), max_model_len=128)
     prompts = random_prompts(3, cfg["vocab_size"], 3, 70, seed=5)
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

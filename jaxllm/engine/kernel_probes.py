@@ -70,8 +70,10 @@ def xla_rope_write(qkv, heads: tuple[int, int], q_norm, k_norm, eps: float, posi
 
     (H, K), (T, _), D = heads, qkv.shape, kv_pages.shape[-1]
     q, k, v = jnp.split(qkv, [H * D, (H + K) * D], axis=1)
-    q = apply_rope(rms_norm(q.reshape(T, H, D), q_norm, eps), positions, inv_freq)
-    k = apply_rope(rms_norm(k.reshape(T, K, D), k_norm, eps), positions, inv_freq)
+    q, k = q.reshape(T, H, D), k.reshape(T, K, D)
+    if q_norm is not None:  # models without head norms (Llama): RoPE only
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     return q, write_kv(kv_pages, layer, k, v.reshape(T, K, D), slot_mapping)
 
 
@@ -80,7 +82,7 @@ def rope_write_ok(cfg: ModelConfig, dtype, page_size: int) -> bool:
     from jaxllm.kernels import rope_write
     from jaxllm.models.llama import rope_inv_freq
 
-    if not cfg.qk_norm:
+    if not cfg.qk_norm and rope_write.mode() != "all":
         return True  # never taken (`rope_write_small`)
     Hq, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     pages = jnp.zeros((2, 2, K, 4, page_size, D), dtype)
@@ -90,6 +92,8 @@ def rope_write_ok(cfg: ModelConfig, dtype, page_size: int) -> bool:
     rng = np.random.default_rng(1)
     qkv = jnp.asarray(rng.standard_normal(qkv.shape), dtype)
     qn, kn = (jnp.asarray(rng.standard_normal(D) * 0.1 + 1, dtype) for _ in range(2))
+    if not cfg.qk_norm:
+        qn = kn = None
     real = jnp.arange(TOKENS) < REAL
     pos = jnp.where(real, 100 + 37 * jnp.arange(TOKENS), -1).astype(jnp.int32)
     slots = jnp.where(real, 3 * jnp.arange(TOKENS), -1).astype(jnp.int32)

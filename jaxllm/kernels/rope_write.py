@@ -51,20 +51,26 @@ def fits(qkv: jax.Array, head_dim: int, kv_pages: jax.Array) -> bool:
             and D >= 32 and D & (D - 1) == 0)
 
 
-def enabled() -> bool:
-    """JAXLLM_ROPE_WRITE: "kernel" takes decode-sized steps on one GPU here, "xla" (default) keeps
-    XLA's fusions throughout: on an H100 (session 34, `check_moe_kernels.py`) the kernel took
-    3-4 us more than XLA's fusions a call."""
+def mode() -> str:
+    """JAXLLM_ROPE_WRITE: "kernel" takes decode-sized steps of models with q/k head norms (Qwen3)
+    on one GPU here, "all" those of models without them too (Llama: RoPE and the K/V write, where
+    jax 0.11.2 compiled the write as two scatters a layer, session 37's H200 profile), "xla"
+    (default) keeps XLA's fusions throughout: on an H100 (session 34, `check_moe_kernels.py`) the
+    one-program-a-token kernel took 3-4 us more than XLA's fusions a call."""
     from jaxllm.envs import env_choice
-    return env_choice("JAXLLM_ROPE_WRITE", "xla", ("kernel", "xla")) == "kernel"
+    return env_choice("JAXLLM_ROPE_WRITE", "xla", ("kernel", "all", "xla"))
+
+
+def enabled() -> bool:
+    return mode() != "xla"
 
 
 def rope_write_small(qkv, heads, q_norm, k_norm, eps, positions, inv_freq, kv_pages, layer,
                      slot_mapping) -> tuple[jax.Array, jax.Array] | None:
-    """`rope_write` where it takes the step (`fits`) and the model has head norms, else None: the
-    model's `rope_write_fn` hook. Without head norms XLA compiles the same work into as many
-    kernels (q's RoPE; the KV scatter with k's), so the measured path stays."""
-    if q_norm is None or not fits(qkv, kv_pages.shape[-1], kv_pages):
+    """`rope_write` where it takes the step (`fits`) and the model has head norms (or `mode()` is
+    "all"), else None: the model's `rope_write_fn` hook. Without head norms XLA compiled the same
+    work into as many kernels under jax 0.10 (q's RoPE; the KV scatter with k's)."""
+    if (q_norm is None and mode() != "all") or not fits(qkv, kv_pages.shape[-1], kv_pages):
         return None
     return rope_write(qkv, heads, q_norm, k_norm, eps, positions, inv_freq, kv_pages, layer,
                       slot_mapping)
