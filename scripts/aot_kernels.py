@@ -122,8 +122,8 @@ def compile_step(args, topo) -> dict:
 
     from jaxllm.engine.device_batch import Batch
     from jaxllm.engine.runner import ModelRunner, pick_attention
-    from jaxllm.kernels import kv_quant
-    from jaxllm.models import registry
+    from jaxllm.kernels import gemv, kv_quant
+    from jaxllm.models import gemv_choice, registry
     from jaxllm.models.params import set_value, value
     from jaxllm.models.shapes import get_shape
     from jaxllm.quantization import choice
@@ -176,20 +176,12 @@ def compile_step(args, topo) -> dict:
     T, R = args.tokens, args.rows or args.tokens
     if args.quantization:
         pick_paths(choice, (params, layer_params), [T], args.path)
-    if args.gemv is not None:  # every dense linear's shape at this bucket takes the tiling
-        from jaxllm.kernels import gemv
-        from jaxllm.models import gemv_choice
-        import math
-        t = gemv.BY_NAME[args.gemv]
-        for layer in layer_params or ():  # (shapes only here: `dense_shapes` wants arrays)
-            for name in gemv_choice.LINEARS:
-                w = layer.get(name)
-                if w is not None and len(w.shape) >= 2 and T <= gemv.MAX_ROWS:
-                    K, N = w.shape[0], math.prod(w.shape[1:])
-                    if t.fits(K, N) and not hasattr(w, "qvalue"):
-                        gemv_choice._CHOICE[(K, N, T, str(w.dtype))] = t.name
         if choice.NK_LAYOUTS:
             params, layer_params = jax.eval_shape(choice.relayout, (params, layer_params))
+    if args.gemv is not None and T <= gemv.MAX_ROWS:  # every dense linear at this bucket takes it
+        for K, N, dt in gemv_choice.dense_shapes(layer_params):
+            if gemv.BY_NAME[args.gemv].fits(K, N):
+                gemv_choice._CHOICE[(K, N, T, dt)] = args.gemv
 
     r = ModelRunner.__new__(ModelRunner)
     r.graphdef, r.dtype, r.block_size, r.tp, r.calibrate_kv = graphdef, dtype, args.block_size, None, False

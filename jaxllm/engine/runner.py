@@ -154,7 +154,8 @@ class ModelRunner(PoolSizing, Warmup):
             if capture:
                 m.capture = capture
             m.calibrate_kv = self.calibrate_kv
-            # MoE models may return per-expert loads (EPLB, or a benchmark's touched-expert count)
+            # MoE models may return per-expert loads (EPLB's hooks ask for them; a benchmark's
+            # touched-expert count too): one more output of the step
             self.count_loads = bool(getattr(m, "count_loads", False))
             return m
         if self.tp is not None:
@@ -242,7 +243,7 @@ class ModelRunner(PoolSizing, Warmup):
             fn = functools.partial(self._step_flat) if fresh else self._step_flat
             return jax.jit(fn, donate_argnums=(1,), compiler_options=options or None)
         return self.tp.jit_step(self._step_flat, self.flat_params, compiler_options=options or None,
-                                num_aux=(1 if self.eplb or self.count_loads else 0) + (1 if self.capture else 0)
+                                num_aux=(1 if self.count_loads else 0) + (1 if self.capture else 0)
                                 + (1 if self.calibrate_kv else 0))
 
     def _step_flat(self, flat_params: list[jax.Array], kv_pages, batch: Batch, prev_ids: jax.Array):

@@ -43,12 +43,13 @@ def tiling_for(rows: int, w: jax.Array) -> gemv.Tiling | None:
 
 
 def dense_shapes(layers) -> set[tuple[int, int, str]]:
-    """(K, N, dtype) of every dense linear in per-layer weight dicts (quantized ones excluded)."""
+    """(K, N, dtype) of every dense linear in per-layer weight dicts (quantized ones excluded):
+    arrays, or their shapes (`jax.eval_shape`, as scripts/aot_kernels.py has them)."""
     out = set()
     for layer in layers or ():
         for name in LINEARS:
             w = layer.get(name) if isinstance(layer, dict) else None
-            if isinstance(w, jax.Array) and w.ndim >= 2:
+            if isinstance(w, (jax.Array, jax.ShapeDtypeStruct)) and w.ndim >= 2:
                 out.add((w.shape[0], math.prod(w.shape[1:]), str(w.dtype)))
     return out
 
