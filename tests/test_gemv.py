@@ -1,5 +1,5 @@
 """The one- and two-row dense product (kernels/gemv.py) against x @ w in Pallas' interpreter on the
-CPU, its lowering for cuda, the warm-up's choice (models/gemv_choice.py) and `llama.linear` taking
+CPU, its lowering for cuda, the warm-up's choice (models/gemv_choice.py) and `linear.linear` taking
 it, through the engine for HF's greedy ids."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxllm.kernels import gemv
-from jaxllm.models import gemv_choice, llama
+from jaxllm.models import gemv_choice, linear
 
 SMALL = (gemv.Tiling(block_n=32, block_k=16, k_splits=1), gemv.Tiling(block_n=16, block_k=16, k_splits=2))
 
@@ -73,7 +73,7 @@ def test_gemv_lowers_to_triton(tiling):
 
 
 def test_linear_takes_the_measured_tiling(monkeypatch):
-    """`llama.linear`: a (K, N, rows) the warm-up chose goes through gemv, with an einsum spec's
+    """`linear.linear`: a (K, N, rows) the warm-up chose goes through gemv, with an einsum spec's
     weight flattened to [K, N] and the result shaped back; other row counts keep XLA's dot."""
     rng = np.random.default_rng(3)
     x2 = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
@@ -84,12 +84,12 @@ def test_linear_takes_the_measured_tiling(monkeypatch):
     monkeypatch.setitem(gemv.BY_NAME, SMALL[1].name, SMALL[1])
     want = jnp.einsum("te,esp->tsp", x2, w)
     gemv_choice._CHOICE[(64, 96, 2, "float32")] = SMALL[1].name
-    got = llama.linear(x2, w, "te,esp->tsp")
+    got = linear.linear(x2, w, "te,esp->tsp")
     assert calls == [SMALL[1].name] and got.shape == (2, 1, 96)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    llama.linear(x2[:1], w, "te,esp->tsp")  # one row: not measured, XLA's dot
+    linear.linear(x2[:1], w, "te,esp->tsp")  # one row: not measured, XLA's dot
     assert calls == [SMALL[1].name]
-    assert llama.linear(x2, w[:, 0], out_dtype=jnp.float32).shape == (2, 96) and len(calls) == 2
+    assert linear.linear(x2, w[:, 0], out_dtype=jnp.float32).shape == (2, 96) and len(calls) == 2
 
 
 def test_measure_keeps_a_tiling_only_when_clearly_faster(monkeypatch):

@@ -1,5 +1,5 @@
 """q/k head RMSNorm, RoPE and the K/V write in one kernel (kernels/rope_write.py) against the
-model's own path (`llama.rms_norm`, `llama.apply_rope`, `ref.write_kv`), in Pallas' interpreter
+model's own path (`llama.rms_norm`, `rope.apply_rope`, `ref.write_kv`), in Pallas' interpreter
 on the CPU: with and without head norms, head counts that are no power of two, padding tokens,
 a page pool written in place; where it declines; lowered for cuda."""
 
@@ -12,7 +12,8 @@ import pytest
 
 from jaxllm.kernels import rope_write as rw
 from jaxllm.kernels.ref import write_kv
-from jaxllm.models.llama import apply_rope, rms_norm
+from jaxllm.models.llama import rms_norm
+from jaxllm.models.rope import apply_rope
 
 
 def _case(T, H, K, D, dtype, seed, L=2, P=6, S=4):

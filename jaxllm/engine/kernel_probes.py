@@ -66,7 +66,8 @@ def xla_rope_write(qkv, heads: tuple[int, int], q_norm, k_norm, eps: float, posi
     `llama.rms_norm` of the heads, `apply_rope`, `ref.write_kv` (the probe's reference and
     scripts/check_moe_kernels.py's)."""
     from jaxllm.kernels.ref import write_kv
-    from jaxllm.models.llama import apply_rope, rms_norm
+    from jaxllm.models.llama import rms_norm
+    from jaxllm.models.rope import apply_rope
 
     (H, K), (T, _), D = heads, qkv.shape, kv_pages.shape[-1]
     q, k, v = jnp.split(qkv, [H * D, (H + K) * D], axis=1)
@@ -80,7 +81,7 @@ def xla_rope_write(qkv, heads: tuple[int, int], q_norm, k_norm, eps: float, posi
 def rope_write_ok(cfg: ModelConfig, dtype, page_size: int) -> bool:
     """`rope_write.rope_write` against the model's XLA path (`xla_rope_write`) here."""
     from jaxllm.kernels import rope_write
-    from jaxllm.models.llama import rope_inv_freq
+    from jaxllm.models.rope import rope_inv_freq
 
     if not cfg.qk_norm and rope_write.mode() != "all":
         return True  # never taken (`rope_write_small`)

@@ -10,7 +10,7 @@ that is reduced once at the end. With `k_splits` > 1 each split writes a float32
 [k_splits, M, N] that one XLA sum adds up (fused into the product's consumer where XLA can).
 
 `gemv_ref` is the plain-jnp reference; `models/gemv_choice.py` measures the tilings against
-XLA's dot per weight shape and row count at warm-up and `models/llama.linear` takes the choice.
+XLA's dot per weight shape and row count at warm-up and `models/linear.linear` takes the choice.
 A `pallas_call`: Triton on the GPU, Pallas' interpreter on the CPU (tests/test_gemv.py).
 """
 

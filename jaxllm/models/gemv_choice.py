@@ -2,10 +2,10 @@
 
 On a GPU, one device, the warm-up calls `measure` with the (K, N) of each distinct dense weight
 of the per-layer (unrolled) weights and the token buckets of up to `gemv.MAX_ROWS` tokens. For
-each it times XLA's dot (as `llama.linear` computes it: one row padded to two) against every
+each it times XLA's dot (as `linear.linear` computes it: one row padded to two) against every
 `kernels/gemv.py` tiling that fits, in chained loops (`timing.time_checked`, outputs checked
 against XLA's first), and keeps a gemv tiling only where it is at least `MARGIN` faster.
-`llama.linear` reads the choice at trace time (`tiling_for`); a shape never measured (larger
+`linear.linear` reads the choice at trace time (`tiling_for`); a shape never measured (larger
 buckets, tensor parallelism, the CPU) keeps XLA's dot. The choices and timings are logged.
 """
 
@@ -22,7 +22,7 @@ from jaxllm.kernels.timing import time_checked
 
 log = logging.getLogger("jaxllm")
 
-# The per-layer weights `llama.linear` multiplies by (their first axis K, the rest N).
+# The per-layer weights `linear.linear` multiplies by (their first axis K, the rest N).
 LINEARS = ("wqkv", "wq", "wk", "wv", "wo", "w_gu", "w_gate", "w_up", "w_down", "s_gate", "s_up", "s_down")
 MARGIN = 0.97  # a gemv tiling replaces XLA's dot only below this fraction of its time
 _CHOICE: dict[tuple[int, int, int, str], str] = {}  # (K, N, rows, dtype) -> tiling name
@@ -57,7 +57,7 @@ def dense_shapes(layers) -> set[tuple[int, int, str]]:
 def measure(shapes: set[tuple[int, int, str]], rows: list[int], reps: int = 5,
             chain: int = 20) -> dict[tuple, str]:
     """Time XLA's dot against each fitting gemv tiling per (K, N, dtype) and row count."""
-    from jaxllm.models.llama import xla_linear  # XLA's path as `linear` takes it (llama imports this)
+    from jaxllm.models.linear import xla_linear  # XLA's path as `linear` takes it (it imports this)
 
     key = jax.random.key(0)
     for K, N, dtype in sorted(shapes):

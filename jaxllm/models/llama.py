@@ -8,7 +8,6 @@ ride through the scan carry, updated in place.
 
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import jax
@@ -21,86 +20,17 @@ from jaxllm.kernels import act_quant, gemv, kv_quant
 from jaxllm.kernels.ref import write_kv
 from jaxllm.models import gemv_choice
 from jaxllm.models.config import ModelConfig
+from jaxllm.models.linear import consumers, linear
 # The registry's loading hooks for this family (`registry.ModelEntry.to_state` / `split_layers`).
 from jaxllm.models.llama_state import hf_to_state, split_layers  # noqa: F401
 from jaxllm.models.params import set_value, value
+from jaxllm.models.rope import apply_rope, rope_inv_freq
 from jaxllm.quantization import act
 
 AttentionFn = Callable[..., jax.Array]
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """Inverse RoPE frequencies [D/2], with Llama-3.1 or linear scaling applied."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
-    if cfg.rope_llama3 is not None:
-        factor, low, high, orig = cfg.rope_llama3
-        wavelen = 2 * math.pi / inv
-        low_wl, high_wl = orig / low, orig / high
-        smooth = (orig / wavelen - low) / (high - low)
-        scaled = np.where(wavelen > low_wl, inv / factor, inv)
-        mid = (wavelen <= low_wl) & (wavelen >= high_wl)
-        inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    if cfg.rope_linear_factor is not None:
-        inv = inv / cfg.rope_linear_factor
-    return inv.astype(np.float32)
-
-
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE (the HF convention) on x [T, H, D]."""
-    ang = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    cos = jnp.concatenate([jnp.cos(ang)] * 2, -1)[:, None, :]
-    sin = jnp.concatenate([jnp.sin(ang)] * 2, -1)[:, None, :]
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], -1)
-    return (x.astype(jnp.float32) * cos + rotated.astype(jnp.float32) * sin).astype(x.dtype)
-
-
 rms_norm = act_quant.rms_norm_ref  # float32 statistics, cast back before the weight (as HF does)
-
-
-def _consumers(w: dict, *names: str) -> list:
-    """The linears of `w` a normed input feeds (fp8 W8A8 ones take it quantized: `act.norm`)."""
-    return [w[n] for n in names if n in w]
-
-
-# Multiply-adds of a one-row matmul below which XLA's GPU compiler rewrites it as multiply-then-
-# reduce (its threshold is 10M, `IsMatrixMultiplicationTooSmallForRewriting`), with a margin; larger
-# ones stay GEMMs unpadded (Llama-3-8B's at batch 1: 1.07x the step's floor on an H100, session 25).
-GEMV_REWRITE_BELOW = 12_000_000
-
-
-def linear(x: jax.Array, w, spec: str | None = None, out_dtype=None) -> jax.Array:
-    """x [T, ...] @ w (or `jnp.einsum(spec, x, w)`); a quantized weight (QArray) takes its own
-    matmul (`x @ w`). `out_dtype`: the result's (default x's), summed in it.
-
-    On a GPU a one-token product is computed on x padded to two rows: for a single row XLA's GPU
-    compiler rewrites a vector-matrix product below ~10M multiply-adds as multiply-then-reduce,
-    and inside a model step it kept the two apart, writing the weight-sized products to memory
-    and summing them in a second kernel (3x the weight's bytes, the products rounded to bf16
-    first): Qwen3-30B-A3B's q/k/v/o projections at batch 1, every layer, and Llama-3.2-1B's
-    o projection (`scripts/aot_kernels.py`). Two rows stay a GEMM that reads the weight once;
-    row 0 is the same product. Larger weights are left alone (`GEMV_REWRITE_BELOW`).
-
-    One or two rows whose weight shape the warm-up measured faster through `kernels/gemv.py`
-    (`gemv_choice`: CUDA-core products, a K split) take that kernel instead."""
-    if not isinstance(w, jax.Array):
-        return x @ w
-    tiling = gemv_choice.tiling_for(x.shape[0], w) if x.ndim == 2 and x.shape[1] == w.shape[0] else None
-    if tiling is not None:
-        y = gemv.gemv(x, w.reshape(w.shape[0], -1), tiling, out_dtype=out_dtype or x.dtype)
-        return y.reshape(x.shape[0], *w.shape[1:])
-    return xla_linear(x, w, spec, out_dtype)
-
-
-def xla_linear(x: jax.Array, w: jax.Array, spec: str | None = None, out_dtype=None) -> jax.Array:
-    """`linear`'s XLA path: a one-row product padded to two rows on a GPU (see `linear`)."""
-    pad = x.shape[0] == 1 and w.size < GEMV_REWRITE_BELOW and jax.default_backend() == "gpu"
-    if pad:
-        x = jnp.pad(x, ((0, 1),) + ((0, 0),) * (x.ndim - 1))
-    kw = {} if out_dtype is None else dict(preferred_element_type=out_dtype)
-    y = jnp.dot(x, w, **kw) if spec is None else jnp.einsum(spec, x, w, **kw)
-    return y[:1] if pad else y
 
 
 def _param(shape: tuple[int, ...], dtype, rngs: nnx.Rngs, scale: float | None = 0.02) -> nnx.Param:
@@ -196,7 +126,7 @@ class Llama(nnx.Module):
         cfg = self.cfg
         T = x.shape[0]
         H, K, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = act.norm(x, w["ln_attn"], cfg.rms_norm_eps, _consumers(w, "wq", "wk", "wv", "wqkv"))
+        h = act.norm(x, w["ln_attn"], cfg.rms_norm_eps, consumers(w, "wq", "wk", "wv", "wqkv"))
         scale = w.get("kv_scale", jnp.ones((2,), jnp.float32))  # fp8 pages: (k, v) scales
         if "wqkv" in w:  # fused (the unrolled layout, `fuse_layer`): one matmul, shard-major columns
             wqkv = w["wqkv"]
@@ -279,7 +209,7 @@ class Llama(nnx.Module):
     def _layer(self, x: jax.Array, w: dict[str, jax.Array], kv_pages: jax.Array,
                layer: jax.Array, md: AttentionMetadata, inv_freq: np.ndarray):
         x, kv_pages, scale = self._attention(x, w, kv_pages, layer, md, inv_freq)
-        h = act.norm(x, w["ln_mlp"], self.cfg.rms_norm_eps, _consumers(w, "w_gate", "w_up", "w_gu"))
+        h = act.norm(x, w["ln_mlp"], self.cfg.rms_norm_eps, consumers(w, "w_gate", "w_up", "w_gu"))
         return x + self._mlp(h, w, md), kv_pages, scale
 
     # Hidden states the step also returns, [T, n * E] (EAGLE heads, jaxllm/spec/eagle.py): the

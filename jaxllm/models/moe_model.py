@@ -30,6 +30,7 @@ from flax import nnx
 from jaxllm.kernels.metadata import AttentionMetadata
 from jaxllm.models import llama, llama_state
 from jaxllm.models.config import ModelConfig
+from jaxllm.models.linear import consumers, linear
 from jaxllm.models.llama import Llama, LayerStack, _param
 from jaxllm.models.params import value
 from jaxllm.models.moe import expert_loads, experts as moe_experts, route, split_experts
@@ -128,7 +129,7 @@ class MoeLlama(Llama):
                                     w["ln_mlp"], self.cfg.rms_norm_eps)
         if routed is None:
             h = act.norm(x, w["ln_mlp"], self.cfg.rms_norm_eps)
-            logits = llama.linear(h, w["router"], out_dtype=jnp.float32)
+            logits = linear(h, w["router"], out_dtype=jnp.float32)
             weights, ids = route(logits, m.top_k, m.routing, m.norm_topk_prob)
         else:
             weights, ids, h = routed  # padding tokens: id E, no expert; h normed by the kernel
@@ -138,9 +139,9 @@ class MoeLlama(Llama):
         y = self.experts_fn(h, weights, ids, w["e_gate"], w["e_up"], w["e_down"],
                             valid if routed is None else None)
         if m.shared_expert_intermediate_size:
-            shared = llama.linear(jax.nn.silu(llama.linear(h, w["s_gate"])) * llama.linear(h, w["s_up"]),
+            shared = linear(jax.nn.silu(linear(h, w["s_gate"])) * linear(h, w["s_up"]),
                                   w["s_down"])
-            y = y + jax.nn.sigmoid(llama.linear(h, w["s_router"])) * shared
+            y = y + jax.nn.sigmoid(linear(h, w["s_router"])) * shared
         return y, load
 
     def _layer(self, x, w, kv_pages, layer, md, inv_freq):
@@ -149,7 +150,7 @@ class MoeLlama(Llama):
         x, kv_pages, scale = self._attention(x, w, kv_pages, layer, md, inv_freq)
         if "router" not in w:
             h = act.norm(x, w["ln_mlp"], self.cfg.rms_norm_eps,
-                         llama._consumers(w, "w_gate", "w_up", "w_gu"))
+                         consumers(w, "w_gate", "w_up", "w_gu"))
             return x + self._mlp(h, w, md), kv_pages, None, scale
         y, load = self._moe(x, w, md)
         return x + y, kv_pages, load, scale

@@ -40,7 +40,8 @@ from jaxllm.engine.runner import pick_attention
 from jaxllm.kernels.metadata import AttentionMetadata
 from jaxllm.kernels.ref import write_kv
 from jaxllm.models.config import ModelConfig
-from jaxllm.models.llama import apply_rope, rms_norm, rope_inv_freq
+from jaxllm.models.llama import rms_norm
+from jaxllm.models.rope import apply_rope, rope_inv_freq
 from jaxllm.models.params import value
 
 log = logging.getLogger("jaxllm")
