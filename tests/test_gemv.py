@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.kernels import gemv
+from jaxllm.kernels import gemv, timing
 from jaxllm.models import gemv_choice, linear
 
 SMALL = (gemv.Tiling(block_n=32, block_k=16, k_splits=1), gemv.Tiling(block_n=16, block_k=16, k_splits=2))
@@ -101,10 +101,14 @@ def test_measure_keeps_a_tiling_only_when_clearly_faster(monkeypatch):
 
     def fake(fns, args, reps, what, where="", **kw):
         seen.append((args[0].shape, sorted(fns)))
+        # copies of the weight in turn, so that it comes from HBM (`timing.turns`; a GPU's here)
+        assert len(kw["more"]) == timing.turns(64 * 96 * 4, "gpu") - 1
+        assert all(m[0].shape == args[1].shape and m[0] is not args[1] for m in kw["more"])
         fast = 0.5 if args[0].shape[0] == 1 else 0.99
         return {n: (1.0 if n == "xla" else fast + 0.01 * i) for i, n in enumerate(fns)}
 
     monkeypatch.setattr(gemv_choice, "time_checked", fake)
+    monkeypatch.setattr(gemv_choice, "turns", lambda n: timing.turns(n, "gpu"))
     choice = gemv_choice.measure({(64, 96, "float32")}, [1, 2, 8])
     assert [s[0] for s in seen] == [(1, 64), (2, 64)]
     assert seen[0][1] == sorted(["xla", *(t.name for t in SMALL)])

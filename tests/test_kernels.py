@@ -204,13 +204,14 @@ def test_mosaic_decode_in_cpu_interpreter(splits):
 
 
 def test_split_cap_lets_few_kv_heads_fill_the_sms(monkeypatch):
-    """JAXLLM_DECODE_MAX_SPLITS=32: one real token of a model with 4 KV heads splits 32 ways on
-    132 SMs (128 CTAs), with 8 KV heads 16 (the wave rule); the default cap is 16; a bad value
-    is an error naming the variable."""
+    """The default cap (32): one real token of a model with 4 KV heads splits 32 ways on 132 SMs
+    (128 CTAs), with 8 KV heads 16 (the wave rule); JAXLLM_DECODE_MAX_SPLITS=16 caps it there;
+    a bad value is an error naming the variable."""
     from jaxllm.kernels import decode_schedule as ds
     pos = jnp.asarray([700, -1], jnp.int32)
+    monkeypatch.setenv("JAXLLM_DECODE_MAX_SPLITS", "16")
     assert ds.default_config(1, 4) == (16, 5)
-    monkeypatch.setenv("JAXLLM_DECODE_MAX_SPLITS", "32")
+    monkeypatch.delenv("JAXLLM_DECODE_MAX_SPLITS")
     assert ds.default_config(1, 4) == (32, 5) and int(ds.active_splits(pos, 4, 32)[0]) == 32
     assert ds.default_config(1, 8)[0] == 16 and int(ds.active_splits(pos, 8, 16)[0]) == 16
     assert int(ds.active_splits(jnp.asarray([700, 9], jnp.int32), 4, 32)[0]) == 16  # two real

@@ -176,6 +176,29 @@ def test_chooser_skips_ragged_dot_at_prefill_sizes(monkeypatch):
     assert timed and all(m == 16 for m in timed)  # traced only for the 16-row bucket
 
 
+def test_chooser_times_decode_rows_over_routings_in_turn(monkeypatch):
+    """Decode-sized rows are timed over `timing.turns` routings in turn (other experts each, so
+    weights come from HBM as in a step; a GPU's count, faked here), sized by the experts one
+    token touches; the check is against the last routing; prefill-sized rows take one."""
+    from jaxllm.kernels import timing
+    asked, sets = [], []
+    real = timing.time_checked
+
+    def spy(fns, args, *a, more=(), **kw):
+        sets.append([args[2], *(m[1] for m in more)])
+        return real(fns, args, *a, more=more, **kw)
+    monkeypatch.setattr(timing, "turns", lambda n: asked.append(n) or 3)
+    monkeypatch.setattr(timing, "time_checked", spy)
+    right = lambda x, w, s: jax.lax.ragged_dot(x, w, s) * 1.0
+    monkeypatch.setattr(gmm_impls, "candidates", lambda M, *a, **k: {"ragged_dot": right, "right": right})
+    chooser = gmm_impls.Chooser()
+    chooser.measure([16], E=8, H=64, F=32, dtype=jnp.float32, reps=1, top_k=2)
+    assert asked == [2 * 3 * 64 * 32 * 4] and set(chooser.timings[16]) == {"ragged_dot", "right"}
+    assert len(sets) == 2 and all(len(s) == 3 for s in sets)  # and the batch of one, in turn too
+    assert not all(np.array_equal(sets[0][0], i) for i in sets[0][1:])
+    assert all((np.asarray(i[1:]) == 8).all() and (np.asarray(i[0]) < 8).all() for i in sets[1])
+
+
 @pytest.mark.parametrize("tiling", [t for t in moe_gmm.TILINGS if not t.ctas and t.block_m > 1]
                          + list(moe_gmm.PREFILL_TILINGS),
                          ids=lambda t: t.name)

@@ -104,3 +104,23 @@ def test_a_compile_that_fails_beside_others_is_tried_again_alone(monkeypatch):
     np.testing.assert_allclose(out["a"](x), x + 1)
     np.testing.assert_allclose(out["b"](x), x * 2)
     assert tries.count(True) == 2 and tries.count(False) == 1  # the failed one again, alone
+
+
+def test_more_argument_sets_are_called_in_turn_and_counted():
+    """`more`: each timed call runs fn on args and then on each further set (the checked output
+    is the last set's), and the time a call is divided among them; `turns` gives enough sets to
+    read more bytes than an L2 holds, at most MAX_TURNS; `copies` gives other buffers."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 64)), jnp.float32)
+    w0, w1 = (jnp.asarray(rng.standard_normal((64, 32)), jnp.float32) for _ in range(2))
+    fns = {"mm": lambda x, w: x @ w}
+    assert set(timing.time_checked(fns, (x, w0), 1, "mm", chain=2, ref=x @ w1, more=((w1,),))) == {"mm"}
+    assert timing.time_checked(fns, (x, w0), 1, "mm", chain=2, ref=x @ w0, more=((w1,),)) == {}
+    run = timing.in_turn(lambda x, w: x @ w, 2)
+    np.testing.assert_allclose(run(x, w0, w1), x @ w1, rtol=1e-6)
+    assert timing.turns(21 << 20, "gpu") == 7 and timing.turns(1 << 30, "gpu") == 1
+    assert timing.turns(0, "gpu") == timing.turns(4096, "gpu") == timing.MAX_TURNS
+    assert timing.turns(4096, "cpu") == 1
+    (c,) = timing.copies({"w": w0, "n": None}, 1)
+    assert c["n"] is None and c["w"] is not w0
+    np.testing.assert_array_equal(c["w"], w0)

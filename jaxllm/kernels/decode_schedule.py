@@ -15,12 +15,12 @@ from jaxllm.kernels.metadata import AttentionMetadata
 
 def split_cap() -> int:
     """The most context splits a (token, KV head) pair gets: JAXLLM_DECODE_MAX_SPLITS (a power of
-    two), default 16. At 16 a batch-1 step of a model with 4 KV heads fills 64 of 132 SMs
-    (Qwen3-30B-A3B on an H200, session 37: 7.3 us of attention a layer for 4 MB of K/V); 32
-    fills 128 and is not yet measured on a GPU (`scripts/gpu_session38.sh a`). Models with 8 KV
-    heads or more split 16 ways at most either way (the wave rule of `default_config`)."""
+    two), default 32. At 16 a batch-1 step of a model with 4 KV heads filled 64 of 132 SMs; at 32
+    it fills 128 (Qwen3-30B-A3B batch 1 on session 39's H100: the decode kernel 0.32-0.33 ms a
+    step against 0.36 at 16, `scripts/gpu_session38.sh a`). Models with 8 KV heads or more split
+    16 ways at most either way (the wave rule of `default_config`)."""
     from jaxllm.envs import env_int
-    n = env_int("JAXLLM_DECODE_MAX_SPLITS", 16, minimum=1)
+    n = env_int("JAXLLM_DECODE_MAX_SPLITS", 32, minimum=1)
     if n & (n - 1):
         raise ValueError(f"JAXLLM_DECODE_MAX_SPLITS must be a power of two, got {n}")
     return n

@@ -23,6 +23,43 @@ log = logging.getLogger("jaxllm")
 # UNROLL calls an iteration put that much more kernel time against the overhead.
 UNROLL = 4
 
+# Bytes the calls of a timing loop read in turn before one repeats: twice the 50 MB L2 of an H100
+# or H200, so each call reads its weights from HBM, as in a model step (which reads gigabytes
+# between two uses of a layer's weight). Session 39's H100: one [2048, 5120] bf16 weight (21 MB)
+# called again and again stayed in L2, where `kernels/gemv.py` beat XLA's dot; in the step, from
+# HBM, it took 19 us a layer against XLA's 11, and the warm-up had chosen it (5.18 ms against
+# 4.33 ms a Qwen3-30B-A3B batch-1 step).
+TURN_BYTES = 128 << 20
+MAX_TURNS = 16
+
+
+def turns(nbytes: int, platform: str | None = None) -> int:
+    """Argument sets a timing takes in turn (`time_checked(more=...)`) when each call reads
+    `nbytes` of weights: enough to exceed TURN_BYTES, at most MAX_TURNS; one off a GPU (the
+    warm-up measures on GPUs only, and Pallas' interpreter would run each set in turn)."""
+    if (platform or jax.default_backend()) != "gpu":
+        return 1
+    return max(1, min(MAX_TURNS, -(-TURN_BYTES // max(int(nbytes), 1))))
+
+
+def copies(tree, n: int) -> list:
+    """n fresh copies of a pytree of arrays (other buffers, the same values)."""
+    return [jax.tree.map(lambda a: a.copy() if isinstance(a, jax.Array) else a, tree) for _ in range(n)]
+
+
+def in_turn(fn: Callable, sets: int) -> Callable:
+    """fn(x, *rest) over `sets` argument sets in turn: (x, *set_1, ..., *set_n) -> the last call's
+    output, each call's x depending on the previous call's output (as `chained`)."""
+    def run(x, *flat):
+        n = len(flat) // sets
+        out = None
+        for i in range(sets):
+            if out is not None:
+                x = x + (out.reshape(-1)[0] * 0).astype(x.dtype)
+            out = fn(x, *flat[i * n:(i + 1) * n])
+        return out
+    return run
+
 
 def chained(fn: Callable, n: int, unroll: int = 1) -> Callable:
     """fn(x, *rest) run n times in one jitted loop, each call's x depending on the last call's
@@ -106,7 +143,8 @@ def compile_all(jitted: dict[str, Callable], args: tuple, compiler_options: dict
 def time_checked(fns: dict[str, Callable], args: tuple, reps: int, what: str, where: str = "",
                  tol: float = 2e-2, catch: bool = False, ref=None, chain: int = 0,
                  compiler_options: dict | None = None, unroll: int = 1,
-                 marginal: tuple[int, int] | None = None) -> dict[str, float]:
+                 marginal: tuple[int, int] | None = None, more: tuple[tuple, ...] = ()
+                 ) -> dict[str, float]:
     """Median seconds per call of each jitted fn(*args) after one checked run: its output must be
     finite and within `tol` (relative) of `ref` (default: the first fn's output; a `ref` with
     fewer leading rows than the outputs is compared with their first rows), else it is
@@ -116,8 +154,14 @@ def time_checked(fns: dict[str, Callable], args: tuple, reps: int, what: str, wh
     of its loop). `marginal` (a, b): each timing runs `counted(fn)` with a and with b calls and
     counts (t_b - t_a) / (b - a), a call's cost without what an execution costs once (one compile;
     the check runs one call). `compiler_options`: XLA's, for every fn's compile (e.g. no GEMM
-    autotuning)."""
+    autotuning). `more`: further sets of the arguments after x (other weights, other routings;
+    `turns`, `copies`), each call of the timing running fn on args and then on each set in turn
+    (`in_turn`) and counting as 1 + len(more) calls; the output checked is the last set's."""
     first = None if ref is None else np.asarray(ref, np.float32)
+    sets = 1 + len(more)
+    if more:
+        fns = {name: in_turn(fn, sets) for name, fn in fns.items()}
+        args = (*args, *(a for m in more for a in m))
     # chained / counted: one program, checked on its (last) call's output, then timed
     if marginal:
         lead, per, wrap = (marginal[0],), 1, counted
@@ -151,9 +195,9 @@ def time_checked(fns: dict[str, Callable], args: tuple, reps: int, what: str, wh
                 if marginal:  # the difference of two call counts: a call's cost alone
                     a, b = marginal
                     t_a = clock(a)
-                    ts.append((clock(b) - t_a) / (b - a))
+                    ts.append((clock(b) - t_a) / (b - a) / sets)
                 else:
-                    ts.append(clock() / per)
+                    ts.append(clock() / per / sets)
             times[name] = statistics.median(ts)
         except Exception as e:  # noqa: BLE001 - only with `catch`: that candidate is never chosen
             if not catch:

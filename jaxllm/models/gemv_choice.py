@@ -4,7 +4,8 @@ On a GPU, one device, the warm-up calls `measure` with the (K, N) of each distin
 of the per-layer (unrolled) weights and the token buckets of up to `gemv.MAX_ROWS` tokens. For
 each it times XLA's dot (as `linear.linear` computes it: one row padded to two) against every
 `kernels/gemv.py` tiling that fits, in chained loops (`timing.time_checked`, outputs checked
-against XLA's first), and keeps a gemv tiling only where it is at least `MARGIN` faster.
+against XLA's first) over copies of the weight in turn (`timing.turns`: more bytes than the L2
+holds, so the weight is read from HBM as in a step), and keeps a gemv tiling only where it is at least `MARGIN` faster.
 `linear.linear` reads the choice at trace time (`tiling_for`); a shape never measured (larger
 buckets, tensor parallelism, the CPU) keeps XLA's dot. The choices and timings are logged.
 """
@@ -18,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.kernels import gemv
-from jaxllm.kernels.timing import time_checked
+from jaxllm.kernels.timing import copies, time_checked, turns
 
 log = logging.getLogger("jaxllm")
 
@@ -62,6 +63,7 @@ def measure(shapes: set[tuple[int, int, str]], rows: list[int], reps: int = 5,
     key = jax.random.key(0)
     for K, N, dtype in sorted(shapes):
         w = (jax.random.normal(key, (K, N), jnp.float32) / math.sqrt(K)).astype(dtype)
+        more = tuple((c,) for c in copies(w, turns(w.nbytes) - 1))  # from HBM, as in a step
         for M in sorted(r for r in set(rows) if r <= gemv.MAX_ROWS):
             x = jax.random.normal(jax.random.fold_in(key, M), (M, K), jnp.float32).astype(dtype)
             fns = {"xla": xla_linear}
@@ -70,7 +72,7 @@ def measure(shapes: set[tuple[int, int, str]], rows: list[int], reps: int = 5,
             if len(fns) == 1:
                 continue
             times = time_checked(fns, (x, w), reps, "dense gemv", f" at [{M}, {K}] x [{K}, {N}]",
-                                 catch=True, chain=chain)
+                                 catch=True, chain=chain, more=more)
             k = (K, N, M, dtype)
             TIMINGS[k] = times
             if "xla" not in times:

@@ -183,7 +183,7 @@ class Chooser:
         microseconds, less than its dispatch (`timing.chained`); a prefill-sized one by its
         marginal cost, the difference between loops of PREFILL_CALLS calls (`timing.counted`),
         as a step runs the block once a layer, without the dispatch of an execution."""
-        from jaxllm.kernels.timing import UNROLL, time_checked
+        from jaxllm.kernels.timing import UNROLL, time_checked, turns
         from jaxllm.models.moe import experts
 
         if len(candidates(min(rows), E, H, F, engine=True)) == 1:  # no GPU kernels: ragged_dot throughout
@@ -198,8 +198,12 @@ class Chooser:
             self.impls.update(cands)
             k = top_k if M % top_k == 0 and top_k <= E else 1
             T = M // k
-            ids = jnp.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :k], jnp.int32)
-            wts = jnp.asarray(rng.random((T, k)), jnp.float32)
+            # Decode-sized rows: routings in turn whose experts exceed the L2 (`timing.turns`;
+            # a batch of one token touches k experts), so weights come from HBM as in a step.
+            n_sets = turns(min(k, E) * 3 * H * F * jnp.dtype(dtype).itemsize) if M <= DECODE_MAX_ROWS else 1
+            id_sets = [jnp.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :k], jnp.int32)
+                       for _ in range(n_sets)]
+            wt_sets = [jnp.asarray(rng.random((T, k)), jnp.float32) for _ in range(n_sets)]
             x = jax.random.normal(key, (T, H), jnp.float32).astype(dtype)
             first = dict(cands)
             if M > DECODE_MAX_ROWS and len(first) > 1:  # XLA's ragged_dot expands every row against
@@ -211,21 +215,23 @@ class Chooser:
             n = min(T, REF_TOKENS)
             ref_fn = jax.jit(lambda *a: experts(*a, gmm=ragged_dot_ref))
 
-            def timed(fns, ids, what):
-                ref = ref_fn(x[:n], wts[:n], ids[:n], w_g, w_u, w_d)
-                return time_checked(fns, (x, wts, ids, w_g, w_u, w_d), reps, "MoE grouped matmul",
+            def timed(fns, id_sets, what):  # the check: the last set's output
+                ref = ref_fn(x[:n], wt_sets[-1][:n], id_sets[-1][:n], w_g, w_u, w_d)
+                sets = [(p, i, w_g, w_u, w_d) for p, i in zip(wt_sets, id_sets)]
+                return time_checked(fns, (x, *sets[0]), reps, "MoE grouped matmul",
                                     f" at {M} rows{what}", tol=3e-2, catch=True, ref=ref,
                                     chain=20 if M <= DECODE_MAX_ROWS else 0, unroll=UNROLL,
-                                    marginal=None if M <= DECODE_MAX_ROWS else PREFILL_CALLS)
+                                    marginal=None if M <= DECODE_MAX_ROWS else PREFILL_CALLS,
+                                    more=tuple(sets[1:]))
 
             def ranked(impls):  # seconds a whole expert block of each implementation
                 fns = {name: (lambda x, p, i, a, u, b, impl=impl: experts(x, p, i, a, u, b, gmm=impl))
                        for name, impl in impls.items()}
-                times = timed(fns, ids, "")
+                times = timed(fns, id_sets, "")
                 if M <= DIRECT_MAX_ROWS and T > 1 and times:
                     # A small decode bucket also serves a batch of one: time that too (the other
                     # tokens padding, id E as the router kernel gives them) and rank by the sum.
-                    one = timed(fns, ids.at[1:].set(E), ", one real token")
+                    one = timed(fns, [i.at[1:].set(E) for i in id_sets], ", one real token")
                     times = {name: t + one[name] for name, t in times.items() if name in one}
                 return times
             times = ranked(first)

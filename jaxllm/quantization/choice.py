@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.kernels.qmatmul import MAX_ROWS
-from jaxllm.kernels.timing import UNROLL, loop_floor, time_checked
+from jaxllm.kernels.timing import UNROLL, copies, loop_floor, time_checked, turns
 from jaxllm.quantization.qarray import QArray
 
 log = logging.getLogger("jaxllm")
@@ -148,8 +148,11 @@ def time_paths(x: jax.Array, w: QArray, paths: list[str], reps: int = 5, chain: 
             fns = {p: fns[p] for p in paths}
     ref = jax.jit(reference)(x if ref_rows is None else x[:ref_rows], w)
     tol = 5e-2 if w.act == "fp8" else 2e-2
+    # decode-sized rows read the weight from HBM in a step: copies in turn beyond the L2
+    n = turns(sum(a.nbytes for a in jax.tree.leaves(w))) if x.shape[0] <= MAX_ROWS else 1
     return time_checked(fns, (x, w, nk), reps, "quantized matmul", f" {layout_key(x.shape, w)}", tol=tol,
-                        catch=True, ref=ref, chain=chain, compiler_options=compiler_options, unroll=unroll)
+                        catch=True, ref=ref, chain=chain, compiler_options=compiler_options, unroll=unroll,
+                        more=tuple(copies((w, nk), n - 1)))
 
 
 # "xla" is taken only when at least this much faster than the fastest kernel. Timed alone, a
