@@ -8,6 +8,7 @@
 #     before: 4.33 ms with XLA's dense dots and the direct down launch, 5.18 ms when the warm-up
 #     chose gemv from L2-resident timings); then issue 17's Llama-3-8B batch-1 step, bf16 and fp8
 #     (`scripts/gpu_session27.sh e`: fp8 / bf16 <= 0.6; 0.726 before on session 39's H100).
+#   m (~2.5 min): v's first run alone (the MoE batch-1 step with the new defaults).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
@@ -15,13 +16,13 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 export OUT
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader
 case "${1:-}" in
-  v) XLA_PYTHON_CLIENT_MEM_FRACTION=${MEMF:-0.95} timeout -k 5 ${T_B:-140} python3 scripts/bench_moe.py decode \
+  v|m) XLA_PYTHON_CLIENT_MEM_FRACTION=${MEMF:-0.95} timeout -k 5 ${T_B:-140} python3 scripts/bench_moe.py decode \
        --random-shape qwen3-30b-a3b --batch-size 1 --min-bucket 2 --input-len 2048 --num-iters 20 \
        --profile-steps 2 --output-json "$OUT/b1_moe.json" > "$OUT/b1_moe.log" 2>&1
      echo "rc=$? (Qwen3-30B-A3B batch 1, defaults)"
      grep -E "^decode|^  /device|^    |kernels a step" "$OUT/b1_moe.log" | cut -c1-700
      grep -E "dense linears at|dense linears' timings|grouped matmul by measurement|grouped matmul timings" \
        "$OUT/b1_moe.log" | cut -c1-1500
-     RUNS_E=${RUNS_E:-"bf16 fp8"} T_E=${T_E:-140} bash scripts/gpu_session27.sh e ;;
-  *) echo "usage: $0 v" >&2; exit 2 ;;
+     [ "$1" = v ] && RUNS_E=${RUNS_E:-"bf16 fp8"} T_E=${T_E:-140} bash scripts/gpu_session27.sh e ;;
+  *) echo "usage: $0 v|m" >&2; exit 2 ;;
 esac
