@@ -9,6 +9,9 @@
 #     chose gemv from L2-resident timings); then issue 17's Llama-3-8B batch-1 step, bf16 and fp8
 #     (`scripts/gpu_session27.sh e`: fp8 / bf16 <= 0.6; 0.726 before on session 39's H100).
 #   m (~2.5 min): v's first run alone (the MoE batch-1 step with the new defaults).
+#   k (~7 min): `gpu_session38.sh k` (issue 17: batch 64, fp8 weights + fp8 KV against bf16; 0.814
+#     and 1.65x its floor on session 39's H100) with two profiled steps each: where the fp8 step's
+#     time over its floor goes (the fp8 KV decode kernel, the fp8 matmuls, the rest).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
@@ -24,5 +27,13 @@ case "${1:-}" in
      grep -E "dense linears at|dense linears' timings|grouped matmul by measurement|grouped matmul timings" \
        "$OUT/b1_moe.log" | cut -c1-1500
      [ "$1" = v ] && RUNS_E=${RUNS_E:-"bf16 fp8"} T_E=${T_E:-140} bash scripts/gpu_session27.sh e ;;
-  *) echo "usage: $0 v|m" >&2; exit 2 ;;
+  k) for run in bf16 fp8kv; do
+       flag=""; [ $run = fp8kv ] && flag="--quantization fp8 --kv-cache-dtype fp8"
+       XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout -k 10 ${T_Q:-200} python3 scripts/bench_latency.py \
+         --random-shape llama3-8b --input-len 2048 --num-iters 10 --max-num-batched-tokens 64 --batch-size 64 \
+         --profile-steps 2 $flag --output-json "$OUT/b64_$run.json" > "$OUT/b64_$run.log" 2>&1; echo "rc=$? ($run)"
+       grep -A14 "^C = " "$OUT/b64_$run.log" | cut -c1-700
+     done
+     python3 -c "import json; a, b = (json.load(open('$OUT/b64_' + m + '.json'))['rows'][0]['step_s'] for m in ('bf16', 'fp8kv')); print(f'batch 64, fp8 weights + fp8 KV / bf16 step: {b / a:.3f} ({b * 1e3:.2f} / {a * 1e3:.2f} ms; issue 17: <= 0.6)')" ;;
+  *) echo "usage: $0 v|m|k" >&2; exit 2 ;;
 esac
