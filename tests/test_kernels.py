@@ -185,10 +185,11 @@ def test_backend_selection_on_cpu():
         get_attention_fn("flash", "gpu")
 
 
-@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("splits", [1, 2, 8])
 def test_mosaic_decode_in_cpu_interpreter(splits):
     """The Hopper kernel's logic (TMA ring, barriers, split-K, combine) in the GPU interpreter,
-    with its race detector; only wgmma's A/B operand staging differs from the GPU path."""
+    with its race detector; only wgmma's A/B operand staging differs from the GPU path. 8 splits
+    of 4 pages: splits with no page (the default cap of 32 gives a short context many)."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
     from jaxllm.kernels import mosaic_decode
     rng = np.random.default_rng(11)
