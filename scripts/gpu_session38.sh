@@ -19,7 +19,7 @@
 #   k (~6 min, any Hopper card): issue 17's "batch 64 with fp8 weights and fp8 KV <= 0.6x" of bf16,
 #     never run (gpu_quant.sh's QUANT_EXTRA part never was): Llama-3-8B shape, decode batch 64 at
 #     context 2,048, bf16 and then `--quantization fp8 --kv-cache-dtype fp8`, two processes in one
-#     call, and their ratio.
+#     call, and their ratio. PROF_K=n: n more steps each under the profiler (gpu_session39.sh k).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 JAX_TRACEBACK_FILTERING=off
@@ -46,8 +46,9 @@ case "${1:-}" in
        flag=""; [ $run = fp8kv ] && flag="--quantization fp8 --kv-cache-dtype fp8"
        XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout -k 10 ${T_Q:-170} python3 scripts/bench_latency.py \
          --random-shape llama3-8b --input-len 2048 --num-iters 10 --max-num-batched-tokens 64 --batch-size 64 \
-         $flag --output-json "$OUT/b64_$run.json" > "$OUT/b64_$run.log" 2>&1; echo "rc=$? ($run)"
-       grep -A3 "^C = " "$OUT/b64_$run.log" | cut -c1-300
+         --profile-steps ${PROF_K:-0} $flag --output-json "$OUT/b64_$run.json" > "$OUT/b64_$run.log" 2>&1
+       echo "rc=$? ($run)"
+       grep -A$((${PROF_K:-0} ? 14 : 3)) "^C = " "$OUT/b64_$run.log" | cut -c1-700
      done
      python3 -c "import json; a, b = (json.load(open('$OUT/b64_' + m + '.json'))['rows'][0]['step_s'] for m in ('bf16', 'fp8kv')); print(f'batch 64, fp8 weights + fp8 KV / bf16 step: {b / a:.3f} ({b * 1e3:.2f} / {a * 1e3:.2f} ms; issue 17: <= 0.6)')" ;;
   l) for run in xla all; do

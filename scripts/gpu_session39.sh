@@ -26,14 +26,7 @@ case "${1:-}" in
      grep -E "^decode|^  /device|^    |kernels a step" "$OUT/b1_moe.log" | cut -c1-700
      grep -E "dense linears at|dense linears' timings|grouped matmul by measurement|grouped matmul timings" \
        "$OUT/b1_moe.log" | cut -c1-1500
-     [ "$1" = v ] && RUNS_E=${RUNS_E:-"bf16 fp8"} T_E=${T_E:-140} bash scripts/gpu_session27.sh e ;;
-  k) for run in bf16 fp8kv; do
-       flag=""; [ $run = fp8kv ] && flag="--quantization fp8 --kv-cache-dtype fp8"
-       XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 timeout -k 10 ${T_Q:-200} python3 scripts/bench_latency.py \
-         --random-shape llama3-8b --input-len 2048 --num-iters 10 --max-num-batched-tokens 64 --batch-size 64 \
-         --profile-steps 2 $flag --output-json "$OUT/b64_$run.json" > "$OUT/b64_$run.log" 2>&1; echo "rc=$? ($run)"
-       grep -A14 "^C = " "$OUT/b64_$run.log" | cut -c1-700
-     done
-     python3 -c "import json; a, b = (json.load(open('$OUT/b64_' + m + '.json'))['rows'][0]['step_s'] for m in ('bf16', 'fp8kv')); print(f'batch 64, fp8 weights + fp8 KV / bf16 step: {b / a:.3f} ({b * 1e3:.2f} / {a * 1e3:.2f} ms; issue 17: <= 0.6)')" ;;
+     if [ "$1" = v ]; then RUNS_E=${RUNS_E:-"bf16 fp8"} T_E=${T_E:-140} bash scripts/gpu_session27.sh e; fi ;;
+  k) PROF_K=2 T_Q=${T_Q:-200} bash scripts/gpu_session38.sh k ;;
   *) echo "usage: $0 v|m|k" >&2; exit 2 ;;
 esac

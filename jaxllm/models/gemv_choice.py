@@ -5,7 +5,8 @@ of the per-layer (unrolled) weights and the token buckets of up to `gemv.MAX_ROW
 each it times XLA's dot (as `linear.linear` computes it: one row padded to two) against every
 `kernels/gemv.py` tiling that fits, in chained loops (`timing.time_checked`, outputs checked
 against XLA's first) over copies of the weight in turn (`timing.turns`: more bytes than the L2
-holds, so the weight is read from HBM as in a step), and keeps a gemv tiling only where it is at least `MARGIN` faster.
+holds, so the weight is read from HBM as in a step), and keeps a gemv tiling only where it is at
+least `MARGIN` faster.
 `linear.linear` reads the choice at trace time (`tiling_for`); a shape never measured (larger
 buckets, tensor parallelism, the CPU) keeps XLA's dot. The choices and timings are logged.
 """

@@ -200,7 +200,7 @@ class Chooser:
             T = M // k
             # Decode-sized rows: routings in turn whose experts exceed the L2 (`timing.turns`;
             # a batch of one token touches k experts), so weights come from HBM as in a step.
-            n_sets = turns(min(k, E) * 3 * H * F * jnp.dtype(dtype).itemsize) if M <= DECODE_MAX_ROWS else 1
+            n_sets = turns(k * 3 * H * F * jnp.dtype(dtype).itemsize) if M <= DECODE_MAX_ROWS else 1
             id_sets = [jnp.asarray(np.argsort(rng.random((T, E)), axis=1)[:, :k], jnp.int32)
                        for _ in range(n_sets)]
             wt_sets = [jnp.asarray(rng.random((T, k)), jnp.float32) for _ in range(n_sets)]
